@@ -1,0 +1,281 @@
+#include "cache/layout.h"
+
+#include <limits>
+#include <map>
+#include <string>
+
+namespace hxfer {
+
+std::string_view stateLayoutName(StateLayout l) {
+  switch (l) {
+    case StateLayout::kPaged: return "paged";
+    case StateLayout::kLayerMajor: return "layer-major";
+  }
+  return "unknown";
+}
+
+StatusOr<StateLayout> parseStateLayout(std::string_view name) {
+  if (name == "paged" || name == "v2" || name == "slot-major") return StateLayout::kPaged;
+  if (name == "layer-major" || name == "legacy") return StateLayout::kLayerMajor;
+  return InvalidArgument("unknown state layout '" + std::string(name) +
+                         "' (expected paged or layer-major)");
+}
+
+namespace {
+
+// Layers whose records of one kind share a pool: same kind, same sections for every role.
+struct Group {
+  LayerKind kind;
+  std::vector<Section> kv, conv, ssm;
+  std::vector<uint32_t> layers;
+};
+
+bool sameShape(const Group& g, LayerKind kind, const std::vector<Section>& kv,
+               const std::vector<Section>& conv, const std::vector<Section>& ssm) {
+  return g.kind == kind && g.kv == kv && g.conv == conv && g.ssm == ssm;
+}
+
+// a*b + c with overflow detection.
+bool mulAdd(uint64_t a, uint64_t b, uint64_t c, uint64_t* out) {
+  uint64_t m;
+  if (__builtin_mul_overflow(a, b, &m)) return false;
+  return !__builtin_add_overflow(m, c, out);
+}
+
+}  // namespace
+
+StatusOr<RankLayout> buildRankLayout(const ModelSpec& model, const ParallelConfig& pc,
+                                     uint32_t tp_rank, uint32_t pp_rank, StateLayout layout,
+                                     uint32_t num_blocks, uint32_t num_slots) {
+  RETURN_IF_ERROR(model.validate());
+  RETURN_IF_ERROR(pc.validate(model.numLayers()));
+  RETURN_IF_ERROR(checkShardable(model, pc));
+  if (tp_rank >= pc.tp) {
+    return InvalidArgument("tp_rank=" + std::to_string(tp_rank) + " >= tp=" +
+                           std::to_string(pc.tp));
+  }
+  ASSIGN_OR_RETURN(LayerRange stage, stageLayers(pc, model.numLayers(), pp_rank));
+
+  RankLayout out;
+  out.tp = pc.tp;
+  out.pp = pc.pp;
+  out.tp_rank = tp_rank;
+  out.pp_rank = pp_rank;
+  ASSIGN_OR_RETURN(out.layers_per_stage, resolvedLayersPerStage(pc, model.numLayers()));
+  out.state_layout = layout;
+  out.tokens_per_block = model.tokens_per_block;
+  out.kv_dtype = model.kv_dtype;
+  out.conv_dtype = model.conv_dtype;
+  out.ssm_dtype = model.ssm_dtype;
+  out.model_fingerprint = modelFingerprint(model);
+  out.num_blocks = num_blocks;
+  out.num_slots = num_slots;
+
+  std::vector<Group> attention_groups, recurrent_groups;
+  for (uint32_t id = stage.first; id < stage.end(); ++id) {
+    const LayerSpec& l = model.layers[id];
+    if (l.hasAttention()) {
+      auto kv = recordSections(model, l, Role::kKv);
+      Group* g = nullptr;
+      for (auto& c : attention_groups) {
+        if (sameShape(c, LayerKind::kAttention, kv, {}, {})) g = &c;
+      }
+      if (!g) g = &attention_groups.emplace_back(Group{LayerKind::kAttention, kv, {}, {}, {}});
+      g->layers.push_back(id);
+    }
+    if (l.hasRecurrent()) {
+      auto conv = recordSections(model, l, Role::kConv);
+      auto ssm = recordSections(model, l, Role::kSsm);
+      Group* g = nullptr;
+      for (auto& c : recurrent_groups) {
+        if (sameShape(c, l.recurrent, {}, conv, ssm)) g = &c;
+      }
+      if (!g) g = &recurrent_groups.emplace_back(Group{l.recurrent, {}, conv, ssm, {}});
+      g->layers.push_back(id);
+    }
+  }
+  if (!attention_groups.empty() && num_blocks == 0) {
+    return InvalidArgument("num_blocks=0 but rank has attention layers");
+  }
+  if (!recurrent_groups.empty() && num_slots == 0) {
+    return InvalidArgument("num_slots=0 but rank has recurrent layers");
+  }
+
+  auto addRegion = [&](std::string name, uint64_t length) {
+    uint32_t id = static_cast<uint32_t>(out.regions.size());
+    out.regions.push_back({id, length, std::move(name)});
+    return id;
+  };
+  auto makeView = [&](Role role, LayerKind kind, const Group& g,
+                      const std::vector<Section>& sections) -> StatusOr<PoolView> {
+    PoolView v;
+    v.role = role;
+    v.kind = kind;
+    v.layers = g.layers;
+    v.sections = sections;
+    ASSIGN_OR_RETURN(v.record_bytes, localRecordBytes(sections, pc.tp, tp_rank));
+    v.num_indices = role == Role::kKv ? num_blocks : num_slots;
+    return v;
+  };
+
+  int kv_count = 0;
+  for (const Group& g : attention_groups) {
+    ASSIGN_OR_RETURN(PoolView v, makeView(Role::kKv, LayerKind::kAttention, g, g.kv));
+    const uint64_t n_layers = g.layers.size();
+    v.layer_stride = v.record_bytes;
+    v.index_stride = v.record_bytes * n_layers;
+    v.base = 0;
+    v.region_id = addRegion("kv" + std::to_string(kv_count++), v.index_stride * num_blocks);
+    out.views.push_back(std::move(v));
+  }
+
+  int state_count = 0;
+  for (const Group& g : recurrent_groups) {
+    ASSIGN_OR_RETURN(PoolView conv, makeView(Role::kConv, g.kind, g, g.conv));
+    ASSIGN_OR_RETURN(PoolView ssm, makeView(Role::kSsm, g.kind, g, g.ssm));
+    const uint64_t n_layers = g.layers.size();
+    const std::string suffix = std::to_string(state_count++);
+    if (layout == StateLayout::kPaged && conv.record_bytes == ssm.record_bytes) {
+      // Coalesced equal-size pool: [ssm_l0|conv_l0|ssm_l1|conv_l1|...] per slot.
+      const uint64_t rec = ssm.record_bytes;
+      const uint32_t region = addRegion("state" + suffix, 2 * rec * n_layers * num_slots);
+      for (PoolView* v : {&ssm, &conv}) {
+        v->region_id = region;
+        v->layer_stride = 2 * rec;
+        v->index_stride = 2 * rec * n_layers;
+      }
+      ssm.base = 0;
+      conv.base = rec;
+    } else {
+      for (PoolView* v : {&conv, &ssm}) {
+        const std::string name = std::string(roleName(v->role)) + suffix;
+        if (layout == StateLayout::kPaged) {
+          v->layer_stride = v->record_bytes;
+          v->index_stride = v->record_bytes * n_layers;
+        } else {
+          v->index_stride = v->record_bytes;
+          v->layer_stride = v->record_bytes * num_slots;
+        }
+        v->base = 0;
+        v->region_id = addRegion(name, v->record_bytes * n_layers * num_slots);
+      }
+    }
+    out.views.push_back(std::move(conv));
+    out.views.push_back(std::move(ssm));
+  }
+  RETURN_IF_ERROR(out.validate());
+  return out;
+}
+
+const RegionSpec* RankLayout::findRegion(uint32_t id) const {
+  for (const RegionSpec& r : regions) {
+    if (r.id == id) return &r;
+  }
+  return nullptr;
+}
+
+uint64_t RankLayout::kvBytesPerBlock() const {
+  uint64_t total = 0;
+  for (const PoolView& v : views) {
+    if (v.role == Role::kKv) total += v.record_bytes * v.layers.size();
+  }
+  return total;
+}
+
+uint64_t RankLayout::stateBytesPerSlot() const {
+  uint64_t total = 0;
+  for (const PoolView& v : views) {
+    if (v.role != Role::kKv) total += v.record_bytes * v.layers.size();
+  }
+  return total;
+}
+
+Status RankLayout::validate() const {
+  if (tp == 0 || pp == 0) return InvalidArgument("tp and pp must be >= 1");
+  if (tp_rank >= tp) {
+    return InvalidArgument("tp_rank=" + std::to_string(tp_rank) + " >= tp=" + std::to_string(tp));
+  }
+  if (pp_rank >= pp) {
+    return InvalidArgument("pp_rank=" + std::to_string(pp_rank) + " >= pp=" + std::to_string(pp));
+  }
+  if (layers_per_stage.size() != pp) {
+    return InvalidArgument("layers_per_stage has " + std::to_string(layers_per_stage.size()) +
+                           " entries, pp=" + std::to_string(pp));
+  }
+  if (tokens_per_block == 0) return InvalidArgument("tokens_per_block=0");
+  uint64_t first = 0, total = 0;
+  for (uint32_t s = 0; s < pp; ++s) {
+    if (s < pp_rank) first += layers_per_stage[s];
+    total += layers_per_stage[s];
+  }
+  if (total > std::numeric_limits<uint32_t>::max()) {
+    return InvalidArgument("layers_per_stage sums to " + std::to_string(total));
+  }
+  const uint64_t end = first + layers_per_stage[pp_rank];
+  for (size_t i = 0; i < regions.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (regions[i].id == regions[j].id) {
+        return InvalidArgument("duplicate region id " + std::to_string(regions[i].id));
+      }
+    }
+  }
+  for (size_t vi = 0; vi < views.size(); ++vi) {
+    const PoolView& v = views[vi];
+    const std::string where = "view " + std::to_string(vi) + " (" +
+                              std::string(roleName(v.role)) + ")";
+    if (v.layers.empty()) return InvalidArgument(where + " has no layers");
+    for (size_t i = 0; i < v.layers.size(); ++i) {
+      if (v.layers[i] < first || v.layers[i] >= end) {
+        return InvalidArgument(where + " layer " + std::to_string(v.layers[i]) +
+                               " is outside pp stage " + std::to_string(pp_rank) + " [" +
+                               std::to_string(first) + ", " + std::to_string(end) + ")");
+      }
+      if (i > 0 && v.layers[i] <= v.layers[i - 1]) {
+        return InvalidArgument(where + " layers are not strictly ascending");
+      }
+    }
+    if ((v.role == Role::kKv) != (v.kind == LayerKind::kAttention) ||
+        v.kind == LayerKind::kNone) {
+      return InvalidArgument(where + " role " + std::string(roleName(v.role)) +
+                             " does not match kind " + std::string(layerKindName(v.kind)));
+    }
+    if (v.sections.empty()) return InvalidArgument(where + " has no sections");
+    for (const Section& s : v.sections) {
+      if (s.units == 0 || s.unit_bytes == 0) {
+        return InvalidArgument(where + " section " + s.name + " is empty");
+      }
+    }
+    auto bytes = localRecordBytes(v.sections, tp, tp_rank);
+    if (!bytes.isOk()) return bytes.status().withContext(where);
+    if (*bytes != v.record_bytes) {
+      return InvalidArgument(where + " record_bytes=" + std::to_string(v.record_bytes) +
+                             " but its sections hold " + std::to_string(*bytes) +
+                             " bytes at tp=" + std::to_string(tp) + " rank " +
+                             std::to_string(tp_rank));
+    }
+    const uint32_t expect = v.role == Role::kKv ? num_blocks : num_slots;
+    if (v.num_indices != expect) {
+      return InvalidArgument(where + " num_indices=" + std::to_string(v.num_indices) +
+                             " but the rank has " + std::to_string(expect));
+    }
+    const RegionSpec* region = findRegion(v.region_id);
+    if (!region) return InvalidArgument(where + " names unknown region " +
+                                        std::to_string(v.region_id));
+    if (v.num_indices == 0) continue;
+    // Last byte of the last record: base + (n-1)*index_stride + (L-1)*layer_stride + record.
+    uint64_t a, b;
+    if (!mulAdd(v.num_indices - 1, v.index_stride, v.base, &a) ||
+        !mulAdd(v.layers.size() - 1, v.layer_stride, a, &b) ||
+        __builtin_add_overflow(b, v.record_bytes, &a) || a > region->length) {
+      return InvalidArgument(where + " records run past region " + std::to_string(region->id) +
+                             " of length " + std::to_string(region->length));
+    }
+    if (v.layers.size() > 1 && v.layer_stride < v.record_bytes && v.index_stride < v.record_bytes) {
+      return InvalidArgument(where + " strides smaller than record_bytes=" +
+                             std::to_string(v.record_bytes) + " make records overlap");
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace hxfer
