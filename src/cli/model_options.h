@@ -1,0 +1,31 @@
+// Model options shared by every subcommand that takes a model (describe, metadata, plan, demo,
+// bench, serve): --model PRESET|PATH, dtypes and tokens per block.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+#include "model/model.h"
+
+namespace hxfer::cli {
+
+struct ModelOptions {
+  std::string model;           // preset name or path to a config.json; empty = default preset
+  std::string kv_dtype;        // empty = the config's torch_dtype (bf16 if absent)
+  std::string conv_dtype;      // empty = the config's torch_dtype (bf16 if absent)
+  std::string ssm_dtype;       // empty = fp32
+  uint32_t tokens_per_block = 32;
+};
+
+void addModelOptions(CLI::App* cmd, ModelOptions* options);
+
+// Loads the preset or file and applies the overrides. Errors name the option and value.
+StatusOr<ModelSpec> resolveModel(const ModelOptions& options);
+
+// Prints "hxfer: <status>" to stderr and returns exit code 1 (for subcommand callbacks).
+int reportError(const Status& status);
+
+}  // namespace hxfer::cli
