@@ -2,14 +2,18 @@
 
 #include <limits>
 #include <map>
+#include <set>
 #include <string>
+#include <utility>
 
 namespace hxfer {
 
 std::string_view stateLayoutName(StateLayout l) {
   switch (l) {
-    case StateLayout::kPaged: return "paged";
-    case StateLayout::kLayerMajor: return "layer-major";
+    case StateLayout::kPaged:
+      return "paged";
+    case StateLayout::kLayerMajor:
+      return "layer-major";
   }
   return "unknown";
 }
@@ -42,6 +46,83 @@ bool mulAdd(uint64_t a, uint64_t b, uint64_t c, uint64_t* out) {
   return !__builtin_add_overflow(m, c, out);
 }
 
+// Bytes of a pool of `count` indices of `n_layers` records each, overflow-checked. The
+// products of any partial stride are then below it and cannot overflow either.
+Status poolBytes(uint64_t record, uint64_t n_layers, uint64_t count, std::string_view what,
+                 uint64_t* out) {
+  uint64_t per_index = 0;
+  if (__builtin_mul_overflow(record, n_layers, &per_index) ||
+      __builtin_mul_overflow(per_index, count, out)) {
+    return ResourceExhausted(std::string(what) + " pool of " + std::to_string(count) + " x " +
+                             std::to_string(n_layers) + " layers x " + std::to_string(record) +
+                             " bytes overflows 64 bits");
+  }
+  return OkStatus();
+}
+
+// The records of one view seen from above: [begin, end) bounds them all and, when `stride`
+// is non-zero, every record starts at begin + k*stride for some k >= 0 (a superset claim;
+// the view may skip some k). One-record views have stride 0 and `single` set.
+struct Footprint {
+  size_t view = 0;
+  uint64_t begin = 0, end = 0, record = 0, stride = 0;
+  bool single = false;
+};
+
+// Checks that the records of `v` do not overlap one another and returns its footprint.
+// REQUIRES: v.num_indices > 0 and `end` = one past its last byte (overflow-checked).
+// The test is sufficient, not necessary: the strides must nest (the inner one at least a
+// record, the outer one at least the inner run). Every layout buildRankLayout makes nests.
+StatusOr<Footprint> footprintOf(const PoolView& v, uint64_t end) {
+  Footprint fp;
+  fp.begin = v.base;
+  fp.end = end;
+  fp.record = v.record_bytes;
+  struct Dim {
+    uint64_t stride, count;
+  };
+  std::vector<Dim> dims;
+  if (v.num_indices > 1) dims.push_back({v.index_stride, v.num_indices});
+  if (v.layers.size() > 1) dims.push_back({v.layer_stride, v.layers.size()});
+  if (dims.size() == 2 && dims[1].stride < dims[0].stride) std::swap(dims[0], dims[1]);
+  auto overlap = [&](std::string why) { return InvalidArgument("records overlap: " + why); };
+  if (dims.empty()) {
+    fp.single = true;
+    return fp;
+  }
+  const Dim inner = dims[0];
+  if (inner.stride < v.record_bytes) {
+    return overlap("stride " + std::to_string(inner.stride) +
+                   " < record_bytes=" + std::to_string(v.record_bytes));
+  }
+  fp.stride = inner.stride;
+  if (dims.size() == 2) {
+    const Dim outer = dims[1];
+    // inner.stride * (count-1) + record <= the pool length, already overflow-checked.
+    const uint64_t run = inner.stride * (inner.count - 1) + v.record_bytes;
+    if (outer.stride < run) {
+      return overlap("stride " + std::to_string(outer.stride) + " < inner run of " +
+                     std::to_string(run) + " bytes");
+    }
+    if (outer.stride % inner.stride != 0) fp.stride = 0;  // not one progression
+  }
+  return fp;
+}
+
+// False only when the two views provably share no byte.
+bool mayOverlap(const Footprint& x, const Footprint& y) {
+  if (x.end <= y.begin || y.end <= x.begin) return false;
+  // Both inside one progression of stride g: compare the record positions modulo g.
+  uint64_t g = x.stride ? x.stride : y.stride;
+  if (g == 0) return true;
+  if ((x.stride && x.stride != g) || (y.stride && y.stride != g)) return true;
+  if (x.record > g || y.record > g) return true;
+  const Footprint& lo = x.begin <= y.begin ? x : y;
+  const Footprint& hi = x.begin <= y.begin ? y : x;
+  const uint64_t delta = (hi.begin - lo.begin) % g;
+  return !(delta >= lo.record && delta + hi.record <= g);
+}
+
 }  // namespace
 
 StatusOr<RankLayout> buildRankLayout(const ModelSpec& model, const ParallelConfig& pc,
@@ -51,8 +132,8 @@ StatusOr<RankLayout> buildRankLayout(const ModelSpec& model, const ParallelConfi
   RETURN_IF_ERROR(pc.validate(model.numLayers()));
   RETURN_IF_ERROR(checkShardable(model, pc));
   if (tp_rank >= pc.tp) {
-    return InvalidArgument("tp_rank=" + std::to_string(tp_rank) + " >= tp=" +
-                           std::to_string(pc.tp));
+    return InvalidArgument("tp_rank=" + std::to_string(tp_rank) +
+                           " >= tp=" + std::to_string(pc.tp));
   }
   ASSIGN_OR_RETURN(LayerRange stage, stageLayers(pc, model.numLayers(), pp_rank));
 
@@ -122,10 +203,12 @@ StatusOr<RankLayout> buildRankLayout(const ModelSpec& model, const ParallelConfi
   for (const Group& g : attention_groups) {
     ASSIGN_OR_RETURN(PoolView v, makeView(Role::kKv, LayerKind::kAttention, g, g.kv));
     const uint64_t n_layers = g.layers.size();
+    uint64_t length = 0;
+    RETURN_IF_ERROR(poolBytes(v.record_bytes, n_layers, num_blocks, "kv", &length));
     v.layer_stride = v.record_bytes;
     v.index_stride = v.record_bytes * n_layers;
     v.base = 0;
-    v.region_id = addRegion("kv" + std::to_string(kv_count++), v.index_stride * num_blocks);
+    v.region_id = addRegion("kv" + std::to_string(kv_count++), length);
     out.views.push_back(std::move(v));
   }
 
@@ -138,7 +221,9 @@ StatusOr<RankLayout> buildRankLayout(const ModelSpec& model, const ParallelConfi
     if (layout == StateLayout::kPaged && conv.record_bytes == ssm.record_bytes) {
       // Coalesced equal-size pool: [ssm_l0|conv_l0|ssm_l1|conv_l1|...] per slot.
       const uint64_t rec = ssm.record_bytes;
-      const uint32_t region = addRegion("state" + suffix, 2 * rec * n_layers * num_slots);
+      uint64_t length = 0;
+      RETURN_IF_ERROR(poolBytes(rec, 2 * n_layers, num_slots, "state", &length));
+      const uint32_t region = addRegion("state" + suffix, length);
       for (PoolView* v : {&ssm, &conv}) {
         v->region_id = region;
         v->layer_stride = 2 * rec;
@@ -149,6 +234,8 @@ StatusOr<RankLayout> buildRankLayout(const ModelSpec& model, const ParallelConfi
     } else {
       for (PoolView* v : {&conv, &ssm}) {
         const std::string name = std::string(roleName(v->role)) + suffix;
+        uint64_t length = 0;
+        RETURN_IF_ERROR(poolBytes(v->record_bytes, n_layers, num_slots, name, &length));
         if (layout == StateLayout::kPaged) {
           v->layer_stride = v->record_bytes;
           v->index_stride = v->record_bytes * n_layers;
@@ -157,7 +244,7 @@ StatusOr<RankLayout> buildRankLayout(const ModelSpec& model, const ParallelConfi
           v->layer_stride = v->record_bytes * num_slots;
         }
         v->base = 0;
-        v->region_id = addRegion(name, v->record_bytes * n_layers * num_slots);
+        v->region_id = addRegion(name, length);
       }
     }
     out.views.push_back(std::move(conv));
@@ -219,11 +306,19 @@ Status RankLayout::validate() const {
       }
     }
   }
+  std::vector<Footprint> footprints;
+  std::set<std::pair<Role, uint32_t>> seen;  // (role, layer): one record place per layer
   for (size_t vi = 0; vi < views.size(); ++vi) {
     const PoolView& v = views[vi];
-    const std::string where = "view " + std::to_string(vi) + " (" +
-                              std::string(roleName(v.role)) + ")";
+    const std::string where =
+        "view " + std::to_string(vi) + " (" + std::string(roleName(v.role)) + ")";
     if (v.layers.empty()) return InvalidArgument(where + " has no layers");
+    for (uint32_t layer : v.layers) {
+      if (!seen.insert({v.role, layer}).second) {
+        return InvalidArgument(where + " layer " + std::to_string(layer) + " already has a " +
+                               std::string(roleName(v.role)) + " view");
+      }
+    }
     for (size_t i = 0; i < v.layers.size(); ++i) {
       if (v.layers[i] < first || v.layers[i] >= end) {
         return InvalidArgument(where + " layer " + std::to_string(v.layers[i]) +
@@ -234,8 +329,7 @@ Status RankLayout::validate() const {
         return InvalidArgument(where + " layers are not strictly ascending");
       }
     }
-    if ((v.role == Role::kKv) != (v.kind == LayerKind::kAttention) ||
-        v.kind == LayerKind::kNone) {
+    if ((v.role == Role::kKv) != (v.kind == LayerKind::kAttention) || v.kind == LayerKind::kNone) {
       return InvalidArgument(where + " role " + std::string(roleName(v.role)) +
                              " does not match kind " + std::string(layerKindName(v.kind)));
     }
@@ -249,9 +343,8 @@ Status RankLayout::validate() const {
     if (!bytes.isOk()) return bytes.status().withContext(where);
     if (*bytes != v.record_bytes) {
       return InvalidArgument(where + " record_bytes=" + std::to_string(v.record_bytes) +
-                             " but its sections hold " + std::to_string(*bytes) +
-                             " bytes at tp=" + std::to_string(tp) + " rank " +
-                             std::to_string(tp_rank));
+                             " but its sections hold " + std::to_string(*bytes) + " bytes at tp=" +
+                             std::to_string(tp) + " rank " + std::to_string(tp_rank));
     }
     const uint32_t expect = v.role == Role::kKv ? num_blocks : num_slots;
     if (v.num_indices != expect) {
@@ -259,8 +352,8 @@ Status RankLayout::validate() const {
                              " but the rank has " + std::to_string(expect));
     }
     const RegionSpec* region = findRegion(v.region_id);
-    if (!region) return InvalidArgument(where + " names unknown region " +
-                                        std::to_string(v.region_id));
+    if (!region)
+      return InvalidArgument(where + " names unknown region " + std::to_string(v.region_id));
     if (v.num_indices == 0) continue;
     // Last byte of the last record: base + (n-1)*index_stride + (L-1)*layer_stride + record.
     uint64_t a, b;
@@ -270,9 +363,20 @@ Status RankLayout::validate() const {
       return InvalidArgument(where + " records run past region " + std::to_string(region->id) +
                              " of length " + std::to_string(region->length));
     }
-    if (v.layers.size() > 1 && v.layer_stride < v.record_bytes && v.index_stride < v.record_bytes) {
-      return InvalidArgument(where + " strides smaller than record_bytes=" +
-                             std::to_string(v.record_bytes) + " make records overlap");
+    StatusOr<Footprint> fp = footprintOf(v, a);
+    if (!fp.isOk()) return fp.status().withContext(where);
+    fp->view = vi;
+    footprints.push_back(*fp);
+  }
+  // Views sharing a region (the coalesced pool) must interleave without touching.
+  for (size_t i = 0; i < footprints.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      const Footprint& x = footprints[i];
+      const Footprint& y = footprints[j];
+      if (views[x.view].region_id != views[y.view].region_id) continue;
+      if (!mayOverlap(x, y)) continue;
+      return InvalidArgument("views " + std::to_string(y.view) + " and " + std::to_string(x.view) +
+                             " overlap in region " + std::to_string(views[x.view].region_id));
     }
   }
   return OkStatus();

@@ -73,8 +73,11 @@ struct RankLayout {
   // Structural check, also run on layouts decoded from a peer: ranks < sizes, every view's
   // region exists, record_bytes equals the sharded sections at (tp, tp_rank), every record of
   // every view lies inside its region (overflow-checked), num_indices matches
-  // num_blocks/num_slots, layers ascending and inside this rank's pp stage.
-  // Errors name the view and the field.
+  // num_blocks/num_slots, layers ascending and inside this rank's pp stage, each (role, layer)
+  // in at most one view, no two records overlap (within a view, and between views sharing a
+  // region). The overlap test is sufficient, not exact: strides must nest (inner stride >=
+  // record, outer stride >= the inner run) and views sharing a region must interleave on one
+  // common stride, as every layout buildRankLayout makes does. Errors name the view and field.
   Status validate() const;
 
   // Bytes of all kv records of one block / all conv+ssm records of one slot on this rank.

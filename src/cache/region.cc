@@ -1,24 +1,29 @@
 #include "cache/region.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <limits>
 
 namespace hxfer {
 namespace {
 
-uint64_t roundToPage(uint64_t n) {
+// Rounds up to whole pages; false when that overflows (a length no mapping can hold).
+bool roundToPage(uint64_t n, uint64_t* out) {
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  if (n == 0) return page;
-  return (n + page - 1) / page * page;
+  if (n == 0) n = 1;
+  if (n > std::numeric_limits<uint64_t>::max() - (page - 1)) return false;
+  *out = (n + page - 1) / page * page;
+  return true;
 }
 
 std::string errnoText(std::string_view what, uint64_t length) {
-  return std::string(what) + " of " + std::to_string(length) + " bytes failed: " +
-         std::strerror(errno);
+  return std::string(what) + " of " + std::to_string(length) +
+         " bytes failed: " + std::strerror(errno);
 }
 
 void prefault(uint8_t* data, uint64_t mapped) {
@@ -32,14 +37,23 @@ void prefault(uint8_t* data, uint64_t mapped) {
 
 StatusOr<std::unique_ptr<Region>> Region::allocate(uint32_t id, uint64_t length, Backing backing,
                                                    std::string_view name) {
-  const uint64_t mapped = roundToPage(length);
+  uint64_t mapped = 0;
+  if (!roundToPage(length, &mapped) ||
+      mapped > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) {
+    return ResourceExhausted("region '" + std::string(name) + "' of " + std::to_string(length) +
+                             " bytes is larger than any mapping");
+  }
   int fd = -1;
   void* p = MAP_FAILED;
   if (backing == Backing::kMemfd) {
     fd = memfd_create(std::string(name).c_str(), MFD_CLOEXEC);
     if (fd < 0) return ResourceExhausted(errnoText("memfd_create", length));
-    if (ftruncate(fd, static_cast<off_t>(mapped)) != 0) {
-      Status s = ResourceExhausted(errnoText("ftruncate of memfd", length));
+    // fallocate reserves the shmem pages now: a full tmpfs fails here with ENOSPC instead of
+    // raising SIGBUS on the first touch below.
+    // (Kernels without shmem fallocate say EOPNOTSUPP: fall back to touching the pages.)
+    if (ftruncate(fd, static_cast<off_t>(mapped)) != 0 ||
+        (fallocate(fd, 0, 0, static_cast<off_t>(mapped)) != 0 && errno != EOPNOTSUPP)) {
+      Status s = ResourceExhausted(errnoText("sizing the memfd", length));
       close(fd);
       return s;
     }
@@ -71,7 +85,12 @@ StatusOr<std::unique_ptr<Region>> Region::mapFd(uint32_t id, int fd, uint64_t le
                            std::to_string(st.st_size) + " bytes, peer announced " +
                            std::to_string(length));
   }
-  const uint64_t mapped = roundToPage(length);
+  uint64_t mapped = 0;
+  if (!roundToPage(length, &mapped)) {
+    close(fd);
+    return InvalidArgument("region " + std::to_string(id) + " length " + std::to_string(length) +
+                           " is larger than any mapping");
+  }
   void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (p == MAP_FAILED) {
     Status s = ResourceExhausted(errnoText("mmap of peer region", length));

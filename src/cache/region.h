@@ -2,8 +2,9 @@
 // register. Allocated up front and pre-faulted (first touch runs at a fraction of memcpy speed),
 // either anonymous or backed by a memfd so that the shm transport can hand it to a peer.
 //
-// Move-only RAII owner of the mapping (and the fd). Not thread-safe for destruction; the bytes
-// themselves are shared by whoever writes them.
+// RAII owner of the mapping (and the fd), neither copyable nor movable: hold it by unique_ptr
+// so its address (and data()) stay put while transports have it registered. Not thread-safe
+// for destruction; the bytes themselves are shared by whoever writes them.
 #pragma once
 
 #include <cstddef>
@@ -21,7 +22,8 @@ class Region {
   enum class Backing { kAnonymous, kMemfd };
 
   // Maps `length` bytes (rounded up to the page size; length 0 maps one page) and pre-faults
-  // them. `name` labels the memfd (visible in /proc/PID/fd).
+  // them. `name` labels the memfd (visible in /proc/PID/fd). ResourceExhausted when the
+  // memory (or, for a memfd, the shmem space) cannot be had.
   static StatusOr<std::unique_ptr<Region>> allocate(uint32_t id, uint64_t length, Backing backing,
                                                     std::string_view name);
   // Maps a memfd received from a peer, shared and read-write. Takes ownership of `fd` (closed

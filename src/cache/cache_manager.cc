@@ -1,0 +1,291 @@
+#include "cache/cache_manager.h"
+
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "common/logging.h"
+
+namespace hxfer {
+namespace {
+
+std::string str(uint64_t v) { return std::to_string(v); }
+
+bool hasRole(const RankLayout& layout, bool kv) {
+  for (const PoolView& v : layout.views) {
+    if ((v.role == Role::kKv) == kv) return true;
+  }
+  return false;
+}
+
+// Resolves a capacity to (blocks, slots) for a rank whose shape `probe` describes.
+Status resolveCapacity(const RankLayout& probe, const Capacity& capacity, uint32_t* blocks,
+                       uint32_t* slots) {
+  const bool has_kv = hasRole(probe, true);
+  const bool has_state = hasRole(probe, false);
+  if (capacity.kind == Capacity::Kind::kCounts) {
+    *blocks = has_kv ? capacity.blocks : 0;
+    *slots = has_state ? capacity.slots : 0;
+    return OkStatus();
+  }
+  *slots = has_state ? capacity.slots : 0;
+  if (has_state && *slots == 0) {
+    return InvalidArgument("budget capacity has slots=0 but the rank has recurrent layers");
+  }
+  const uint64_t per_slot = probe.stateBytesPerSlot();
+  uint64_t state_bytes = 0;
+  if (__builtin_mul_overflow(uint64_t{*slots}, per_slot, &state_bytes) ||
+      state_bytes > capacity.budget_bytes) {
+    return ResourceExhausted("budget_bytes=" + str(capacity.budget_bytes) + " cannot hold slots=" +
+                             str(*slots) + " of " + str(per_slot) + " bytes each");
+  }
+  *blocks = 0;
+  if (has_kv) {
+    const uint64_t per_block = probe.kvBytesPerBlock();
+    const uint64_t rest = capacity.budget_bytes - state_bytes;
+    const uint64_t n = rest / per_block;
+    if (n == 0) {
+      return ResourceExhausted("budget_bytes=" + str(capacity.budget_bytes) + " leaves " +
+                               str(rest) + " bytes after " + str(*slots) +
+                               " slots, less than one kv block of " + str(per_block) + " bytes");
+    }
+    *blocks = static_cast<uint32_t>(std::min<uint64_t>(n, std::numeric_limits<uint32_t>::max()));
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+// ---- TransferLease ----
+
+TransferLease::TransferLease(TransferLease&& other) noexcept
+    : manager_(std::exchange(other.manager_, nullptr)), request_id_(other.request_id_) {}
+
+TransferLease& TransferLease::operator=(TransferLease&& other) noexcept {
+  if (this != &other) {
+    (void)release();
+    manager_ = std::exchange(other.manager_, nullptr);
+    request_id_ = other.request_id_;
+  }
+  return *this;
+}
+
+TransferLease::~TransferLease() {
+  Status s = release();
+  // Only reachable when someone ended this lease's transfer by hand as well.
+  if (!s.isOk()) HXFER_LOG_ERROR("transfer lease of request {}: {}", request_id_, s.toString());
+}
+
+Status TransferLease::release() {
+  if (!manager_) return OkStatus();
+  HybridCacheManager* m = std::exchange(manager_, nullptr);
+  return m->endTransfer(request_id_);
+}
+
+// ---- HybridCacheManager ----
+
+StatusOr<std::unique_ptr<HybridCacheManager>> HybridCacheManager::create(
+    const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank, uint32_t pp_rank,
+    StateLayout state_layout, Capacity capacity, Region::Backing backing) {
+  // A one-page probe says which pools the rank has and what a block and a slot cost.
+  ASSIGN_OR_RETURN(RankLayout probe,
+                   buildRankLayout(model, pc, tp_rank, pp_rank, state_layout, 1, 1));
+  uint32_t blocks = 0, slots = 0;
+  RETURN_IF_ERROR(resolveCapacity(probe, capacity, &blocks, &slots));
+  ASSIGN_OR_RETURN(RankLayout layout,
+                   buildRankLayout(model, pc, tp_rank, pp_rank, state_layout, blocks, slots));
+  std::vector<std::unique_ptr<Region>> regions;
+  regions.reserve(layout.regions.size());
+  for (const RegionSpec& spec : layout.regions) {
+    StatusOr<std::unique_ptr<Region>> r =
+        Region::allocate(spec.id, spec.length, backing, "hxfer-" + spec.name);
+    if (!r.isOk()) return r.status().withContext("region " + spec.name);
+    regions.push_back(std::move(*r));
+  }
+  return std::unique_ptr<HybridCacheManager>(
+      new HybridCacheManager(std::move(layout), std::move(regions)));
+}
+
+HybridCacheManager::HybridCacheManager(RankLayout layout,
+                                       std::vector<std::unique_ptr<Region>> regions)
+    : layout_(std::move(layout)),
+      regions_(std::move(regions)),
+      blocks_(layout_.num_blocks),
+      slots_(layout_.num_slots) {}
+
+const Region* HybridCacheManager::region(uint32_t region_id) const {
+  for (const auto& r : regions_) {
+    if (r->id() == region_id) return r.get();
+  }
+  return nullptr;
+}
+
+uint8_t* HybridCacheManager::regionBase(uint32_t region_id) const {
+  const Region* r = region(region_id);
+  return r ? r->data() : nullptr;
+}
+
+uint32_t HybridCacheManager::blocksFor(uint32_t num_tokens) const {
+  if (!hasKv()) return 0;
+  const uint64_t t = layout_.tokens_per_block;
+  return static_cast<uint32_t>((uint64_t{num_tokens} + t - 1) / t);
+}
+
+StatusOr<std::span<uint8_t>> HybridCacheManager::record(size_t view, uint32_t index,
+                                                        uint32_t local_layer) const {
+  if (view >= layout_.views.size()) {
+    return InvalidArgument("view " + str(view) + " >= " + str(layout_.views.size()) + " views");
+  }
+  const PoolView& v = layout_.views[view];
+  if (index >= v.num_indices || local_layer >= v.layers.size()) {
+    return InvalidArgument("view " + str(view) + " record (index " + str(index) + ", layer " +
+                           str(local_layer) + ") outside " + str(v.num_indices) + " x " +
+                           str(v.layers.size()));
+  }
+  // Inside the region: RankLayout::validate() checked the last record of every view.
+  return std::span<uint8_t>(regionBase(v.region_id) + v.offset(index, local_layer), v.record_bytes);
+}
+
+StatusOr<Allocation> HybridCacheManager::allocate(uint64_t request_id, uint32_t num_tokens) {
+  const uint32_t need_blocks = blocksFor(num_tokens);
+  const uint32_t need_slots = hasState() ? 1 : 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = requests_.find(request_id); it != requests_.end()) {
+    return InvalidArgument(
+        "request " + str(request_id) + " is already allocated" +
+        (it->second.freed ? " (freed, quarantined until its transfers end)" : ""));
+  }
+  if (need_blocks > blocks_.freeCount()) {
+    ++stats_.exhausted;
+    return ResourceExhausted("kv blocks exhausted: request " + str(request_id) + " needs " +
+                             str(need_blocks) + " blocks for " + str(num_tokens) + " tokens, " +
+                             str(blocks_.freeCount()) + " of " + str(blocks_.capacity()) +
+                             " free (" + str(stats_.quarantined_blocks) + " quarantined)");
+  }
+  if (need_slots > slots_.freeCount()) {
+    ++stats_.exhausted;
+    return ResourceExhausted("state slots exhausted: request " + str(request_id) +
+                             " needs 1 slot, 0 of " + str(slots_.capacity()) + " free (" +
+                             str(stats_.quarantined_slots) + " quarantined)");
+  }
+  Request req;
+  req.alloc.request_id = request_id;
+  req.alloc.num_tokens = num_tokens;
+  ASSIGN_OR_RETURN(req.alloc.blocks, blocks_.take(need_blocks));
+  if (need_slots) {
+    StatusOr<std::vector<uint32_t>> slot = slots_.take(1);
+    if (!slot.isOk()) {
+      // Unreachable after the check above; keep the pools whole regardless.
+      (void)blocks_.give(req.alloc.blocks);
+      return slot.status();
+    }
+    req.alloc.slot = (*slot)[0];
+  }
+  stats_.used_blocks += need_blocks;
+  stats_.used_slots += need_slots;
+  ++stats_.live_requests;
+  ++stats_.allocations;
+  Allocation out = req.alloc;
+  requests_.emplace(request_id, std::move(req));
+  return out;
+}
+
+Status HybridCacheManager::free(uint64_t request_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) {
+    return NotFound("request " + str(request_id) + " is not allocated (never, or already freed)");
+  }
+  Request& req = it->second;
+  if (req.freed) {
+    return InvalidArgument("request " + str(request_id) +
+                           " was already freed; quarantined until its " + str(req.inflight) +
+                           " in-flight transfers end");
+  }
+  const uint32_t nb = static_cast<uint32_t>(req.alloc.blocks.size());
+  const uint32_t ns = req.alloc.slot ? 1 : 0;
+  stats_.used_blocks -= nb;
+  stats_.used_slots -= ns;
+  --stats_.live_requests;
+  ++stats_.frees;
+  if (req.inflight > 0) {
+    req.freed = true;
+    stats_.quarantined_blocks += nb;
+    stats_.quarantined_slots += ns;
+    ++stats_.quarantined_requests;
+    return OkStatus();
+  }
+  return releaseLocked(request_id, req);
+}
+
+Status HybridCacheManager::releaseLocked(uint64_t request_id, Request& req) {
+  Status blocks = blocks_.give(req.alloc.blocks);
+  Status slot = OkStatus();
+  if (req.alloc.slot) slot = slots_.give(std::span<const uint32_t>(&*req.alloc.slot, 1));
+  requests_.erase(request_id);
+  if (!blocks.isOk()) return Internal("returning blocks: " + blocks.message());
+  if (!slot.isOk()) return Internal("returning slot: " + slot.message());
+  return OkStatus();
+}
+
+StatusOr<Allocation> HybridCacheManager::find(uint64_t request_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) return NotFound("request " + str(request_id) + " is not allocated");
+  return it->second.alloc;
+}
+
+Status HybridCacheManager::beginTransfer(uint64_t request_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) return NotFound("request " + str(request_id) + " is not allocated");
+  Request& req = it->second;
+  if (req.freed) {
+    return Cancelled("request " + str(request_id) + " was freed; no new transfers may start");
+  }
+  if (req.inflight == std::numeric_limits<uint32_t>::max()) {
+    return ResourceExhausted("request " + str(request_id) + " has " + str(req.inflight) +
+                             " transfers in flight");
+  }
+  if (req.inflight++ == 0) ++stats_.inflight_requests;
+  ++stats_.inflight_transfers;
+  return OkStatus();
+}
+
+Status HybridCacheManager::endTransfer(uint64_t request_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) return NotFound("request " + str(request_id) + " is not allocated");
+  Request& req = it->second;
+  if (req.inflight == 0) {
+    return InvalidArgument("endTransfer on request " + str(request_id) +
+                           " with no transfer in flight");
+  }
+  --stats_.inflight_transfers;
+  if (--req.inflight > 0) return OkStatus();
+  --stats_.inflight_requests;
+  if (!req.freed) return OkStatus();
+  stats_.quarantined_blocks -= static_cast<uint32_t>(req.alloc.blocks.size());
+  stats_.quarantined_slots -= req.alloc.slot ? 1 : 0;
+  --stats_.quarantined_requests;
+  ++stats_.quarantine_releases;
+  return releaseLocked(request_id, req);
+}
+
+StatusOr<TransferLease> HybridCacheManager::leaseTransfer(uint64_t request_id) {
+  RETURN_IF_ERROR(beginTransfer(request_id));
+  return TransferLease(this, request_id);
+}
+
+CacheCounters HybridCacheManager::counters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  CacheCounters c = stats_;
+  c.total_blocks = blocks_.capacity();
+  c.free_blocks = blocks_.freeCount();
+  c.total_slots = slots_.capacity();
+  c.free_slots = slots_.freeCount();
+  c.free_block_runs = static_cast<uint32_t>(blocks_.runCount());
+  return c;
+}
+
+}  // namespace hxfer
