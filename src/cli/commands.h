@@ -6,5 +6,14 @@
 namespace hxfer::cli {
 
 void addDemoCommand(CLI::App& app);
+void addConfigCommand(CLI::App& app);
+void addServeCommand(CLI::App& app);
+void addModelsCommand(CLI::App& app);
+void addDescribeCommand(CLI::App& app);
+void addPlanCommand(CLI::App& app);
+void addMetadataCommand(CLI::App& app);
+void addInspectCommand(CLI::App& app);
+void addBenchCommand(CLI::App& app);
+void addBenchWorkloadsCommand(CLI::App& app);  // after addBenchCommand: joins `bench`
 
 }  // namespace hxfer::cli

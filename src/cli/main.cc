@@ -15,6 +15,15 @@ int main(int argc, char** argv) {
     if (!hxfer::setLogLevel(log_level)) throw CLI::ValidationError("--log-level", log_level);
   });
   hxfer::cli::addDemoCommand(app);
+  hxfer::cli::addConfigCommand(app);
+  hxfer::cli::addServeCommand(app);
+  hxfer::cli::addModelsCommand(app);
+  hxfer::cli::addDescribeCommand(app);
+  hxfer::cli::addPlanCommand(app);
+  hxfer::cli::addMetadataCommand(app);
+  hxfer::cli::addInspectCommand(app);
+  hxfer::cli::addBenchCommand(app);
+  hxfer::cli::addBenchWorkloadsCommand(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

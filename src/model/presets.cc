@@ -1,29 +1,30 @@
 #include "model/presets.h"
 
-namespace hxfer {
-namespace {
+#include "model/hf_config.h"
+#include "model/preset_data.h"
 
-ModelSpec tinyHybrid() {
-  ModelSpec m;
-  m.name = std::string(kDefaultPreset);
-  m.architecture = "NemotronHForCausalLM";
-  LayerSpec mamba;
-  mamba.recurrent = LayerKind::kMamba2;
-  mamba.mamba2 = {8, 4, 2, 8, 4};
-  LayerSpec attn;
-  attn.attention = AttentionShape{4, 8};
-  LayerSpec mlp;
-  m.layers = {mamba, mlp, mamba, attn, mamba, mlp, mamba, attn};
-  return m;
+namespace hxfer {
+
+std::vector<std::string> presetNames() {
+  std::vector<std::string> names;
+  for (size_t i = 0; i < internal::kNumEmbeddedPresets; ++i) {
+    names.emplace_back(internal::kEmbeddedPresets[i].name);
+  }
+  return names;
 }
 
-}  // namespace
-
-std::vector<std::string> presetNames() { return {std::string(kDefaultPreset)}; }
+StatusOr<std::string_view> presetConfigJson(std::string_view name) {
+  for (size_t i = 0; i < internal::kNumEmbeddedPresets; ++i) {
+    if (internal::kEmbeddedPresets[i].name == name) return internal::kEmbeddedPresets[i].json;
+  }
+  std::string known;
+  for (const std::string& n : presetNames()) known += (known.empty() ? "" : ", ") + n;
+  return NotFound("unknown preset '" + std::string(name) + "' (presets: " + known + ")");
+}
 
 StatusOr<ModelSpec> loadPreset(std::string_view name) {
-  if (name == kDefaultPreset) return tinyHybrid();
-  return NotFound("unknown preset '" + std::string(name) + "'");
+  ASSIGN_OR_RETURN(std::string_view json, presetConfigJson(name));
+  return modelFromHfConfig(json, name);
 }
 
 }  // namespace hxfer

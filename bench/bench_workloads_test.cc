@@ -1,0 +1,128 @@
+// Runs the built `hxfer bench` workloads on the smallest settings (inproc backend, the tiny
+// preset, one repetition) and checks what they write: the JSON report (every result verified,
+// bytes and ratios present), the CSV (a header and one line per result) and the SVG plot (well
+// formed, both panels). It asserts on structure and on byte counts, never on speed: the
+// figures themselves belong in docs/performance.md, not in a test.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+using Json = nlohmann::json;
+
+struct CmdResult {
+  int exit_code = -1;
+  std::string out;
+};
+
+CmdResult hxfer(const std::string& args) {
+  const std::string cmd = std::string(HXFER_BINARY) + " " + args + " 2>&1";
+  CmdResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string tempFile(const std::string& name) {
+  return ::testing::TempDir() + "hxfer_bench_" + std::to_string(getpid()) + "_" + name;
+}
+
+std::string readAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+const char kSmall[] = " --backend inproc --model tiny-hybrid --repetitions 1 --warmup 0 --quiet";
+
+TEST(BenchWorkloads, RequestReportIsVerifiedAndCarriesBaselineRatios) {
+  const std::string json = tempFile("request.json");
+  const std::string csv = tempFile("request.csv");
+  CmdResult r = hxfer(std::string("bench request --tokens 64,256") + kSmall + " --json " + json +
+                      " --csv " + csv);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  Json j = Json::parse(readAll(json), nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(j.is_discarded());
+  ASSERT_EQ(j["results"].size(), 2u);
+  for (const Json& row : j["results"]) {
+    EXPECT_EQ(row["workload"], "request");
+    EXPECT_TRUE(row["verified"].get<bool>());
+    EXPECT_GT(row["bytes"].get<uint64_t>(), 0u);
+    EXPECT_GE(row["contiguous_runs"].get<uint64_t>(), 1u);
+    EXPECT_GE(row["ops"].get<uint64_t>(), row["contiguous_runs"].get<uint64_t>());
+    EXPECT_TRUE(row.contains("ratio_to_memcpy"));
+    EXPECT_TRUE(row.contains("ratio_to_tcp"));
+    EXPECT_EQ(row["seconds"].size(), 1u);
+  }
+  // 256 tokens carry more KV than 64 (the recurrent state is the same).
+  EXPECT_GT(j["results"][1]["bytes"].get<uint64_t>(), j["results"][0]["bytes"].get<uint64_t>());
+  const std::string text = readAll(csv);
+  EXPECT_EQ(text.rfind("workload,backend,", 0), 0u) << text;
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 3) << text;
+}
+
+TEST(BenchWorkloads, ControlRoundTripMovesNothingAndPlotIsWellFormed) {
+  const std::string json = tempFile("control.json");
+  const std::string svg = tempFile("control.svg");
+  CmdResult r = hxfer(std::string("bench control --rounds 20") + kSmall + " --json " + json +
+                      " --plot " + svg);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  Json j = Json::parse(readAll(json), nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(j.is_discarded());
+  ASSERT_GE(j["results"].size(), 1u);
+  EXPECT_EQ(j["results"][0]["backend"], "inproc");
+  EXPECT_EQ(j["results"][0]["bytes"].get<uint64_t>(), 0u);
+  EXPECT_EQ(j["results"][0]["seconds"].size(), 20u);
+  const std::string plot = readAll(svg);
+  EXPECT_EQ(plot.rfind("<?xml", 0), 0u);
+  EXPECT_NE(plot.find("</svg>"), std::string::npos);
+  EXPECT_NE(plot.find("Latency percentiles"), std::string::npos);
+  // Request sizes were not measured in this run: the goodput panel says so instead of drawing.
+  EXPECT_NE(plot.find("no data"), std::string::npos);
+}
+
+TEST(BenchWorkloads, MismatchReportsRatioToMatchedTp) {
+  const std::string json = tempFile("mismatch.json");
+  CmdResult r = hxfer(std::string("bench mismatch --tokens 128 --tp-pairs 1:1,2:1,1:2") + kSmall +
+                      " --json " + json);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  Json j = Json::parse(readAll(json), nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(j.is_discarded());
+  ASSERT_EQ(j["results"].size(), 3u);
+  for (const Json& row : j["results"]) {
+    EXPECT_TRUE(row["verified"].get<bool>());
+    EXPECT_EQ(row["ref"], "matched tp");
+  }
+  // Every pair moves the same request: the generation instance receives the same bytes.
+  EXPECT_EQ(j["results"][1]["bytes"], j["results"][0]["bytes"]);
+  EXPECT_EQ(j["results"][2]["bytes"], j["results"][0]["bytes"]);
+}
+
+TEST(BenchWorkloads, BadListsAreRefusedNamingTheFlag) {
+  CmdResult r = hxfer(std::string("bench request --tokens 8x") + kSmall);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("--tokens"), std::string::npos) << r.out;
+  r = hxfer(std::string("bench mismatch --tp-pairs 2-1") + kSmall);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("--tp-pairs"), std::string::npos) << r.out;
+}
+
+TEST(BenchWorkloads, TransportBenchStaysRegistered) {
+  CmdResult r = hxfer("bench transport --help");
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("--op-size"), std::string::npos) << r.out;
+}
+
+}  // namespace

@@ -1,0 +1,64 @@
+// Runs the built `hxfer bench transport` end to end on small sizes: every backend moves the
+// bytes between two processes, the destination verifies, and the report carries the baselines.
+// Sizes are tiny and no speed is asserted: performance belongs to the benchmark itself.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+struct CmdResult {
+  int exit_code = -1;
+  std::string out;
+};
+
+CmdResult hxfer(const std::string& args) {
+  const std::string cmd = std::string(HXFER_BINARY) + " " + args + " 2>/dev/null";
+  CmdResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+void expectVerifiedReport(const std::string& args, bool expect_tcp) {
+  CmdResult r =
+      hxfer("bench transport --size 1048576 --op-size 65536 --iterations 2 --json " + args);
+  ASSERT_EQ(r.exit_code, 0) << args << "\n" << r.out;
+  auto j = nlohmann::json::parse(r.out, nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_TRUE(j["verified"].get<bool>()) << r.out;
+  EXPECT_EQ(j["ops"].get<int>(), 16);
+  EXPECT_EQ(j["transport"]["runs"].size(), 2u);
+  EXPECT_GT(j["transport"]["median_gbps"].get<double>(), 0.0);
+  EXPECT_GT(j["memcpy"]["median_gbps"].get<double>(), 0.0);
+  EXPECT_GT(j["ratio_to_memcpy"].get<double>(), 0.0);
+  EXPECT_EQ(j.contains("ratio_to_tcp"), expect_tcp) << r.out;
+}
+
+TEST(BenchTransport, ShmMovesAndVerifiesTheBytesBetweenTwoProcesses) {
+  expectVerifiedReport("--backend shm", false);
+}
+
+TEST(BenchTransport, InprocMovesAndVerifiesTheBytes) {
+  expectVerifiedReport("--backend inproc", false);
+}
+
+TEST(BenchTransport, UcxOverTcpReportsTheRawTcpBaselineToo) {
+  expectVerifiedReport("--backend ucx --ucx-tls tcp --ucx-mode am", true);
+}
+
+TEST(BenchTransport, BadArgumentsExitNonZero) {
+  EXPECT_NE(hxfer("bench transport --backend rdma").exit_code, 0);
+  EXPECT_NE(hxfer("bench transport --backend shm --size 0").exit_code, 0);
+  EXPECT_NE(hxfer("bench transport --backend ucx --ucx-mode fast").exit_code, 0);
+}
+
+}  // namespace

@@ -1,0 +1,105 @@
+// `hxfer metadata`: builds the real cache of one rank (HybridCacheManager: regions allocated and
+// pre-faulted) and writes what that rank would publish to its peers, an encoded Hello frame
+// holding its RankInfo. `hxfer inspect FILE` reads it back.
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "cache/cache_manager.h"
+#include "cli/commands.h"
+#include "cli/model_options.h"
+#include "wire/messages.h"
+#include "wire/rank_info.h"
+
+namespace hxfer::cli {
+namespace {
+
+struct MetadataOptions {
+  ModelOptions model;
+  uint32_t tp = 1;
+  uint32_t pp = 1;
+  uint32_t rank = 0;  // global: tp_rank = rank % tp, pp_rank = rank / tp
+  std::string layout = "paged";
+  uint32_t blocks = 16;
+  uint32_t slots = 4;
+  std::string role = "context";
+  std::string instance_id;  // empty: "<role>-<model>"
+  std::string address;
+  std::string token;
+  std::string out;
+};
+
+Status writeFile(const std::string& path, const Bytes& bytes) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f) return InvalidArgument("--out " + path + ": " + std::strerror(errno));
+  bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
+  ok = std::fclose(f) == 0 && ok;
+  if (!ok) return Unavailable("writing " + path + " failed: " + std::strerror(errno));
+  return OkStatus();
+}
+
+Status run(const MetadataOptions& o) {
+  ASSIGN_OR_RETURN(ModelSpec model, resolveModel(o.model));
+  const ParallelConfig pc{o.tp, o.pp, {}};
+  RETURN_IF_ERROR(pc.validate(model.numLayers()));
+  if (o.rank >= pc.worldSize()) {
+    return InvalidArgument("--rank " + std::to_string(o.rank) +
+                           " >= tp*pp=" + std::to_string(pc.worldSize()));
+  }
+  auto layout = parseStateLayout(o.layout);
+  if (!layout.isOk()) return layout.status().withContext("--layout");
+  auto role = wire::parseInstanceRole(o.role);
+  if (!role.isOk()) return role.status().withContext("--role");
+
+  ASSIGN_OR_RETURN(auto cache,
+                   HybridCacheManager::create(model, pc, o.rank % o.tp, o.rank / o.tp, *layout,
+                                              Capacity::counts(o.blocks, o.slots)));
+  wire::Hello hello;
+  wire::RankInfo& info = hello.rank_info;
+  info.instance_id = o.instance_id.empty()
+                         ? std::string(wire::instanceRoleName(*role)) + "-" + model.name
+                         : o.instance_id;
+  info.role = *role;
+  info.address.assign(o.address.begin(), o.address.end());
+  info.layout = cache->layout();
+  // Shared-memory regions need no transport key; a UCX build adds one per region here.
+  hello.auth_token = o.token;
+  RETURN_IF_ERROR(wire::checkMessage(hello));
+
+  const Bytes frame = wire::encodeMessage(hello);
+  RETURN_IF_ERROR(writeFile(o.out, frame));
+  std::printf("wrote %zu bytes to %s: %s\n", frame.size(), o.out.c_str(),
+              wire::summarize(hello).c_str());
+  return OkStatus();
+}
+
+}  // namespace
+
+void addMetadataCommand(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "metadata", "Build one rank's cache and write the RankInfo it publishes (a Hello frame)");
+  auto o = std::make_shared<MetadataOptions>();
+  addModelOptions(cmd, &o->model);
+  cmd->add_option("--tp", o->tp, "Tensor-parallel size")->default_val(1);
+  cmd->add_option("--pp", o->pp, "Pipeline-parallel size (even split of layers)")->default_val(1);
+  cmd->add_option("--rank", o->rank, "Global rank: tp_rank = R % tp, pp_rank = R / tp")
+      ->default_val(0);
+  cmd->add_option("--layout", o->layout, "State layout: paged or layer-major")
+      ->default_val("paged");
+  cmd->add_option("--blocks", o->blocks, "KV blocks to allocate")->default_val(16);
+  cmd->add_option("--slots", o->slots, "Recurrent-state slots to allocate")->default_val(4);
+  cmd->add_option("--role", o->role, "Instance role: context or generation")
+      ->default_val("context");
+  cmd->add_option("--instance-id", o->instance_id, "Instance id (default: <role>-<model>)");
+  cmd->add_option("--address", o->address, "Transport address to publish");
+  cmd->add_option("--token", o->token, "Shared auth token to put in the Hello");
+  cmd->add_option("--out", o->out, "File to write")->required();
+  cmd->callback([o] {
+    Status s = run(*o);
+    if (!s.isOk()) throw CLI::RuntimeError(reportError(s));
+  });
+}
+
+}  // namespace hxfer::cli

@@ -1,0 +1,179 @@
+// Runs the built `hxfer` binary: `metadata` writes a rank's Hello frame, `inspect` reads it back
+// (JSON parsed), and corrupt input makes `inspect` exit 1 with one line naming the problem.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace {
+
+using Json = nlohmann::json;
+
+struct CmdResult {
+  int exit_code = -1;
+  std::string out;
+};
+
+CmdResult hxfer(const std::string& args, bool merge_stderr = false) {
+  const std::string cmd =
+      std::string(HXFER_BINARY) + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+  CmdResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// A file name private to this test process.
+std::string tempFile(const std::string& name) {
+  return ::testing::TempDir() + "hxfer_metadata_" + std::to_string(getpid()) + "_" + name;
+}
+
+std::string readAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void writeAll(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+Json inspectJson(const std::string& path) {
+  CmdResult r = hxfer("inspect --json " + path);
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  Json j = Json::parse(r.out, nullptr, /*allow_exceptions=*/false);
+  EXPECT_FALSE(j.is_discarded()) << r.out;
+  return j;
+}
+
+int lineCount(const std::string& s) {
+  int n = 0;
+  for (char c : s) n += c == '\n';
+  return n;
+}
+
+TEST(CliMetadata, WritesAHelloThatInspectDecodesWithTheRanksLayout) {
+  const std::string f = tempFile("tp2_r1.bin");
+  CmdResult w = hxfer(
+      "metadata --model tiny-hybrid --tp 2 --rank 1 --layout layer-major --role "
+      "generation --out " +
+          f,
+      true);
+  ASSERT_EQ(w.exit_code, 0) << w.out;
+  Json j = inspectJson(f);
+  EXPECT_EQ(j["type"], "hello");
+  EXPECT_EQ(j["frame_bytes"], readAll(f).size());
+  const Json& info = j["rank_info"];
+  EXPECT_EQ(info["rank"], 1);
+  EXPECT_EQ(info["role"], "generation");
+  EXPECT_EQ(info["layout"]["tp"], 2);
+  EXPECT_EQ(info["layout"]["tp_rank"], 1);
+  EXPECT_EQ(info["layout"]["state_layout"], "layer-major");
+  EXPECT_EQ(info["layout"]["num_blocks"], 16);
+  EXPECT_EQ(info["layout"]["num_slots"], 4);
+  ASSERT_FALSE(info["layout"]["views"].empty());
+  // Layer-major: a conv view strides over slots by exactly one record.
+  bool saw_conv = false;
+  for (const Json& v : info["layout"]["views"]) {
+    if (v["role"] != "conv") continue;
+    saw_conv = true;
+    EXPECT_EQ(v["index_stride"], v["record_bytes"]);
+  }
+  EXPECT_TRUE(saw_conv);
+  // The fingerprint is the model's, as `describe` reports it.
+  CmdResult d = hxfer("describe --json --model tiny-hybrid --tp 2");
+  ASSERT_EQ(d.exit_code, 0);
+  EXPECT_EQ(info["layout"]["model_fingerprint"], Json::parse(d.out)["fingerprint"]);
+  std::remove(f.c_str());
+}
+
+TEST(CliMetadata, GlobalRankSplitsIntoTpAndPpRank) {
+  const std::string f = tempFile("tp2_pp2_r3.bin");
+  ASSERT_EQ(hxfer("metadata --model tiny-hybrid --tp 2 --pp 2 --rank 3 --out " + f).exit_code, 0);
+  Json j = inspectJson(f);
+  const Json& layout = j["rank_info"]["layout"];
+  EXPECT_EQ(layout["tp_rank"], 1);
+  EXPECT_EQ(layout["pp_rank"], 1);
+  EXPECT_EQ(layout["layers_per_stage"], Json::array({4, 4}));
+  for (const Json& v : layout["views"]) {
+    for (const Json& id : v["layers"]) EXPECT_GE(id.get<int>(), 4);
+  }
+  std::remove(f.c_str());
+}
+
+TEST(CliMetadata, ModelOptionsReachTheLayout) {
+  const std::string f = tempFile("fp8.bin");
+  ASSERT_EQ(hxfer("metadata --model tiny-hybrid --kv-dtype fp8 --tokens-per-block 64 --blocks 3 "
+                  "--out " +
+                  f)
+                .exit_code,
+            0);
+  const Json j = inspectJson(f);
+  const Json& layout = j["rank_info"]["layout"];
+  EXPECT_EQ(layout["kv_dtype"], "fp8");
+  EXPECT_EQ(layout["tokens_per_block"], 64);
+  EXPECT_EQ(layout["num_blocks"], 3);
+  std::remove(f.c_str());
+}
+
+TEST(CliMetadata, HumanInspectListsRegionsAndViews) {
+  const std::string f = tempFile("human.bin");
+  ASSERT_EQ(hxfer("metadata --model tiny-hybrid --token s3cret --out " + f).exit_code, 0);
+  CmdResult r = hxfer("inspect " + f);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("hello:"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("auth token present"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("index_stride"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("s3cret"), std::string::npos) << "the token must not be printed";
+  std::remove(f.c_str());
+}
+
+TEST(CliMetadata, InspectOfACorruptFileExitsOneWithOneLineNamingTheProblem) {
+  const std::string good = tempFile("good.bin");
+  ASSERT_EQ(hxfer("metadata --model tiny-hybrid --out " + good).exit_code, 0);
+  const std::string bytes = readAll(good);
+  ASSERT_GT(bytes.size(), 40u);
+
+  const std::string flipped = tempFile("flipped.bin");
+  std::string bad = bytes;
+  bad[bad.size() / 2] ^= 0x10;
+  writeAll(flipped, bad);
+  CmdResult r = hxfer("inspect " + flipped, true);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(lineCount(r.out), 1) << r.out;
+  EXPECT_NE(r.out.find("crc32c"), std::string::npos) << r.out;
+
+  const std::string truncated = tempFile("truncated.bin");
+  writeAll(truncated, bytes.substr(0, bytes.size() - 1));
+  r = hxfer("inspect --json " + truncated, true);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(lineCount(r.out), 1) << r.out;
+  EXPECT_NE(r.out.find("truncated"), std::string::npos) << r.out;
+
+  const std::string junk = tempFile("junk.bin");
+  writeAll(junk, "not a frame at all");
+  r = hxfer("inspect " + junk, true);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("frame.magic"), std::string::npos) << r.out;
+
+  for (const std::string& f : {good, flipped, truncated, junk}) std::remove(f.c_str());
+}
+
+TEST(CliMetadata, RankOutsideTheInstanceIsRefused) {
+  CmdResult r =
+      hxfer("metadata --model tiny-hybrid --tp 2 --rank 2 --out " + tempFile("x.bin"), true);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("--rank 2 >= tp*pp=2"), std::string::npos) << r.out;
+}
+
+}  // namespace

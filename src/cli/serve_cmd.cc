@@ -1,0 +1,206 @@
+// `hxfer serve`: one long-running rank.
+//   --role context     listens, and serves every request a generation rank asks for with
+//                      state filled by the planner's oracle (it stands in for prefill), until
+//                      SIGINT/SIGTERM; then prints its metrics as JSON.
+//   --role generation  connects to the context ranks (--peers, in global rank order), runs
+//                      --requests requests of --tokens tokens, checks every byte against the
+//                      oracle, prints a summary and exits 0 when all verified.
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cache/cache_manager.h"
+#include "cli/commands.h"
+#include "cli/model_options.h"
+#include "engine/context_sender.h"
+#include "engine/generation_receiver.h"
+#include "engine/handshake.h"
+#include "engine/routing.h"
+#include "plan/oracle.h"
+#include "transport/transport.h"
+
+namespace hxfer::cli {
+namespace {
+
+std::atomic<bool> g_stop{false};
+void onSignal(int) { g_stop = true; }
+
+struct ServeOptions {
+  ModelOptions model;
+  std::string role;
+  uint32_t tp = 1, pp = 1, rank = 0;
+  std::string listen;
+  std::string peers;  // comma-separated context addresses (generation)
+  uint32_t peer_tp = 1, peer_pp = 1;
+  std::string backend = "shm";
+  std::string layout = "auto";
+  std::string token;
+  bool checksum = false;
+  uint32_t blocks = 1024, slots = 64;
+  uint32_t requests = 16, tokens = 1000;
+  uint32_t timeout_s = 60;
+};
+
+std::vector<std::string> splitComma(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+int runServe(const ServeOptions& o) {
+  auto model = resolveModel(o.model);
+  if (!model.isOk()) return reportError(model.status());
+  ParallelConfig pc{o.tp, o.pp, {}};
+  if (Status s = pc.validate(model->numLayers()); !s.isOk()) return reportError(s);
+  if (o.rank >= pc.worldSize()) {
+    return reportError(InvalidArgument("--rank " + std::to_string(o.rank) +
+                                       " >= tp*pp=" + std::to_string(pc.worldSize())));
+  }
+  const bool context = o.role == "context";
+  if (!context && o.role != "generation") {
+    return reportError(InvalidArgument("--role '" + o.role + "' is not context or generation"));
+  }
+  auto backend = engine::parseBackendRequest(o.backend);
+  if (!backend.isOk()) return reportError(backend.status().withContext("--backend"));
+  auto layout = engine::parseStateLayoutRequest(o.layout);
+  if (!layout.isOk()) return reportError(layout.status().withContext("--layout"));
+  engine::RoutingEnvironment env = engine::probeRoutingEnvironment();
+  auto routing =
+      engine::resolveRouting({*backend, *layout}, env, engine::preferredStateLayout(*model));
+  if (!routing.isOk()) return reportError(routing.status());
+
+  const uint32_t tp_rank = o.rank % o.tp, pp_rank = o.rank / o.tp;
+  auto cache = HybridCacheManager::create(
+      *model, pc, tp_rank, pp_rank, routing->state_layout, Capacity::counts(o.blocks, o.slots),
+      routing->backend == engine::BackendKind::kShm ? Region::Backing::kMemfd
+                                                    : Region::Backing::kAnonymous);
+  if (!cache.isOk()) return reportError(cache.status());
+  transport::AgentConfig ac;
+  ac.backend = std::string(engine::backendName(routing->backend));
+  ac.listen = o.listen;
+  ac.label = o.role;
+  auto agent = transport::createAgent(ac);
+  if (!agent.isOk()) return reportError(agent.status());
+  HybridCacheManager& pool = **cache;
+  const RankMemory mem = engine::cacheMemory(pool);
+  ::signal(SIGINT, onSignal);
+  ::signal(SIGTERM, onSignal);
+
+  if (context) {
+    engine::ContextSender::Options so;
+    so.instance_id = "serve-ctx";
+    so.model = *model;
+    so.parallel = pc;
+    so.tp_rank = tp_rank;
+    so.pp_rank = pp_rank;
+    so.auth_token = o.token;
+    so.checksum = o.checksum;
+    engine::ContextSender* sender_ptr = nullptr;
+    so.on_request = [&](uint64_t id, uint64_t tokens, const Bytes&) {
+      // Stands in for prefill: the state is the oracle's.
+      auto a = pool.allocate(id, static_cast<uint32_t>(tokens));
+      if (!a.isOk()) return;  // the generation side times out; a real server would queue
+      (void)fillRank(pool.layout(), mem, RankIds{a->blocks, a->slot.value_or(0)}, id);
+      (void)sender_ptr->markReady(id);
+    };
+    auto sender = engine::ContextSender::create(so, &pool, std::move(*agent));
+    if (!sender.isOk()) return reportError(sender.status());
+    sender_ptr = sender->get();
+    std::printf("context rank %u listening on %s\n", o.rank, (*sender)->address().c_str());
+    std::fflush(stdout);
+    while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    (*sender)->shutdown();
+    std::printf("%s\n", (*sender)->metrics().toJson().c_str());
+    return 0;
+  }
+
+  engine::GenerationReceiver::Options ro;
+  ro.instance_id = "serve-gen";
+  ro.model = *model;
+  ro.parallel = pc;
+  ro.tp_rank = tp_rank;
+  ro.pp_rank = pp_rank;
+  ro.auth_token = o.token;
+  ro.checksum = o.checksum;
+  ro.ctx_parallel = ParallelConfig{o.peer_tp, o.peer_pp, {}};
+  ro.ctx_addresses = splitComma(o.peers);
+  ro.request_timeout = std::chrono::seconds(o.timeout_s);
+  auto rx = engine::GenerationReceiver::create(ro, &pool, std::move(*agent));
+  if (!rx.isOk()) return reportError(rx.status());
+  if (Status s = (*rx)->waitForPeers(engine::Clock::now() + std::chrono::seconds(o.timeout_s));
+      !s.isOk()) {
+    return reportError(s);
+  }
+  uint32_t ok = 0;
+  for (uint32_t id = 1; id <= o.requests && !g_stop; ++id) {
+    auto a = (*rx)->startRequest(id, o.tokens);
+    if (!a.isOk()) return reportError(a.status());
+    auto res = (*rx)->wait(id, engine::Clock::now() + std::chrono::seconds(o.timeout_s + 5));
+    if (!res.isOk()) return reportError(res.status());
+    if (res->status.isOk()) {
+      auto check = checkRank(pool.layout(), mem, RankIds{a->blocks, a->slot.value_or(0)}, id,
+                             BlockRange{0, static_cast<uint32_t>(a->blocks.size())});
+      if (check.isOk() && check->ok()) {
+        ++ok;
+      } else {
+        std::printf("request %u: %s\n", id,
+                    check.isOk() ? check->toString().c_str() : check.status().toString().c_str());
+      }
+    } else {
+      std::printf("request %u: %s\n", id, res->status.toString().c_str());
+    }
+    (void)(*rx)->release(id);
+  }
+  const auto m = (*rx)->metrics();
+  (*rx)->shutdown();
+  std::printf("%u of %u requests verified, %llu bytes, p50 %.1f us\n", ok, o.requests,
+              static_cast<unsigned long long>(m.bytes), m.latency.quantile(0.5).count() / 1e3);
+  return ok == o.requests ? 0 : 1;
+}
+
+}  // namespace
+
+void addServeCommand(CLI::App& app) {
+  auto* cmd = app.add_subcommand("serve", "Run one context or generation rank");
+  auto o = std::make_shared<ServeOptions>();
+  addModelOptions(cmd, &o->model);
+  cmd->add_option("--role", o->role, "context or generation")->required();
+  cmd->add_option("--tp", o->tp, "Tensor parallel size of this instance")->default_val(1);
+  cmd->add_option("--pp", o->pp, "Pipeline parallel size of this instance")->default_val(1);
+  cmd->add_option("--rank", o->rank, "Global rank in this instance (pp_rank * tp + tp_rank)")
+      ->default_val(0);
+  cmd->add_option("--listen", o->listen,
+                  "Listen address (shm: socket name; ucx: ip:port); empty picks one");
+  cmd->add_option("--peers", o->peers,
+                  "Generation: context rank addresses, comma-separated, in global rank order");
+  cmd->add_option("--peer-tp", o->peer_tp, "Generation: the context instance's tp")->default_val(1);
+  cmd->add_option("--peer-pp", o->peer_pp, "Generation: the context instance's pp")->default_val(1);
+  cmd->add_option("--backend", o->backend, "shm or ucx")->default_val("shm");
+  cmd->add_option("--layout", o->layout, "State layout: auto, paged, layer-major")
+      ->default_val("auto");
+  cmd->add_option("--token", o->token, "Shared secret both sides must present");
+  cmd->add_flag("--checksum", o->checksum, "End-to-end xxh3 checksum per request part");
+  cmd->add_option("--blocks", o->blocks, "KV blocks in this rank's pool")->default_val(1024);
+  cmd->add_option("--slots", o->slots, "State slots in this rank's pool")->default_val(64);
+  cmd->add_option("--requests", o->requests, "Generation: requests to run")->default_val(16);
+  cmd->add_option("--tokens", o->tokens, "Generation: tokens per request")->default_val(1000);
+  cmd->add_option("--timeout", o->timeout_s, "Seconds for connecting and per request")
+      ->default_val(60);
+  cmd->callback([o] {
+    const int rc = runServe(*o);
+    if (rc != 0) throw CLI::RuntimeError(rc);
+  });
+}
+
+}  // namespace hxfer::cli

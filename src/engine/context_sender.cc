@@ -1,0 +1,561 @@
+#include "engine/context_sender.h"
+
+#include <algorithm>
+
+#include "common/logging.h"
+#include "engine/handshake.h"
+
+namespace hxfer::engine {
+
+// One generation rank connected to us.
+struct ContextSender::Peer {
+  transport::PeerId id = 0;
+  bool ready = false;              // Hello accepted and answered
+  bool refused = false;            // refused; messages are ignored until it goes away
+  wire::RankInfo info;             // valid when ready
+  std::optional<Planner> planner;  // this rank -> that generation rank
+  uint32_t globalRank() const { return info.globalRank(); }
+};
+
+// One TransferRequest of one generation rank for one request.
+struct ContextSender::Ask {
+  enum class State { kWaiting, kPosted, kAnswered };
+  transport::PeerId peer = 0;
+  uint32_t gen_rank = 0;
+  wire::TransferRequest req;
+  State state = State::kWaiting;
+  bool peer_gone = false;
+  bool cancel_requested = false;  // by the generation rank
+  transport::Transfer transfer;
+  uint64_t bytes = 0;
+  std::optional<uint64_t> checksum;
+  Clock::time_point asked_at;
+};
+
+// Everything known about one request id on this rank.
+struct ContextSender::Source {
+  uint64_t id = 0;
+  bool ready = false;
+  bool owned = false;  // we hold the cache allocation and must free it
+  std::optional<Status> cancelled;
+  Clock::time_point created_at, ready_at;
+  std::vector<Ask> asks;
+  std::optional<std::vector<uint32_t>> expected;  // gen global ranks that will ask
+  std::set<uint32_t> finished;                    // gen ranks answered or gone
+  size_t postedCount() const {
+    return std::count_if(asks.begin(), asks.end(),
+                         [](const Ask& a) { return a.state == Ask::State::kPosted; });
+  }
+};
+
+StatusOr<std::unique_ptr<ContextSender>> ContextSender::create(
+    Options options, HybridCacheManager* cache, std::unique_ptr<transport::Agent> agent) {
+  if (cache == nullptr || agent == nullptr) return InvalidArgument("cache and agent are required");
+  const RankLayout& layout = cache->layout();
+  if (layout.tp != options.parallel.tp || layout.pp != options.parallel.pp ||
+      layout.tp_rank != options.tp_rank || layout.pp_rank != options.pp_rank) {
+    return InvalidArgument(
+        "cache layout rank " + rankName(layout) + " of tp=" + std::to_string(layout.tp) +
+        " pp=" + std::to_string(layout.pp) + " does not match the options' rank");
+  }
+  std::unique_ptr<ContextSender> s(new ContextSender(std::move(options), cache, std::move(agent)));
+  s->self_.instance_id = s->options_.instance_id;
+  s->self_.role = wire::InstanceRole::kContext;
+  const std::string addr = s->agent_->localAddress();
+  s->self_.address.assign(addr.begin(), addr.end());
+  s->self_.layout = layout;
+  for (const auto& region : cache->regions()) {
+    ASSIGN_OR_RETURN(Bytes key, s->agent_->registerRegion(*region));
+    if (!key.empty()) s->self_.region_keys.push_back({region->id(), std::move(key)});
+  }
+  RETURN_IF_ERROR(wire::checkRankInfo(s->self_).withContext("own rank_info"));
+  s->memory_ = cacheMemory(*cache);
+  s->thread_ = std::thread([p = s.get()] { p->run(); });
+  return s;
+}
+
+ContextSender::ContextSender(Options options, HybridCacheManager* cache,
+                             std::unique_ptr<transport::Agent> agent)
+    : options_(std::move(options)), cache_(cache), agent_(std::move(agent)) {}
+
+ContextSender::~ContextSender() { shutdown(); }
+
+std::string ContextSender::address() const { return agent_->localAddress(); }
+
+MetricsSnapshot ContextSender::metrics() const { return metrics_.snapshot(); }
+
+size_t ContextSender::heldRequests() const {
+  std::lock_guard lock(mu_);
+  return std::count_if(sources_.begin(), sources_.end(),
+                       [](const auto& kv) { return kv.second->owned; });
+}
+
+size_t ContextSender::connectedPeers() const {
+  std::lock_guard lock(mu_);
+  return std::count_if(peers_.begin(), peers_.end(),
+                       [](const auto& kv) { return kv.second->ready; });
+}
+
+Status ContextSender::markReady(uint64_t request_id) {
+  RETURN_IF_ERROR(cache_->find(request_id).status());
+  std::lock_guard lock(mu_);
+  if (auto t = tombstones_.find(request_id); t != tombstones_.end()) {
+    if (t->second.status.code() == StatusCode::kCancelled) {
+      // The tombstone stays: a TransferRequest still on its way must hear "cancelled" too.
+      (void)cache_->free(request_id);
+      return Cancelled("request " + std::to_string(request_id) + " was cancelled before ready");
+    }
+  }
+  auto& slot = sources_[request_id];
+  if (!slot) {
+    slot = std::make_unique<Source>();
+    slot->id = request_id;
+    slot->created_at = Clock::now();
+  }
+  Source& src = *slot;
+  if (src.ready) {
+    return InvalidArgument("request " + std::to_string(request_id) + " is already marked ready");
+  }
+  src.ready = true;
+  src.owned = true;
+  src.ready_at = Clock::now();
+  tryStartLocked(src);
+  maybeFinishLocked(request_id);
+  return OkStatus();
+}
+
+Status ContextSender::cancel(uint64_t request_id) {
+  std::lock_guard lock(mu_);
+  const Status why = Cancelled("request " + std::to_string(request_id) + " cancelled by context");
+  auto it = sources_.find(request_id);
+  if (it == sources_.end()) {
+    tombstones_[request_id] = {why, Clock::now() + 2 * options_.lease_timeout};
+    return OkStatus();
+  }
+  cancelLocked(*it->second, why);
+  maybeFinishLocked(request_id);
+  return OkStatus();
+}
+
+void ContextSender::cancelLocked(Source& src, const Status& why) {
+  if (src.cancelled) return;
+  src.cancelled = why;
+  for (Ask& a : src.asks) {
+    if (a.state == Ask::State::kWaiting) {
+      answerLocked(src, a, why, 0, std::nullopt);
+    } else if (a.state == Ask::State::kPosted) {
+      a.transfer.cancel();
+    }
+  }
+  freePagesLocked(src);
+  tombstones_[src.id] = {why, Clock::now() + 2 * options_.lease_timeout};
+}
+
+void ContextSender::freePagesLocked(Source& src) {
+  if (!src.owned) return;
+  src.owned = false;
+  if (src.postedCount() > 0) metrics_.quarantined();
+  if (Status s = cache_->free(src.id); !s.isOk()) {
+    HXFER_LOG_ERROR("context: freeing request {}: {}", src.id, s.toString());
+  }
+}
+
+void ContextSender::maybeFinishLocked(uint64_t request_id) {
+  auto it = sources_.find(request_id);
+  if (it == sources_.end()) return;
+  Source& src = *it->second;
+  if (src.postedCount() > 0) return;
+  if (src.owned && src.expected) {
+    const bool all = std::all_of(src.expected->begin(), src.expected->end(),
+                                 [&](uint32_t r) { return src.finished.count(r) > 0; });
+    if (all) freePagesLocked(src);
+  }
+  const bool pending = std::any_of(src.asks.begin(), src.asks.end(), [](const Ask& a) {
+    return a.state != Ask::State::kAnswered && !a.peer_gone;
+  });
+  if (!src.owned && !pending && (src.ready || src.cancelled)) sources_.erase(it);
+}
+
+void ContextSender::sendLocked(transport::PeerId peer, const wire::Message& m) {
+  if (Status s = wire::checkMessage(m); !s.isOk()) {
+    HXFER_LOG_ERROR("context: not sending invalid {}: {}", wire::summarize(m), s.toString());
+    return;
+  }
+  const Bytes frame = wire::encodeMessage(m);
+  if (Status s = agent_->sendMessage(peer, frame); !s.isOk()) {
+    HXFER_LOG_WARN("context: send {} to peer {}: {}", wire::summarize(m), peer, s.toString());
+  }
+}
+
+void ContextSender::refuseLocked(Peer& peer, const Status& why) {
+  HXFER_LOG_WARN("context rank {}: refusing generation peer {}: {}", rankName(self_.layout),
+                 peer.id, why.toString());
+  metrics_.handshake(false);
+  peer.refused = true;
+  peer.ready = false;
+  sendLocked(peer.id, wire::Error{why});
+  (void)agent_->disconnect(peer.id);
+}
+
+void ContextSender::onHelloLocked(Peer& peer, wire::Hello hello) {
+  if (peer.ready) {
+    refuseLocked(peer, InvalidArgument("second hello on one connection"));
+    return;
+  }
+  if (hello.auth_token != options_.auth_token) {
+    refuseLocked(peer, Incompatible("auth token mismatch"));
+    return;
+  }
+  if (hello.rank_info.role != wire::InstanceRole::kGeneration) {
+    refuseLocked(peer, Incompatible("peer role " +
+                                    std::string(wire::instanceRoleName(hello.rank_info.role)) +
+                                    " != generation"));
+    return;
+  }
+  auto planner = Planner::createForSource(self_.layout, hello.rank_info.layout);
+  if (!planner.isOk()) {
+    refuseLocked(peer, planner.status());
+    return;
+  }
+  for (const RegionSpec& r : hello.rank_info.layout.regions) {
+    const Bytes* key = hello.rank_info.findKey(r.id);
+    Status s = agent_->addRemoteRegion(
+        peer.id, r.id, r.length, key ? std::span<const uint8_t>(*key) : std::span<const uint8_t>());
+    if (!s.isOk()) {
+      refuseLocked(peer, s.withContext("region " + std::to_string(r.id)));
+      return;
+    }
+  }
+  peer.info = std::move(hello.rank_info);
+  peer.planner = std::move(*planner);
+  peer.ready = true;
+  metrics_.handshake(true);
+  HXFER_LOG_INFO("context rank {}: generation rank {} of '{}' connected", rankName(self_.layout),
+                 rankName(peer.info.layout), peer.info.instance_id);
+  sendLocked(peer.id, wire::Hello{self_, options_.auth_token});
+}
+
+void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
+                                    std::vector<Callback>* callbacks) {
+  const uint64_t id = req.request_id;
+  Ask ask;
+  ask.peer = peer.id;
+  ask.gen_rank = peer.globalRank();
+  ask.asked_at = Clock::now();
+  metrics_.requestStarted();
+  if (auto t = tombstones_.find(id); t != tombstones_.end()) {
+    wire::TransferDone done{id, t->second.status, 0, std::nullopt};
+    sendLocked(peer.id, done);
+    metrics_.requestFailed(causeOf(t->second.status));
+    return;
+  }
+  auto& slot = sources_[id];
+  if (!slot) {
+    slot = std::make_unique<Source>();
+    slot->id = id;
+    slot->created_at = Clock::now();
+  }
+  Source& src = *slot;
+  const bool first = src.asks.empty();
+  if (!src.expected) {
+    auto expected = overlappingGenerationRanks(options_.model, self_.layout, peer.info.layout);
+    if (expected.isOk()) {
+      src.expected = std::move(*expected);
+    } else {
+      HXFER_LOG_WARN("context: cannot work out the generation ranks of request {}: {}", id,
+                     expected.status().toString());
+    }
+  }
+  if (first && options_.on_request) {
+    callbacks->push_back(
+        [cb = options_.on_request, id, n = req.num_tokens, aux = req.aux] { cb(id, n, aux); });
+  }
+  ask.req = std::move(req);
+  src.asks.push_back(std::move(ask));
+  tryStartLocked(src);
+  maybeFinishLocked(id);
+}
+
+void ContextSender::tryStartLocked(Source& src) {
+  if (!src.ready || src.cancelled || !src.owned) return;
+  for (Ask& a : src.asks) {
+    if (a.state == Ask::State::kWaiting && !a.peer_gone) startAskLocked(src, a);
+  }
+}
+
+void ContextSender::startAskLocked(Source& src, Ask& ask) {
+  auto pit = peers_.find(ask.peer);
+  if (pit == peers_.end() || !pit->second->ready) {
+    ask.peer_gone = true;
+    src.finished.insert(ask.gen_rank);
+    return;
+  }
+  Peer& peer = *pit->second;
+  const wire::TransferRequest& req = ask.req;
+  if (Status s = wire::checkDestination(req, peer.info.layout); !s.isOk()) {
+    HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", src.id, ask.peer,
+                   s.toString());
+    answerLocked(src, ask, s, 0, std::nullopt);
+    return;
+  }
+  auto alloc = cache_->find(src.id);
+  if (!alloc.isOk()) {
+    answerLocked(src, ask, alloc.status(), 0, std::nullopt);
+    return;
+  }
+  RankIds src_ids{alloc->blocks, alloc->slot.value_or(0)};
+  RankIds dst_ids{req.dst_block_ids, req.dst_slot.value_or(0)};
+  const uint32_t n = static_cast<uint32_t>(req.dst_block_ids.size());
+  BlockRange range{req.first_block, n - req.first_block};
+  auto plan = peer.planner->planRank(0, src_ids, dst_ids, range);
+  if (!plan.isOk()) {
+    HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", src.id, ask.peer,
+                   plan.status().toString());
+    answerLocked(src, ask, plan.status(), 0, std::nullopt);
+    return;
+  }
+  if (plan->ops.empty()) {
+    answerLocked(src, ask, OkStatus(), 0, std::nullopt);
+    return;
+  }
+  if (options_.checksum) {
+    auto sum = checksumOps(plan->ops, memory_, /*source=*/true);
+    if (!sum.isOk()) {
+      answerLocked(src, ask, sum.status(), 0, std::nullopt);
+      return;
+    }
+    ask.checksum = *sum;
+  }
+  if (Status s = cache_->beginTransfer(src.id); !s.isOk()) {
+    answerLocked(src, ask, s, 0, std::nullopt);
+    return;
+  }
+  std::vector<transport::WriteOp> ops;
+  ops.reserve(plan->ops.size());
+  for (const CopyOp& op : plan->ops) {
+    ops.push_back({op.src_region, op.src_offset, op.dst_region, op.dst_offset, op.bytes});
+  }
+  auto t = agent_->postWrite(ask.peer, std::move(ops));
+  if (!t.isOk()) {
+    (void)cache_->endTransfer(src.id);
+    answerLocked(src, ask, t.status(), 0, std::nullopt);
+    return;
+  }
+  metrics_.opsPosted(plan->ops.size());
+  ask.transfer = *t;
+  ask.bytes = plan->bytes;
+  ask.state = Ask::State::kPosted;
+}
+
+void ContextSender::answerLocked(Source& src, Ask& ask, const Status& status, uint64_t bytes,
+                                 std::optional<uint64_t> checksum) {
+  ask.state = Ask::State::kAnswered;
+  src.finished.insert(ask.gen_rank);
+  if (status.isOk()) {
+    const auto start = std::max(ask.asked_at, src.ready_at);
+    metrics_.requestOk(bytes, Clock::now() - start);
+  } else {
+    metrics_.requestFailed(causeOf(status));
+  }
+  if (ask.peer_gone) return;
+  sendLocked(ask.peer,
+             wire::TransferDone{src.id, status, bytes, status.isOk() ? checksum : std::nullopt});
+}
+
+void ContextSender::onCancelLocked(Peer& peer, const wire::Cancel& cancel) {
+  auto it = sources_.find(cancel.request_id);
+  const bool asked =
+      it != sources_.end() && std::any_of(it->second->asks.begin(), it->second->asks.end(),
+                                          [&](const Ask& a) { return a.peer == peer.id; });
+  if (!asked) {
+    // Messages from one peer arrive in order, so its TransferRequest was lost (or answered and
+    // forgotten already). Answer anyway: the generation rank holds the request's pages in
+    // flight until a Done arrives, and a duplicate Done is ignored there.
+    sendLocked(peer.id, wire::TransferDone{cancel.request_id,
+                                           Cancelled("cancel of a request this rank never got"),
+                                           0, std::nullopt});
+    return;
+  }
+  Source& src = *it->second;
+  const Status why = Cancelled("cancelled by generation: " + cancel.reason);
+  for (Ask& a : src.asks) {
+    if (a.peer != peer.id) continue;
+    if (a.state == Ask::State::kWaiting) {
+      answerLocked(src, a, why, 0, std::nullopt);
+    } else if (a.state == Ask::State::kPosted) {
+      a.cancel_requested = true;
+      a.transfer.cancel();
+    }
+  }
+  maybeFinishLocked(cancel.request_id);
+}
+
+void ContextSender::onPeerLostLocked(transport::PeerId id) {
+  auto pit = peers_.find(id);
+  if (pit == peers_.end()) return;
+  if (pit->second->ready) {
+    metrics_.peerLost();
+    HXFER_LOG_INFO("context rank {}: generation rank {} gone", rankName(self_.layout),
+                   rankName(pit->second->info.layout));
+  }
+  std::vector<uint64_t> touched;
+  for (auto& [rid, src] : sources_) {
+    for (Ask& a : src->asks) {
+      if (a.peer != id || a.peer_gone) continue;
+      a.peer_gone = true;
+      if (a.state == Ask::State::kWaiting) {
+        a.state = Ask::State::kAnswered;
+        metrics_.requestFailed(FailureCause::kPeerLost);
+      }
+      src->finished.insert(a.gen_rank);
+      touched.push_back(rid);
+    }
+  }
+  peers_.erase(pit);
+  for (uint64_t rid : touched) maybeFinishLocked(rid);
+}
+
+void ContextSender::handleEventLocked(transport::Event& ev, std::vector<Callback>* callbacks) {
+  using Kind = transport::Event::Kind;
+  if (ev.kind == Kind::kPeerLost) {
+    onPeerLostLocked(ev.peer);
+    return;
+  }
+  auto& slot = peers_[ev.peer];
+  if (!slot) {
+    slot = std::make_unique<Peer>();
+    slot->id = ev.peer;
+  }
+  Peer& peer = *slot;
+  if (ev.kind == Kind::kPeerConnected || peer.refused) return;
+  auto msg = wire::decodeMessage(ev.payload);
+  if (!msg.isOk()) {
+    refuseLocked(peer, msg.status());
+    return;
+  }
+  if (auto* hello = std::get_if<wire::Hello>(&*msg)) {
+    onHelloLocked(peer, std::move(*hello));
+    return;
+  }
+  if (!peer.ready) {
+    refuseLocked(peer, InvalidArgument(std::string(wire::messageTypeName(wire::messageType(*msg))) +
+                                       " before hello"));
+    return;
+  }
+  if (auto* req = std::get_if<wire::TransferRequest>(&*msg)) {
+    onRequestLocked(peer, std::move(*req), callbacks);
+  } else if (auto* cancel = std::get_if<wire::Cancel>(&*msg)) {
+    onCancelLocked(peer, *cancel);
+  } else if (auto* error = std::get_if<wire::Error>(&*msg)) {
+    HXFER_LOG_WARN("context: generation peer {} reports: {}", peer.id, error->status.toString());
+  } else {
+    HXFER_LOG_WARN("context: unexpected {} from generation peer {}",
+                   wire::messageTypeName(wire::messageType(*msg)), peer.id);
+  }
+}
+
+void ContextSender::progressLocked() {
+  std::vector<uint64_t> touched;
+  for (auto& [rid, src] : sources_) {
+    for (Ask& a : src->asks) {
+      if (a.state != Ask::State::kPosted) continue;
+      const transport::TransferState st = a.transfer.poll();
+      if (st == transport::TransferState::kInProgress) continue;
+      (void)cache_->endTransfer(rid);
+      Status status = a.transfer.status();
+      if (src->cancelled) {
+        status = *src->cancelled;
+      } else if (a.cancel_requested) {
+        status = Cancelled("cancelled by generation");
+      }
+      answerLocked(*src, a, status, status.isOk() ? a.bytes : 0, a.checksum);
+      touched.push_back(rid);
+    }
+  }
+  for (uint64_t rid : touched) maybeFinishLocked(rid);
+}
+
+void ContextSender::timersLocked() {
+  const auto now = Clock::now();
+  std::vector<uint64_t> touched;
+  for (auto& [rid, src] : sources_) {
+    if (src->postedCount() > 0) continue;
+    if (src->ready && src->owned && now - src->ready_at > options_.lease_timeout) {
+      HXFER_LOG_WARN("context: lease of request {} expired ({} of {} generation ranks asked)", rid,
+                     src->finished.size(), src->expected ? src->expected->size() : 0);
+      metrics_.leaseExpired();
+      freePagesLocked(*src);
+      tombstones_[rid] = {Timeout("lease of request " + std::to_string(rid) + " expired"),
+                          now + 2 * options_.lease_timeout};
+      touched.push_back(rid);
+    } else if (!src->ready && !src->cancelled && now - src->created_at > options_.lease_timeout) {
+      const Status why = Timeout("request " + std::to_string(rid) +
+                                 " was not marked ready on the context rank in time");
+      for (Ask& a : src->asks) {
+        if (a.state == Ask::State::kWaiting) answerLocked(*src, a, why, 0, std::nullopt);
+      }
+      src->cancelled = why;
+      touched.push_back(rid);
+    }
+  }
+  for (uint64_t rid : touched) maybeFinishLocked(rid);
+  for (auto it = tombstones_.begin(); it != tombstones_.end();) {
+    it = now > it->second.until ? tombstones_.erase(it) : std::next(it);
+  }
+}
+
+bool ContextSender::anyInFlightLocked() const {
+  for (const auto& [rid, src] : sources_) {
+    if (src->postedCount() > 0) return true;
+  }
+  return false;
+}
+
+void ContextSender::run() {
+  bool busy = false;
+  while (true) {
+    auto ev = agent_->pollEvent(busy ? std::chrono::milliseconds(1) : options_.idle_poll);
+    std::vector<Callback> callbacks;
+    {
+      std::lock_guard lock(mu_);
+      if (stop_) break;
+      int drained = 0;
+      while (ev) {
+        handleEventLocked(*ev, &callbacks);
+        if (++drained >= 64) break;
+        ev = agent_->pollEvent(std::chrono::milliseconds(0));
+      }
+      progressLocked();
+      timersLocked();
+      busy = anyInFlightLocked();
+    }
+    for (auto& cb : callbacks) cb();
+  }
+}
+
+void ContextSender::shutdown() {
+  std::call_once(shutdown_once_, [this] {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+    std::lock_guard lock(mu_);
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    for (auto& [rid, src] : sources_) {
+      for (Ask& a : src->asks) {
+        if (a.state != Ask::State::kPosted) continue;
+        a.transfer.cancel();
+        (void)a.transfer.wait(deadline);
+        (void)cache_->endTransfer(rid);
+        a.state = Ask::State::kAnswered;
+      }
+      freePagesLocked(*src);
+    }
+    sources_.clear();
+    for (auto& [id, peer] : peers_) (void)agent_->disconnect(id);
+    peers_.clear();
+  });
+}
+
+}  // namespace hxfer::engine

@@ -1,0 +1,148 @@
+// ContextSender: the context (prefill) side of the transceiver for one rank (DESIGN §7).
+//
+// Generation ranks connect to this rank's transport agent and say Hello (RankInfo + token);
+// the sender checks the token and compatibility (plan::checkCompatible), declares the peer's
+// regions to the agent and answers with its own Hello. Per request it then waits for two
+// things, in either order: the serving code's markReady(id) (prefill state is in the pages the
+// cache manager allocated for `id`) and a TransferRequest from each generation rank whose
+// layers and units overlap this rank. With both, it plans (Planner::createForSource, cached per
+// peer), posts the writes, waits for remote completion and sends TransferDone — a Done with ok
+// status means the bytes landed.
+//
+// Ownership of the request's pages: from markReady(id) the sender owns the allocation of `id`
+// in the cache manager and frees it when every overlapping generation rank has been answered
+// (or is gone), on cancel(id), or when the lease expires (nobody asked within lease_timeout;
+// counted as leases_expired). Pages with writes in flight are gated through the cache manager
+// (beginTransfer/endTransfer): a free while in flight parks them in quarantine until the write
+// reaches a terminal state.
+//
+// Cancellation: cancel(id) from the serving code, or a Cancel message from a generation rank,
+// at any point. Best effort: a posted write is cancelled at the transport and still polled to
+// a terminal state; every TransferRequest gets exactly one TransferDone (Cancelled when the
+// request was cancelled), unless its peer is gone.
+//
+// A lost peer fails only its own request parts; the sender keeps serving the others and
+// accepts the peer again when it reconnects.
+//
+// Thread-safety: every public method may be called from any thread. A progress thread owned by
+// the sender handles transport events, transfer completion and timers; the `on_request`
+// callback runs on it (without the sender's lock held) and must not block for long.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/cache_manager.h"
+#include "common/status.h"
+#include "engine/metrics.h"
+#include "engine/options.h"
+#include "plan/memory.h"
+#include "plan/planner.h"
+#include "transport/transport.h"
+#include "wire/messages.h"
+
+namespace hxfer::engine {
+
+class ContextSender {
+ public:
+  struct Options : EngineOptions {
+    // Source pages of a request marked ready that not every overlapping generation rank asked
+    // for within this time are freed (counted in leases_expired). Also bounds how long a
+    // TransferRequest waits for markReady before it is answered with Timeout.
+    std::chrono::milliseconds lease_timeout{30000};
+    // Called on the progress thread when the first TransferRequest for a request id arrives,
+    // with the prompt length and the aux payload (opaque to hxfer). It may call markReady().
+    std::function<void(uint64_t request_id, uint64_t num_tokens, const Bytes& aux)> on_request;
+  };
+
+  // Registers every region of `cache` with `agent` and starts the progress thread.
+  // REQUIRES: `cache` outlives the sender; its layout is this rank's (options' model, parallel
+  // config and rank). Errors: region registration, an invalid layout for the options.
+  static StatusOr<std::unique_ptr<ContextSender>> create(Options options, HybridCacheManager* cache,
+                                                         std::unique_ptr<transport::Agent> agent);
+  ~ContextSender();  // shutdown()
+  ContextSender(const ContextSender&) = delete;
+  ContextSender& operator=(const ContextSender&) = delete;
+
+  // The address generation ranks connect to.
+  std::string address() const;
+
+  // The prefill state of `request_id` is in its pages: the sender takes ownership of the
+  // allocation. NotFound when the cache manager does not know `request_id`; InvalidArgument
+  // when it was already marked; Cancelled (and the pages are freed) when it was cancelled
+  // before.
+  Status markReady(uint64_t request_id);
+
+  // Cancels `request_id` at any point (before markReady too: a later markReady then frees the
+  // pages and returns Cancelled). Always ok; idempotent.
+  Status cancel(uint64_t request_id);
+
+  MetricsSnapshot metrics() const;
+  // Requests whose pages the sender still owns (marked ready, not yet freed).
+  size_t heldRequests() const;
+  // Generation peers whose handshake completed and which are still connected.
+  size_t connectedPeers() const;
+
+  // Stops the progress thread, cancels writes in flight and waits for them (bounded), frees
+  // every request the sender owns and disconnects every peer. Idempotent.
+  void shutdown();
+
+ private:
+  struct Peer;
+  struct Ask;
+  struct Source;
+  struct Tombstone {
+    Status status;
+    Clock::time_point until;
+  };
+  using Callback = std::function<void()>;
+
+  ContextSender(Options options, HybridCacheManager* cache,
+                std::unique_ptr<transport::Agent> agent);
+  void run();
+  // All *Locked methods REQUIRE mu_ held; they may queue callbacks to run after unlocking.
+  void handleEventLocked(transport::Event& event, std::vector<Callback>* callbacks);
+  void onHelloLocked(Peer& peer, wire::Hello hello);
+  void onRequestLocked(Peer& peer, wire::TransferRequest req, std::vector<Callback>* callbacks);
+  void onCancelLocked(Peer& peer, const wire::Cancel& cancel);
+  void onPeerLostLocked(transport::PeerId id);
+  void tryStartLocked(Source& src);
+  void startAskLocked(Source& src, Ask& ask);
+  void answerLocked(Source& src, Ask& ask, const Status& status, uint64_t bytes,
+                    std::optional<uint64_t> checksum);
+  void progressLocked();
+  void timersLocked();
+  void cancelLocked(Source& src, const Status& why);
+  void freePagesLocked(Source& src);
+  // Frees the pages once every expected rank is answered, and forgets a finished source.
+  void maybeFinishLocked(uint64_t request_id);
+  void sendLocked(transport::PeerId peer, const wire::Message& m);
+  void refuseLocked(Peer& peer, const Status& why);
+  bool anyInFlightLocked() const;
+
+  const Options options_;
+  HybridCacheManager* const cache_;
+  std::unique_ptr<transport::Agent> agent_;
+  wire::RankInfo self_;  // fixed after create()
+  RankMemory memory_;    // fixed after create()
+
+  mutable std::mutex mu_;
+  bool stop_ = false;                                                   // guarded by mu_
+  std::unordered_map<transport::PeerId, std::unique_ptr<Peer>> peers_;  // guarded by mu_
+  std::unordered_map<uint64_t, std::unique_ptr<Source>> sources_;       // guarded by mu_
+  std::unordered_map<uint64_t, Tombstone> tombstones_;                  // guarded by mu_
+  Metrics metrics_;
+  std::thread thread_;
+  std::once_flag shutdown_once_;
+};
+
+}  // namespace hxfer::engine

@@ -1,0 +1,623 @@
+#include "engine/generation_receiver.h"
+
+#include <algorithm>
+
+#include "common/logging.h"
+#include "engine/handshake.h"
+
+namespace hxfer::engine {
+
+// One context rank this rank talks to.
+struct GenerationReceiver::CtxPeer {
+  enum class State { kIdle, kConnecting, kHandshaking, kReady, kDown, kRefused };
+  uint32_t rank = 0;  // global rank in the context instance
+  std::string address;
+  State state = State::kIdle;
+  bool ever_ready = false;
+  transport::PeerId id = 0;
+  Clock::time_point next_attempt{}, handshake_deadline{};
+  Status last_error;
+  wire::RankInfo info;             // valid when ready
+  std::optional<Planner> planner;  // that context rank -> this rank (checksums)
+};
+
+// One context rank's part of one request.
+struct GenerationReceiver::Part {
+  enum class State { kQueued, kSent, kOk, kFailed };
+  size_t peer = 0;  // index into peers_
+  State state = State::kQueued;
+  bool in_flight = false;  // holds a transfer in the cache manager
+  uint64_t bytes = 0;
+};
+
+struct GenerationReceiver::Sink {
+  uint64_t id = 0;
+  Allocation alloc;
+  uint32_t first_block = 0;
+  Bytes aux;
+  Clock::time_point start, deadline;
+  std::vector<Part> parts;
+  RequestResult result;
+  bool pages_freed = false;  // by the receiver (failure) or release()
+  bool released = false;     // forgotten by the caller; kept while parts are in flight
+  bool anyInFlight() const {
+    return std::any_of(parts.begin(), parts.end(), [](const Part& p) { return p.in_flight; });
+  }
+};
+
+StatusOr<std::unique_ptr<GenerationReceiver>> GenerationReceiver::create(
+    Options options, HybridCacheManager* cache, std::unique_ptr<transport::Agent> agent) {
+  if (cache == nullptr || agent == nullptr) return InvalidArgument("cache and agent are required");
+  const RankLayout& layout = cache->layout();
+  if (layout.tp != options.parallel.tp || layout.pp != options.parallel.pp ||
+      layout.tp_rank != options.tp_rank || layout.pp_rank != options.pp_rank) {
+    return InvalidArgument("cache layout rank " + rankName(layout) +
+                           " does not match the options' rank");
+  }
+  if (options.ctx_addresses.size() != options.ctx_parallel.worldSize()) {
+    return InvalidArgument(
+        "ctx_addresses has " + std::to_string(options.ctx_addresses.size()) +
+        " entries, context tp*pp=" + std::to_string(options.ctx_parallel.worldSize()));
+  }
+  ASSIGN_OR_RETURN(std::vector<uint32_t> ranks,
+                   overlappingContextRanks(options.model, options.ctx_parallel, layout));
+  std::unique_ptr<GenerationReceiver> g(
+      new GenerationReceiver(std::move(options), cache, std::move(agent)));
+  g->ctx_ranks_ = std::move(ranks);
+  g->self_.instance_id = g->options_.instance_id;
+  g->self_.role = wire::InstanceRole::kGeneration;
+  const std::string addr = g->agent_->localAddress();
+  g->self_.address.assign(addr.begin(), addr.end());
+  g->self_.layout = layout;
+  for (const auto& region : cache->regions()) {
+    ASSIGN_OR_RETURN(Bytes key, g->agent_->registerRegion(*region));
+    if (!key.empty()) g->self_.region_keys.push_back({region->id(), std::move(key)});
+  }
+  RETURN_IF_ERROR(wire::checkRankInfo(g->self_).withContext("own rank_info"));
+  g->memory_ = cacheMemory(*cache);
+  for (uint32_t r : g->ctx_ranks_) {
+    auto p = std::make_unique<CtxPeer>();
+    p->rank = r;
+    p->address = g->options_.ctx_addresses[r];
+    g->peers_.push_back(std::move(p));
+  }
+  g->thread_ = std::thread([p = g.get()] { p->run(); });
+  return g;
+}
+
+GenerationReceiver::GenerationReceiver(Options options, HybridCacheManager* cache,
+                                       std::unique_ptr<transport::Agent> agent)
+    : options_(std::move(options)), cache_(cache), agent_(std::move(agent)) {}
+
+GenerationReceiver::~GenerationReceiver() { shutdown(); }
+
+MetricsSnapshot GenerationReceiver::metrics() const { return metrics_.snapshot(); }
+
+size_t GenerationReceiver::activeRequests() const {
+  std::lock_guard lock(mu_);
+  return std::count_if(sinks_.begin(), sinks_.end(),
+                       [](const auto& kv) { return !kv.second->result.terminal(); });
+}
+
+GenerationReceiver::CtxPeer* GenerationReceiver::peerById(transport::PeerId id) {
+  for (auto& p : peers_) {
+    if (p->id == id &&
+        (p->state == CtxPeer::State::kHandshaking || p->state == CtxPeer::State::kReady)) {
+      return p.get();
+    }
+  }
+  return nullptr;
+}
+
+Status GenerationReceiver::waitForPeers(Clock::time_point deadline) {
+  std::unique_lock lock(mu_);
+  while (true) {
+    bool all = true;
+    for (const auto& p : peers_) {
+      if (p->state == CtxPeer::State::kRefused) {
+        return p->last_error.withContext("context rank " + std::to_string(p->rank));
+      }
+      all &= p->state == CtxPeer::State::kReady;
+    }
+    if (all) return OkStatus();
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+      std::string missing;
+      for (const auto& p : peers_) {
+        if (p->state != CtxPeer::State::kReady) {
+          missing += " " + std::to_string(p->rank) +
+                     (p->last_error.isOk() ? "" : " (" + p->last_error.toString() + ")");
+        }
+      }
+      return Timeout("context ranks not connected:" + missing);
+    }
+  }
+}
+
+void GenerationReceiver::sendLocked(transport::PeerId peer, const wire::Message& m) {
+  if (Status s = agent_->sendMessage(peer, wire::encodeMessage(m)); !s.isOk()) {
+    HXFER_LOG_WARN("generation: send {} to peer {}: {}", wire::summarize(m), peer, s.toString());
+  }
+}
+
+StatusOr<Allocation> GenerationReceiver::startRequest(uint64_t request_id, uint32_t num_tokens,
+                                                      uint32_t prefix_tokens, Bytes aux) {
+  std::lock_guard lock(mu_);
+  if (stop_) return Unavailable("receiver is shut down");
+  if (sinks_.count(request_id)) {
+    return InvalidArgument("request " + std::to_string(request_id) + " is already known");
+  }
+  if (aux.size() > wire::kMaxAuxBytes) {
+    return InvalidArgument("aux is " + std::to_string(aux.size()) + " bytes, limit " +
+                           std::to_string(wire::kMaxAuxBytes));
+  }
+  for (const auto& p : peers_) {
+    if (p->state == CtxPeer::State::kRefused) {
+      return p->last_error.withContext("context rank " + std::to_string(p->rank));
+    }
+    if (p->ever_ready && p->state != CtxPeer::State::kReady) {
+      return Unavailable("context rank " + std::to_string(p->rank) + " is down");
+    }
+  }
+  metrics_.requestStarted();
+  auto alloc = cache_->allocate(request_id, num_tokens);
+  if (!alloc.isOk()) {
+    metrics_.requestFailed(causeOf(alloc.status()));
+    return alloc.status();
+  }
+  auto sink = std::make_unique<Sink>();
+  sink->id = request_id;
+  sink->alloc = *alloc;
+  const uint32_t tpb = self_.layout.tokens_per_block;
+  sink->first_block = std::min<uint32_t>(prefix_tokens / tpb, sink->alloc.blocks.size());
+  sink->aux = std::move(aux);
+  sink->start = Clock::now();
+  sink->deadline = sink->start + options_.request_timeout;
+  for (size_t i = 0; i < peers_.size(); ++i) sink->parts.push_back(Part{i});
+  Sink& s = *sink;
+  sinks_[request_id] = std::move(sink);
+  for (Part& part : s.parts) {
+    CtxPeer& peer = *peers_[part.peer];
+    if (peer.state == CtxPeer::State::kReady && !s.result.terminal()) sendPartLocked(s, part, peer);
+  }
+  completeIfDoneLocked(s);
+  return *alloc;
+}
+
+void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
+  if (Status st = cache_->beginTransfer(sink.id); !st.isOk()) {
+    part.state = Part::State::kFailed;
+    failLocked(sink, st, causeOf(st));
+    return;
+  }
+  part.in_flight = true;
+  part.state = Part::State::kSent;
+  wire::TransferRequest req;
+  req.request_id = sink.id;
+  req.gen_tp_rank = self_.layout.tp_rank;
+  req.gen_pp_rank = self_.layout.pp_rank;
+  req.dst_block_ids = sink.alloc.blocks;
+  req.dst_slot = sink.alloc.slot;
+  req.first_block = sink.first_block;
+  req.num_tokens = sink.alloc.num_tokens;
+  req.aux = sink.aux;
+  if (Status st = agent_->sendMessage(peer.id, wire::encodeMessage(req)); !st.isOk()) {
+    endPartLocked(sink, part);
+    part.state = Part::State::kFailed;
+    failLocked(sink, st.withContext("context rank " + std::to_string(peer.rank)),
+               FailureCause::kPeerLost);
+  }
+}
+
+void GenerationReceiver::endPartLocked(Sink& sink, Part& part) {
+  if (!part.in_flight) return;
+  part.in_flight = false;
+  if (Status s = cache_->endTransfer(sink.id); !s.isOk()) {
+    HXFER_LOG_ERROR("generation: endTransfer of request {}: {}", sink.id, s.toString());
+  }
+}
+
+void GenerationReceiver::failLocked(Sink& sink, const Status& status, FailureCause cause) {
+  if (sink.result.terminal()) return;
+  sink.result.state = RequestResult::State::kFailed;
+  sink.result.status = status;
+  sink.result.latency = Clock::now() - sink.start;
+  metrics_.requestFailed(cause);
+  for (Part& p : sink.parts) {
+    if (p.state == Part::State::kQueued) {
+      p.state = Part::State::kFailed;
+    } else if (p.state == Part::State::kSent) {
+      CtxPeer& peer = *peers_[p.peer];
+      if (peer.state == CtxPeer::State::kReady) {
+        sendLocked(peer.id, wire::Cancel{sink.id, status.toString()});
+      }
+    }
+  }
+  if (!sink.pages_freed) {
+    sink.pages_freed = true;
+    if (sink.anyInFlight()) metrics_.quarantined();
+    if (Status s = cache_->free(sink.id); !s.isOk()) {
+      HXFER_LOG_ERROR("generation: freeing request {}: {}", sink.id, s.toString());
+    }
+  }
+  HXFER_LOG_INFO("generation: request {} failed: {}", sink.id, status.toString());
+  cv_.notify_all();
+}
+
+void GenerationReceiver::completeIfDoneLocked(Sink& sink) {
+  if (sink.result.terminal()) return;
+  uint64_t total = 0;
+  for (const Part& p : sink.parts) {
+    if (p.state != Part::State::kOk) return;
+    total += p.bytes;
+  }
+  const uint64_t blocks = sink.alloc.blocks.size() - sink.first_block;
+  const uint64_t expected =
+      blocks * self_.layout.kvBytesPerBlock() + self_.layout.stateBytesPerSlot();
+  if (total != expected) {
+    failLocked(sink,
+               Internal("request " + std::to_string(sink.id) + " received " +
+                        std::to_string(total) + " bytes, expected " + std::to_string(expected)),
+               FailureCause::kOther);
+    return;
+  }
+  sink.result.state = RequestResult::State::kDone;
+  sink.result.status = OkStatus();
+  sink.result.bytes = total;
+  sink.result.latency = Clock::now() - sink.start;
+  metrics_.requestOk(total, sink.result.latency);
+  cv_.notify_all();
+}
+
+Status GenerationReceiver::verifyChecksumLocked(const Sink& sink, const CtxPeer& peer,
+                                                uint64_t expected) const {
+  const RankLayout& ctx = peer.info.layout;
+  RankIds src;
+  for (size_t i = 0; i < sink.alloc.blocks.size(); ++i) {
+    src.blocks.push_back(ctx.num_blocks ? static_cast<uint32_t>(i % ctx.num_blocks) : 0);
+  }
+  RankIds dst{sink.alloc.blocks, sink.alloc.slot.value_or(0)};
+  BlockRange range{sink.first_block,
+                   static_cast<uint32_t>(sink.alloc.blocks.size()) - sink.first_block};
+  ASSIGN_OR_RETURN(RankPlan plan, peer.planner->planRank(0, src, dst, range));
+  ASSIGN_OR_RETURN(uint64_t got, checksumOps(std::move(plan.ops), memory_, /*source=*/false));
+  if (got != expected) {
+    return Corruption("request " + std::to_string(sink.id) + " from context rank " +
+                      std::to_string(peer.rank) + ": checksum sent " + std::to_string(expected) +
+                      " != received " + std::to_string(got));
+  }
+  return OkStatus();
+}
+
+void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& done) {
+  auto it = sinks_.find(done.request_id);
+  if (it == sinks_.end()) return;
+  Sink& sink = *it->second;
+  Part* part = nullptr;
+  for (Part& p : sink.parts) {
+    if (peers_[p.peer].get() == &peer && p.state == Part::State::kSent) part = &p;
+  }
+  if (part == nullptr) return;  // a duplicate answer (e.g. to a Cancel that crossed the Done)
+  endPartLocked(sink, *part);
+  part->state = done.status.isOk() ? Part::State::kOk : Part::State::kFailed;
+  part->bytes = done.bytes;
+  if (sink.result.terminal()) {
+    if (sink.released && !sink.anyInFlight()) sinks_.erase(it);
+    return;
+  }
+  if (!done.status.isOk()) {
+    failLocked(sink, done.status.withContext("context rank " + std::to_string(peer.rank)),
+               causeOf(done.status));
+    return;
+  }
+  if (options_.checksum && done.checksum) {
+    if (Status s = verifyChecksumLocked(sink, peer, *done.checksum); !s.isOk()) {
+      part->state = Part::State::kFailed;
+      failLocked(sink, s, FailureCause::kChecksum);
+      return;
+    }
+  }
+  completeIfDoneLocked(sink);
+}
+
+void GenerationReceiver::peerDownLocked(CtxPeer& peer, const Status& why, bool final) {
+  const bool was_ready = peer.state == CtxPeer::State::kReady;
+  if (was_ready) metrics_.peerLost();
+  peer.last_error = why;
+  peer.state = final ? CtxPeer::State::kRefused
+                     : (peer.ever_ready ? CtxPeer::State::kDown : CtxPeer::State::kIdle);
+  peer.next_attempt = Clock::now() + options_.reconnect_interval;
+  const size_t index =
+      std::find_if(peers_.begin(), peers_.end(), [&](const auto& p) { return p.get() == &peer; }) -
+      peers_.begin();
+  std::vector<uint64_t> forget;
+  for (auto& [id, sink] : sinks_) {
+    for (Part& p : sink->parts) {
+      if (p.peer != index) continue;
+      if (p.state == Part::State::kSent) {
+        endPartLocked(*sink, p);
+        p.state = Part::State::kFailed;
+        failLocked(*sink, why.withContext("context rank " + std::to_string(peer.rank)),
+                   final ? FailureCause::kRefused : FailureCause::kPeerLost);
+      } else if (p.state == Part::State::kQueued && (final || peer.ever_ready)) {
+        p.state = Part::State::kFailed;
+        failLocked(*sink, why.withContext("context rank " + std::to_string(peer.rank)),
+                   final ? FailureCause::kRefused : FailureCause::kPeerLost);
+      }
+    }
+    if (sink->released && !sink->anyInFlight()) forget.push_back(id);
+  }
+  for (uint64_t id : forget) sinks_.erase(id);
+  cv_.notify_all();
+}
+
+void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
+  auto refuse = [&](const Status& why) {
+    HXFER_LOG_WARN("generation rank {}: refusing context rank {}: {}", rankName(self_.layout),
+                   peer.rank, why.toString());
+    metrics_.handshake(false);
+    sendLocked(peer.id, wire::Error{why});
+    (void)agent_->disconnect(peer.id);
+    peerDownLocked(peer, why, /*final=*/true);
+  };
+  if (peer.state != CtxPeer::State::kHandshaking) {
+    refuse(InvalidArgument("unexpected hello"));
+    return;
+  }
+  if (hello.auth_token != options_.auth_token) {
+    refuse(Incompatible("auth token mismatch"));
+    return;
+  }
+  const wire::RankInfo& info = hello.rank_info;
+  if (info.role != wire::InstanceRole::kContext) {
+    refuse(Incompatible("peer role " + std::string(wire::instanceRoleName(info.role)) +
+                        " != context"));
+    return;
+  }
+  if (info.layout.tp != options_.ctx_parallel.tp || info.layout.pp != options_.ctx_parallel.pp ||
+      info.globalRank() != peer.rank) {
+    refuse(Incompatible("peer at " + peer.address + " is rank " + rankName(info.layout) +
+                        " of tp=" + std::to_string(info.layout.tp) +
+                        " pp=" + std::to_string(info.layout.pp) + ", expected global rank " +
+                        std::to_string(peer.rank) +
+                        " of tp=" + std::to_string(options_.ctx_parallel.tp) +
+                        " pp=" + std::to_string(options_.ctx_parallel.pp)));
+    return;
+  }
+  auto planner = Planner::createForSource(info.layout, self_.layout);
+  if (!planner.isOk()) {
+    refuse(planner.status());
+    return;
+  }
+  if (peer.ever_ready) metrics_.reconnected();
+  peer.info = std::move(hello.rank_info);
+  peer.planner = std::move(*planner);
+  peer.state = CtxPeer::State::kReady;
+  peer.ever_ready = true;
+  peer.last_error = OkStatus();
+  metrics_.handshake(true);
+  HXFER_LOG_INFO("generation rank {}: context rank {} ready", rankName(self_.layout), peer.rank);
+  const size_t index =
+      std::find_if(peers_.begin(), peers_.end(), [&](const auto& p) { return p.get() == &peer; }) -
+      peers_.begin();
+  for (auto& [id, sink] : sinks_) {
+    if (sink->result.terminal()) continue;
+    for (Part& p : sink->parts) {
+      if (p.peer == index && p.state == Part::State::kQueued && !sink->result.terminal()) {
+        sendPartLocked(*sink, p, peer);
+      }
+    }
+  }
+  cv_.notify_all();
+}
+
+void GenerationReceiver::handleEventLocked(transport::Event& ev) {
+  using Kind = transport::Event::Kind;
+  CtxPeer* peer = peerById(ev.peer);
+  if (peer == nullptr) {
+    if (ev.kind == Kind::kPeerConnected) {
+      HXFER_LOG_WARN("generation: unexpected incoming peer {}; closing", ev.peer);
+      (void)agent_->disconnect(ev.peer);
+    }
+    return;
+  }
+  if (ev.kind == Kind::kPeerLost) {
+    HXFER_LOG_WARN("generation rank {}: context rank {} lost: {}", rankName(self_.layout),
+                   peer->rank, ev.status.toString());
+    peerDownLocked(*peer, Unavailable("connection lost: " + ev.status.message()), false);
+    return;
+  }
+  if (ev.kind != Kind::kMessage) return;
+  auto msg = wire::decodeMessage(ev.payload);
+  if (!msg.isOk()) {
+    HXFER_LOG_WARN("generation: undecodable message from context rank {}: {}", peer->rank,
+                   msg.status().toString());
+    sendLocked(peer->id, wire::Error{msg.status()});
+    (void)agent_->disconnect(peer->id);
+    peerDownLocked(*peer, msg.status(), false);
+    return;
+  }
+  if (auto* hello = std::get_if<wire::Hello>(&*msg)) {
+    onHelloLocked(*peer, std::move(*hello));
+  } else if (auto* done = std::get_if<wire::TransferDone>(&*msg)) {
+    onDoneLocked(*peer, *done);
+  } else if (auto* error = std::get_if<wire::Error>(&*msg)) {
+    HXFER_LOG_WARN("generation rank {}: context rank {} reports: {}", rankName(self_.layout),
+                   peer->rank, error->status.toString());
+    if (peer->state == CtxPeer::State::kHandshaking) {
+      metrics_.handshake(false);
+      (void)agent_->disconnect(peer->id);
+      peerDownLocked(*peer, error->status, /*final=*/true);
+    }
+  } else if (auto* cancel = std::get_if<wire::Cancel>(&*msg)) {
+    auto it = sinks_.find(cancel->request_id);
+    if (it != sinks_.end()) {
+      failLocked(*it->second, Cancelled("cancelled by context: " + cancel->reason),
+                 FailureCause::kCancelled);
+    }
+  }
+}
+
+void GenerationReceiver::connectDueLocked(std::unique_lock<std::mutex>& lock) {
+  const auto now = Clock::now();
+  for (size_t i = 0; i < peers_.size(); ++i) {
+    CtxPeer* p = peers_[i].get();
+    if ((p->state != CtxPeer::State::kIdle && p->state != CtxPeer::State::kDown) ||
+        now < p->next_attempt) {
+      continue;
+    }
+    const CtxPeer::State before = p->state;
+    p->state = CtxPeer::State::kConnecting;
+    const std::string address = p->address;
+    lock.unlock();
+    auto id = agent_->connect(address);
+    lock.lock();
+    p = peers_[i].get();
+    if (!id.isOk()) {
+      p->state = before;
+      p->last_error = id.status();
+      p->next_attempt = Clock::now() + options_.reconnect_interval;
+      HXFER_LOG_DEBUG("generation: connect to context rank {} at {}: {}", p->rank, address,
+                      id.status().toString());
+      continue;
+    }
+    if (stop_) {
+      (void)agent_->disconnect(*id);
+      return;
+    }
+    p->id = *id;
+    p->state = CtxPeer::State::kHandshaking;
+    p->handshake_deadline = Clock::now() + options_.handshake_timeout;
+    sendLocked(p->id, wire::Hello{self_, options_.auth_token});
+  }
+}
+
+void GenerationReceiver::timersLocked() {
+  const auto now = Clock::now();
+  for (auto& [id, sink] : sinks_) {
+    if (!sink->result.terminal() && now > sink->deadline) {
+      failLocked(*sink,
+                 Timeout("request " + std::to_string(id) + " not complete after " +
+                         std::to_string(options_.request_timeout.count()) + " ms"),
+                 FailureCause::kTimeout);
+    }
+  }
+  for (auto& p : peers_) {
+    if (p->state == CtxPeer::State::kHandshaking && now > p->handshake_deadline) {
+      (void)agent_->disconnect(p->id);
+      peerDownLocked(
+          *p, Timeout("handshake with context rank " + std::to_string(p->rank) + " timed out"),
+          false);
+    }
+  }
+}
+
+void GenerationReceiver::run() {
+  while (true) {
+    {
+      std::unique_lock lock(mu_);
+      if (stop_) break;
+      connectDueLocked(lock);
+      if (stop_) break;
+    }
+    auto ev = agent_->pollEvent(options_.idle_poll);
+    std::lock_guard lock(mu_);
+    if (stop_) break;
+    int drained = 0;
+    while (ev) {
+      handleEventLocked(*ev);
+      if (++drained >= 64) break;
+      ev = agent_->pollEvent(std::chrono::milliseconds(0));
+    }
+    timersLocked();
+  }
+}
+
+StatusOr<RequestResult> GenerationReceiver::poll(uint64_t request_id) const {
+  std::lock_guard lock(mu_);
+  auto it = sinks_.find(request_id);
+  if (it == sinks_.end() || it->second->released) {
+    return NotFound("request " + std::to_string(request_id) + " is not known");
+  }
+  return it->second->result;
+}
+
+StatusOr<RequestResult> GenerationReceiver::wait(uint64_t request_id, Clock::time_point deadline) {
+  std::unique_lock lock(mu_);
+  while (true) {
+    auto it = sinks_.find(request_id);
+    if (it == sinks_.end() || it->second->released) {
+      return NotFound("request " + std::to_string(request_id) + " is not known");
+    }
+    if (it->second->result.terminal()) return it->second->result;
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+      it = sinks_.find(request_id);
+      if (it == sinks_.end()) return NotFound("request " + std::to_string(request_id));
+      return it->second->result;
+    }
+  }
+}
+
+Status GenerationReceiver::cancel(uint64_t request_id) {
+  std::lock_guard lock(mu_);
+  auto it = sinks_.find(request_id);
+  if (it == sinks_.end() || it->second->released) {
+    return NotFound("request " + std::to_string(request_id) + " is not known");
+  }
+  failLocked(*it->second,
+             Cancelled("request " + std::to_string(request_id) + " cancelled by generation"),
+             FailureCause::kCancelled);
+  return OkStatus();
+}
+
+Status GenerationReceiver::release(uint64_t request_id) {
+  std::lock_guard lock(mu_);
+  auto it = sinks_.find(request_id);
+  if (it == sinks_.end() || it->second->released) {
+    return NotFound("request " + std::to_string(request_id) + " is not known");
+  }
+  Sink& sink = *it->second;
+  if (!sink.result.terminal()) {
+    return InvalidArgument("request " + std::to_string(request_id) +
+                           " is in progress; cancel it first");
+  }
+  if (!sink.pages_freed) {
+    sink.pages_freed = true;
+    RETURN_IF_ERROR(cache_->free(request_id));
+  }
+  sink.released = true;
+  if (!sink.anyInFlight()) sinks_.erase(it);
+  return OkStatus();
+}
+
+void GenerationReceiver::shutdown() {
+  std::call_once(shutdown_once_, [this] {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+    std::lock_guard lock(mu_);
+    for (auto& [id, sink] : sinks_) {
+      failLocked(*sink, Cancelled("receiver shut down"), FailureCause::kCancelled);
+    }
+    // Once disconnected no context rank can write here, so in-flight gates end.
+    for (auto& p : peers_) {
+      if (p->state == CtxPeer::State::kHandshaking || p->state == CtxPeer::State::kReady) {
+        (void)agent_->disconnect(p->id);
+      }
+      p->state = CtxPeer::State::kDown;
+    }
+    for (auto it = sinks_.begin(); it != sinks_.end();) {
+      Sink& sink = *it->second;
+      for (Part& part : sink.parts) endPartLocked(sink, part);
+      if (sink.pages_freed) {
+        it = sinks_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    cv_.notify_all();
+  });
+}
+
+}  // namespace hxfer::engine

@@ -1,0 +1,148 @@
+// GenerationReceiver: the generation (decode) side of the transceiver for one rank (DESIGN §7).
+//
+// At creation it works out which context ranks write anything to this rank (their layers and
+// units overlap ours; see handshake.h) and talks to exactly those: it connects, says Hello
+// (RankInfo + token), and checks the answer (token, role, rank, plan::checkCompatible).
+//
+// Request lifecycle:
+//   startRequest(id, tokens)  allocates blocks + slot from the cache manager and sends a
+//                             TransferRequest to each overlapping context rank (queued until
+//                             that rank's handshake completes);
+//   TransferDone(ok) from every expected rank (+ checksum verified when enabled, + the byte
+//                             total equal to the planner's expectation) -> kDone: the pages
+//                             hold the state and belong to the caller until release(id);
+//   any failure, timeout (request_timeout), lost peer or cancel(id) -> kFailed with the
+//                             status; the receiver frees the pages itself.
+// In-flight gating: from the TransferRequest until that rank's TransferDone (or the loss of
+// that peer) the request holds a transfer in the cache manager, so pages freed on failure or
+// cancel stay quarantined until no context rank can still write into them.
+//
+// A lost context rank fails only the requests that needed it; requests that need it while it
+// is down fail at once (Unavailable), and the receiver reconnects every reconnect_interval.
+// A refused handshake (wrong token, incompatible layout) is final for that peer.
+//
+// Thread-safety: every public method may be called from any thread. A progress thread owned by
+// the receiver connects, handles transport events and timers.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/cache_manager.h"
+#include "common/status.h"
+#include "engine/metrics.h"
+#include "engine/options.h"
+#include "plan/memory.h"
+#include "plan/planner.h"
+#include "transport/transport.h"
+#include "wire/messages.h"
+
+namespace hxfer::engine {
+
+struct RequestResult {
+  enum class State { kInProgress, kDone, kFailed };
+  State state = State::kInProgress;
+  Status status;                        // ok when kDone; why when kFailed
+  uint64_t bytes = 0;                   // bytes received (kDone)
+  std::chrono::nanoseconds latency{0};  // start to completion
+  bool terminal() const { return state != State::kInProgress; }
+};
+
+class GenerationReceiver {
+ public:
+  struct Options : EngineOptions {
+    ParallelConfig ctx_parallel;             // the context instance's tp/pp
+    std::vector<std::string> ctx_addresses;  // one per context rank, index pp_rank * tp + tp_rank
+    std::chrono::milliseconds request_timeout{30000};
+    std::chrono::milliseconds handshake_timeout{10000};
+    std::chrono::milliseconds reconnect_interval{500};
+  };
+
+  // Registers every region of `cache` with `agent`, computes the overlapping context ranks and
+  // starts the progress thread (which connects to them). REQUIRES: `cache` outlives the
+  // receiver and its layout is this rank's.
+  static StatusOr<std::unique_ptr<GenerationReceiver>> create(
+      Options options, HybridCacheManager* cache, std::unique_ptr<transport::Agent> agent);
+  ~GenerationReceiver();  // shutdown()
+  GenerationReceiver(const GenerationReceiver&) = delete;
+  GenerationReceiver& operator=(const GenerationReceiver&) = delete;
+
+  // Global ranks of the context ranks this rank talks to.
+  const std::vector<uint32_t>& contextRanks() const { return ctx_ranks_; }
+
+  // Waits until every overlapping context rank completed its handshake. The refusal of a peer
+  // (token, compatibility) is returned as soon as it is known; Timeout at the deadline.
+  Status waitForPeers(Clock::time_point deadline);
+
+  // Allocates pages for `num_tokens` and asks every overlapping context rank for the state.
+  // `prefix_tokens` (whole blocks of them) are already held here and not sent. `aux` travels
+  // with the request. Errors: ResourceExhausted (no pages), InvalidArgument (known id),
+  // Unavailable / Incompatible (a needed peer is down or refused; nothing stays allocated).
+  StatusOr<Allocation> startRequest(uint64_t request_id, uint32_t num_tokens,
+                                    uint32_t prefix_tokens = 0, Bytes aux = {});
+  // The request's state now; NotFound for an unknown (or released) id.
+  StatusOr<RequestResult> poll(uint64_t request_id) const;
+  // Waits for a terminal state; the in-progress result when the deadline passes first.
+  StatusOr<RequestResult> wait(uint64_t request_id, Clock::time_point deadline);
+  // Fails an in-progress request with Cancelled (its pages are freed once no context rank can
+  // still write into them). A no-op for a terminal request. NotFound for an unknown id.
+  Status cancel(uint64_t request_id);
+  // Forgets a terminal request and, when it succeeded, frees its pages. InvalidArgument while
+  // in progress, NotFound for an unknown id.
+  Status release(uint64_t request_id);
+
+  MetricsSnapshot metrics() const;
+  size_t activeRequests() const;  // in progress
+
+  // Stops the progress thread, fails every request in progress, disconnects every peer (no
+  // context rank can write any more, so quarantined pages are released) and frees the pages of
+  // every request the receiver still owns. Succeeded, unreleased requests stay with the caller.
+  void shutdown();
+
+ private:
+  struct CtxPeer;
+  struct Part;
+  struct Sink;
+
+  GenerationReceiver(Options options, HybridCacheManager* cache,
+                     std::unique_ptr<transport::Agent> agent);
+  void run();
+  void connectDueLocked(std::unique_lock<std::mutex>& lock);
+  void handleEventLocked(transport::Event& event);
+  void onHelloLocked(CtxPeer& peer, wire::Hello hello);
+  void onDoneLocked(CtxPeer& peer, const wire::TransferDone& done);
+  void peerDownLocked(CtxPeer& peer, const Status& why, bool final);
+  void sendPartLocked(Sink& sink, Part& part, CtxPeer& peer);
+  void failLocked(Sink& sink, const Status& status, FailureCause cause);
+  void completeIfDoneLocked(Sink& sink);
+  void endPartLocked(Sink& sink, Part& part);
+  void timersLocked();
+  Status verifyChecksumLocked(const Sink& sink, const CtxPeer& peer, uint64_t expected) const;
+  void sendLocked(transport::PeerId peer, const wire::Message& m);
+  CtxPeer* peerById(transport::PeerId id);
+
+  const Options options_;
+  HybridCacheManager* const cache_;
+  std::unique_ptr<transport::Agent> agent_;
+  wire::RankInfo self_;              // fixed after create()
+  RankMemory memory_;                // fixed after create()
+  std::vector<uint32_t> ctx_ranks_;  // fixed after create()
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;  // a request turned terminal, or a peer's state changed
+  bool stop_ = false;           // guarded by mu_
+  std::vector<std::unique_ptr<CtxPeer>> peers_;                // guarded by mu_
+  std::unordered_map<uint64_t, std::unique_ptr<Sink>> sinks_;  // guarded by mu_
+  Metrics metrics_;
+  std::thread thread_;
+  std::once_flag shutdown_once_;
+};
+
+}  // namespace hxfer::engine

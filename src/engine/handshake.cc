@@ -1,0 +1,88 @@
+#include "engine/handshake.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <memory>
+
+namespace hxfer::engine {
+
+StatusOr<RankLayout> shapeLayout(const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank,
+                                 uint32_t pp_rank, StateLayout state_layout) {
+  RETURN_IF_ERROR(pc.validate(model.numLayers()));
+  ASSIGN_OR_RETURN(LayerRange stage, stageLayers(pc, model.numLayers(), pp_rank));
+  uint32_t blocks = 0, slots = 0;
+  for (uint32_t l = stage.first; l < stage.end(); ++l) {
+    if (model.layers[l].hasAttention()) blocks = 1;
+    if (model.layers[l].hasRecurrent()) slots = 1;
+  }
+  return buildRankLayout(model, pc, tp_rank, pp_rank, state_layout, blocks, slots);
+}
+
+StatusOr<std::vector<uint32_t>> overlappingContextRanks(const ModelSpec& model,
+                                                        const ParallelConfig& ctx_pc,
+                                                        const RankLayout& gen) {
+  std::vector<RankLayout> ctx;
+  for (uint32_t p = 0; p < ctx_pc.pp; ++p) {
+    for (uint32_t t = 0; t < ctx_pc.tp; ++t) {
+      ASSIGN_OR_RETURN(RankLayout l, shapeLayout(model, ctx_pc, t, p, StateLayout::kPaged));
+      ctx.push_back(std::move(l));
+    }
+  }
+  ASSIGN_OR_RETURN(Planner planner, Planner::create(std::move(ctx), gen));
+  std::vector<uint32_t> out;
+  for (const auto& s : planner.sources()) {
+    const RankLayout& c = planner.ctxLayouts()[s.ctx_index];
+    out.push_back(c.pp_rank * c.tp + c.tp_rank);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+StatusOr<std::vector<uint32_t>> overlappingGenerationRanks(const ModelSpec& model,
+                                                           const RankLayout& ctx,
+                                                           const RankLayout& gen_any) {
+  ParallelConfig gen_pc{gen_any.tp, gen_any.pp, gen_any.layers_per_stage};
+  std::vector<uint32_t> out;
+  for (uint32_t p = 0; p < gen_pc.pp; ++p) {
+    for (uint32_t t = 0; t < gen_pc.tp; ++t) {
+      ASSIGN_OR_RETURN(RankLayout g, shapeLayout(model, gen_pc, t, p, gen_any.state_layout));
+      ASSIGN_OR_RETURN(Planner planner, Planner::createForSource(ctx, std::move(g)));
+      if (!planner.sources().empty()) out.push_back(p * gen_pc.tp + t);
+    }
+  }
+  return out;
+}
+
+StatusOr<uint64_t> checksumOps(std::vector<CopyOp> ops, const RankMemory& mem, bool source) {
+  std::sort(ops.begin(), ops.end(), [](const CopyOp& a, const CopyOp& b) {
+    return a.dst_region != b.dst_region ? a.dst_region < b.dst_region : a.dst_offset < b.dst_offset;
+  });
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
+                                                                 &XXH3_freeState);
+  if (!state || XXH3_64bits_reset(state.get()) != XXH_OK) {
+    return Internal("xxh3 state could not be created");
+  }
+  for (const CopyOp& op : ops) {
+    ASSIGN_OR_RETURN(uint8_t * p, source
+                                      ? regionBytes(mem, op.src_region, op.src_offset, op.bytes)
+                                      : regionBytes(mem, op.dst_region, op.dst_offset, op.bytes));
+    XXH3_64bits_update(state.get(), p, op.bytes);
+  }
+  return static_cast<uint64_t>(XXH3_64bits_digest(state.get()));
+}
+
+RankMemory cacheMemory(const HybridCacheManager& cache) {
+  RankMemory mem;
+  for (const auto& r : cache.regions()) {
+    if (mem.size() <= r->id()) mem.resize(r->id() + 1);
+    mem[r->id()] = {r->data(), r->length()};
+  }
+  return mem;
+}
+
+std::string rankName(const RankLayout& layout) {
+  return "(tp " + std::to_string(layout.tp_rank) + ", pp " + std::to_string(layout.pp_rank) + ")";
+}
+
+}  // namespace hxfer::engine

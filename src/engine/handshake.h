@@ -1,0 +1,52 @@
+// Helpers both sides of the transceiver share: building the RankInfo a rank publishes, the
+// "shape only" layouts used to work out which ranks of the other instance overlap this one,
+// and the end-to-end checksum of a request part.
+//
+// Pure functions except checksumOps, which reads caller-owned memory.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cache/cache_manager.h"
+#include "cache/layout.h"
+#include "common/status.h"
+#include "model/model.h"
+#include "plan/memory.h"
+#include "plan/planner.h"
+#include "wire/rank_info.h"
+
+namespace hxfer::engine {
+
+// The layout of rank (tp_rank, pp_rank) of an instance with one block and one slot where the
+// rank has attention / recurrent layers: enough to plan which ranks overlap, since a plan's
+// unit and layer mapping does not depend on capacities.
+StatusOr<RankLayout> shapeLayout(const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank,
+                                 uint32_t pp_rank, StateLayout state_layout);
+
+// Global ranks (pp_rank * tp + tp_rank) of the context instance `ctx_pc` that write anything to
+// generation rank `gen` (the peers it must contact), ascending.
+StatusOr<std::vector<uint32_t>> overlappingContextRanks(const ModelSpec& model,
+                                                        const ParallelConfig& ctx_pc,
+                                                        const RankLayout& gen);
+
+// Global ranks of the generation instance that `ctx` writes anything to (the ranks that will
+// ask it for every request), ascending. `gen_any` is one rank of that instance (its RankInfo
+// layout): tp, pp, stage split and state layout come from it.
+StatusOr<std::vector<uint32_t>> overlappingGenerationRanks(const ModelSpec& model,
+                                                           const RankLayout& ctx,
+                                                           const RankLayout& gen_any);
+
+// xxh3-64 over the bytes the ops move, in destination order (sorted by dst region, offset), so
+// that both sides hash the same byte stream however the ops were split or merged. `source`:
+// hash the source bytes in `mem` (the context side, before posting); otherwise the destination
+// bytes (the generation side, after the Done).
+StatusOr<uint64_t> checksumOps(std::vector<CopyOp> ops, const RankMemory& mem, bool source);
+
+// The memory of a cache manager's regions, indexed by region id.
+RankMemory cacheMemory(const HybridCacheManager& cache);
+
+std::string rankName(const RankLayout& layout);  // "(tp 1, pp 0)"
+
+}  // namespace hxfer::engine

@@ -1,0 +1,188 @@
+#include "engine/metrics.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+
+namespace hxfer::engine {
+
+std::string_view failureCauseName(FailureCause c) {
+  switch (c) {
+    case FailureCause::kTimeout:
+      return "timeout";
+    case FailureCause::kPeerLost:
+      return "peer_lost";
+    case FailureCause::kRefused:
+      return "refused";
+    case FailureCause::kTransport:
+      return "transport";
+    case FailureCause::kChecksum:
+      return "checksum";
+    case FailureCause::kCancelled:
+      return "cancelled";
+    case FailureCause::kExhausted:
+      return "exhausted";
+    case FailureCause::kOther:
+      return "other";
+  }
+  return "other";
+}
+
+FailureCause causeOf(const Status& status) {
+  switch (status.code()) {
+    case StatusCode::kTimeout:
+      return FailureCause::kTimeout;
+    case StatusCode::kUnavailable:
+      return FailureCause::kPeerLost;
+    case StatusCode::kIncompatible:
+    case StatusCode::kInvalidArgument:
+      return FailureCause::kRefused;
+    case StatusCode::kCorruption:
+      return FailureCause::kChecksum;
+    case StatusCode::kCancelled:
+      return FailureCause::kCancelled;
+    case StatusCode::kResourceExhausted:
+      return FailureCause::kExhausted;
+    default:
+      return FailureCause::kOther;
+  }
+}
+
+// Bucket b holds latencies in (upperBound(b-1), upperBound(b)]; upperBound(b) = 1 us * 2^(b/4).
+size_t LatencyHistogram::bucketOf(std::chrono::nanoseconds latency) {
+  const double us = static_cast<double>(latency.count()) / 1000.0;
+  if (us <= 1.0) return 0;
+  const double b = std::ceil(4.0 * std::log2(us));
+  return static_cast<size_t>(std::min<double>(b, kBuckets - 1));
+}
+
+std::chrono::nanoseconds LatencyHistogram::upperBound(size_t bucket) {
+  return std::chrono::nanoseconds(
+      static_cast<int64_t>(std::llround(1000.0 * std::exp2(static_cast<double>(bucket) / 4.0))));
+}
+
+void LatencyHistogram::record(std::chrono::nanoseconds latency) {
+  ++buckets_[bucketOf(latency)];
+  ++count_;
+  max_ = std::max(max_, latency);
+}
+
+std::chrono::nanoseconds LatencyHistogram::quantile(double q) const {
+  if (count_ == 0) return std::chrono::nanoseconds(0);
+  q = std::clamp(q, 0.0, 1.0);
+  // The smallest bucket whose cumulative count reaches ceil(q * count), at least 1.
+  const uint64_t rank = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(q * count_)));
+  uint64_t seen = 0;
+  for (size_t b = 0; b < kBuckets; ++b) {
+    seen += buckets_[b];
+    if (seen >= rank) return std::min(upperBound(b), max_);
+  }
+  return max_;
+}
+
+void LatencyHistogram::merge(const LatencyHistogram& other) {
+  for (size_t b = 0; b < kBuckets; ++b) buckets_[b] += other.buckets_[b];
+  count_ += other.count_;
+  max_ = std::max(max_, other.max_);
+}
+
+void MetricsSnapshot::merge(const MetricsSnapshot& o) {
+  requests_started += o.requests_started;
+  requests_ok += o.requests_ok;
+  requests_failed += o.requests_failed;
+  requests_cancelled += o.requests_cancelled;
+  bytes += o.bytes;
+  ops += o.ops;
+  for (size_t i = 0; i < kNumFailureCauses; ++i) failures[i] += o.failures[i];
+  leases_expired += o.leases_expired;
+  quarantined_requests += o.quarantined_requests;
+  handshakes_ok += o.handshakes_ok;
+  handshakes_refused += o.handshakes_refused;
+  peers_lost += o.peers_lost;
+  reconnects += o.reconnects;
+  latency.merge(o.latency);
+}
+
+std::string MetricsSnapshot::toJson() const {
+  nlohmann::json j;
+  j["requests_started"] = requests_started;
+  j["requests_ok"] = requests_ok;
+  j["requests_failed"] = requests_failed;
+  j["requests_cancelled"] = requests_cancelled;
+  j["bytes"] = bytes;
+  j["ops"] = ops;
+  nlohmann::json f = nlohmann::json::object();
+  for (size_t i = 0; i < kNumFailureCauses; ++i) {
+    f[std::string(failureCauseName(static_cast<FailureCause>(i)))] = failures[i];
+  }
+  j["failures"] = f;
+  j["leases_expired"] = leases_expired;
+  j["quarantined_requests"] = quarantined_requests;
+  j["handshakes_ok"] = handshakes_ok;
+  j["handshakes_refused"] = handshakes_refused;
+  j["peers_lost"] = peers_lost;
+  j["reconnects"] = reconnects;
+  auto us = [](std::chrono::nanoseconds ns) { return static_cast<double>(ns.count()) / 1000.0; };
+  j["latency_us"] = {{"count", latency.count()},
+                     {"p50", us(latency.quantile(0.5))},
+                     {"p99", us(latency.quantile(0.99))},
+                     {"max", us(latency.max())}};
+  return j.dump();
+}
+
+void Metrics::requestStarted() {
+  std::lock_guard lock(mu_);
+  ++s_.requests_started;
+}
+
+void Metrics::requestOk(uint64_t bytes, std::chrono::nanoseconds latency) {
+  std::lock_guard lock(mu_);
+  ++s_.requests_ok;
+  s_.bytes += bytes;
+  s_.latency.record(latency);
+}
+
+void Metrics::requestFailed(FailureCause cause) {
+  std::lock_guard lock(mu_);
+  ++s_.requests_failed;
+  if (cause == FailureCause::kCancelled) ++s_.requests_cancelled;
+  ++s_.failures[static_cast<size_t>(cause)];
+}
+
+void Metrics::opsPosted(uint64_t n) {
+  std::lock_guard lock(mu_);
+  s_.ops += n;
+}
+
+void Metrics::leaseExpired() {
+  std::lock_guard lock(mu_);
+  ++s_.leases_expired;
+}
+
+void Metrics::quarantined() {
+  std::lock_guard lock(mu_);
+  ++s_.quarantined_requests;
+}
+
+void Metrics::handshake(bool ok) {
+  std::lock_guard lock(mu_);
+  ++(ok ? s_.handshakes_ok : s_.handshakes_refused);
+}
+
+void Metrics::peerLost() {
+  std::lock_guard lock(mu_);
+  ++s_.peers_lost;
+}
+
+void Metrics::reconnected() {
+  std::lock_guard lock(mu_);
+  ++s_.reconnects;
+}
+
+MetricsSnapshot Metrics::snapshot() const {
+  std::lock_guard lock(mu_);
+  return s_;
+}
+
+}  // namespace hxfer::engine

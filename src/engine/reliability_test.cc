@@ -1,0 +1,1460 @@
+// Reliability tests of the transceiver end to end (docs/reliability.md): real process kills on
+// either side, a lost control message, a peer delayed past the timeout, a peer restarted with
+// an incompatible layout, cancellation races on both sides, hostile peers speaking well-formed
+// wire messages, and a load run over 2 context and 2 generation ranks.
+//
+// Every test proves the same four things about a fault: the affected requests fail with a
+// clear status, the unaffected ones complete and every byte verifies against the oracle, pool
+// accounting returns to its start on every surviving rank, and the engine keeps serving.
+// Generation pools start filled with a sentinel; records never handed to a request must still
+// hold it at the end ("no byte outside a request's own pages is written").
+//
+// Ranks are threads with their own agents over shm, or forked processes where a real kill is
+// the point (forked before any thread or transport object exists in the test). Deadlines are
+// generous and nothing asserts on time: the box may be loaded.
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <spdlog/sinks/base_sink.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/logging.h"
+#include "engine/context_sender.h"
+#include "engine/generation_receiver.h"
+#include "engine/handshake.h"
+#include "model/presets.h"
+#include "plan/oracle.h"
+#include "transport/fault.h"
+#include "transport/transport.h"
+#include "wire/messages.h"
+#include "wire/rank_info.h"
+
+namespace hxfer::engine {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+using transport::Agent;
+
+constexpr uint8_t kSentinel = 0xA5;
+
+Clock::time_point deadline(seconds s = seconds(60)) { return Clock::now() + s; }
+
+ModelSpec tinyModel() {
+  auto m = loadPreset(kDefaultPreset);
+  EXPECT_TRUE(m.isOk()) << m.status().toString();
+  return m.isOk() ? *m : ModelSpec{};
+}
+
+// A listen name unique to this process (abstract Unix socket names are host-wide).
+std::string uniqueName(const std::string& what) {
+  static std::atomic<int> counter{0};
+  return "hxrel-" + std::to_string(getpid()) + "-" + std::to_string(counter++) + "-" + what;
+}
+std::string shmAddress(const std::string& name) { return "shm:@" + name; }
+
+// Captures the lines of the hxfer logger while alive. Create it before any engine object and
+// destroy it after all of them (the logger's sink list is not meant to change while logging).
+class LogCapture {
+ public:
+  LogCapture() : sink_(std::make_shared<Sink>()) {
+    logger().sinks().push_back(sink_);
+    old_level_ = logger().level();
+    if (old_level_ > spdlog::level::warn) logger().set_level(spdlog::level::warn);
+  }
+  ~LogCapture() {
+    auto& sinks = logger().sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
+    logger().set_level(old_level_);
+  }
+  // True when one logged line contains every needle.
+  bool has(std::initializer_list<std::string_view> needles) const {
+    for (const std::string& line : sink_->lines()) {
+      if (std::all_of(needles.begin(), needles.end(),
+                      [&](std::string_view n) { return line.find(n) != std::string::npos; })) {
+        return true;
+      }
+    }
+    return false;
+  }
+  std::string all() const {
+    std::string out;
+    for (const std::string& l : sink_->lines()) out += l + "\n";
+    return out;
+  }
+
+ private:
+  class Sink : public spdlog::sinks::base_sink<std::mutex> {
+   public:
+    std::vector<std::string> lines() {
+      std::lock_guard lock(mutex_);
+      return lines_;
+    }
+
+   protected:
+    void sink_it_(const spdlog::details::log_msg& msg) override {
+      lines_.emplace_back(msg.payload.data(), msg.payload.size());
+    }
+    void flush_() override {}
+
+   private:
+    std::vector<std::string> lines_;  // guarded by mutex_
+  };
+  std::shared_ptr<Sink> sink_;
+  spdlog::level::level_enum old_level_;
+};
+
+// Forwards to an inner agent; while held, outgoing control messages queue (in order) and go
+// out on release(): a peer that is slow to answer, delayed past the other side's timeout.
+class HoldAgent final : public Agent {
+ public:
+  explicit HoldAgent(std::unique_ptr<Agent> inner) : inner_(std::move(inner)) {}
+  void hold() {
+    std::lock_guard lock(mu_);
+    held_ = true;
+  }
+  void release() {
+    std::lock_guard lock(mu_);
+    held_ = false;
+    for (auto& [peer, bytes] : queue_) (void)inner_->sendMessage(peer, bytes);
+    queue_.clear();
+  }
+  size_t heldMessages() const {
+    std::lock_guard lock(mu_);
+    return queue_.size();
+  }
+
+  const transport::Capabilities& capabilities() const override { return inner_->capabilities(); }
+  std::string localAddress() const override { return inner_->localAddress(); }
+  StatusOr<std::vector<uint8_t>> registerRegion(const Region& r) override {
+    return inner_->registerRegion(r);
+  }
+  Status deregisterRegion(uint32_t id) override { return inner_->deregisterRegion(id); }
+  StatusOr<transport::PeerId> connect(const std::string& a) override { return inner_->connect(a); }
+  Status disconnect(transport::PeerId p) override { return inner_->disconnect(p); }
+  Status addRemoteRegion(transport::PeerId p, uint32_t id, uint64_t len,
+                         std::span<const uint8_t> key) override {
+    return inner_->addRemoteRegion(p, id, len, key);
+  }
+  StatusOr<transport::Transfer> postWrite(transport::PeerId p,
+                                          std::vector<transport::WriteOp> ops) override {
+    return inner_->postWrite(p, std::move(ops));
+  }
+  Status sendMessage(transport::PeerId p, std::span<const uint8_t> payload) override {
+    std::lock_guard lock(mu_);
+    if (held_) {
+      queue_.emplace_back(p, std::vector<uint8_t>(payload.begin(), payload.end()));
+      return OkStatus();
+    }
+    return inner_->sendMessage(p, payload);
+  }
+  std::optional<transport::Event> pollEvent(milliseconds timeout) override {
+    return inner_->pollEvent(timeout);
+  }
+
+ private:
+  std::unique_ptr<Agent> inner_;
+  mutable std::mutex mu_;
+  bool held_ = false;                                                     // guarded by mu_
+  std::deque<std::pair<transport::PeerId, std::vector<uint8_t>>> queue_;  // guarded by mu_
+};
+
+StatusOr<std::unique_ptr<Agent>> shmAgent(const std::string& listen, const std::string& label) {
+  transport::AgentConfig ac;
+  ac.backend = "shm";
+  ac.listen = listen;
+  ac.label = label;
+  return transport::createAgent(ac);
+}
+
+// The serving code of a context rank: when a request is first asked for, allocate its pages,
+// fill them with the oracle and mark them ready. Runs on the sender's progress thread.
+struct AutoServe {
+  HybridCacheManager* cache = nullptr;
+  std::atomic<ContextSender*> sender{nullptr};
+  std::atomic<uint64_t> served{0}, exhausted{0};
+  void operator()(uint64_t id, uint64_t tokens) {
+    ContextSender* s = sender.load();
+    if (s == nullptr) return;
+    auto a = cache->allocate(id, static_cast<uint32_t>(tokens));
+    if (!a.isOk()) {
+      ++exhausted;
+      (void)s->cancel(id);  // answers the ask instead of letting it wait for the lease
+      return;
+    }
+    Status f =
+        fillRank(cache->layout(), cacheMemory(*cache), RankIds{a->blocks, a->slot.value_or(0)}, id);
+    if (!f.isOk()) {
+      (void)cache->free(id);
+      (void)s->cancel(id);
+      return;
+    }
+    Status st = s->markReady(id);
+    // Cancelled: the sender freed the pages itself (the request was cancelled before ready).
+    if (!st.isOk() && st.code() != StatusCode::kCancelled) (void)cache->free(id);
+    if (st.isOk()) ++served;
+  }
+};
+
+struct CtxRank {
+  std::unique_ptr<HybridCacheManager> cache;
+  std::shared_ptr<AutoServe> serve;
+  Agent* agent = nullptr;  // owned by the sender; valid while it lives
+  std::unique_ptr<ContextSender> sender;
+};
+
+// Starts context rank `rank` of `pc` listening on `listen`. `wrap` may decorate its agent.
+StatusOr<CtxRank> startContext(
+    const ModelSpec& model, const ParallelConfig& pc, uint32_t rank, const std::string& listen,
+    StateLayout layout, Capacity capacity,
+    std::function<std::unique_ptr<Agent>(std::unique_ptr<Agent>)> wrap = nullptr,
+    const std::string& token = "") {
+  CtxRank c;
+  ASSIGN_OR_RETURN(c.cache, HybridCacheManager::create(model, pc, rank % pc.tp, rank / pc.tp,
+                                                       layout, capacity, Region::Backing::kMemfd));
+  ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent, shmAgent(listen, "ctx" + std::to_string(rank)));
+  if (wrap) agent = wrap(std::move(agent));
+  c.agent = agent.get();
+  c.serve = std::make_shared<AutoServe>();
+  c.serve->cache = c.cache.get();
+  ContextSender::Options so;
+  so.instance_id = "ctx";
+  so.model = model;
+  so.parallel = pc;
+  so.tp_rank = rank % pc.tp;
+  so.pp_rank = rank / pc.tp;
+  so.auth_token = token;
+  so.on_request = [serve = c.serve](uint64_t id, uint64_t tokens, const Bytes&) {
+    (*serve)(id, tokens);
+  };
+  ASSIGN_OR_RETURN(c.sender, ContextSender::create(so, c.cache.get(), std::move(agent)));
+  c.serve->sender = c.sender.get();
+  return c;
+}
+
+struct GenRank {
+  std::unique_ptr<HybridCacheManager> cache;
+  Agent* agent = nullptr;  // owned by the receiver
+  std::unique_ptr<GenerationReceiver> rx;
+  std::mutex mu;
+  std::set<uint32_t> used_blocks, used_slots;  // guarded by mu: every page ever handed out
+
+  StatusOr<Allocation> start(uint64_t id, uint32_t tokens) {
+    auto a = rx->startRequest(id, tokens);
+    if (a.isOk()) {
+      std::lock_guard lock(mu);
+      used_blocks.insert(a->blocks.begin(), a->blocks.end());
+      if (a->slot) used_slots.insert(*a->slot);
+    }
+    return a;
+  }
+  // Oracle check of a completed request's pages.
+  StatusOr<OracleReport> verify(uint64_t id) const {
+    ASSIGN_OR_RETURN(Allocation a, cache->find(id));
+    return checkRank(cache->layout(), cacheMemory(*cache), RankIds{a.blocks, a.slot.value_or(0)},
+                     id, BlockRange{0, static_cast<uint32_t>(a.blocks.size())});
+  }
+  // Bytes of the pools outside every page ever handed out that no longer hold the sentinel.
+  uint64_t strayBytes(std::string* where) {
+    std::lock_guard lock(mu);
+    const RankLayout& layout = cache->layout();
+    uint64_t stray = 0;
+    for (const auto& region : cache->regions()) {
+      std::vector<uint8_t> mine(region->length(), 0);
+      for (const PoolView& v : layout.views) {
+        if (v.region_id != region->id()) continue;
+        const auto& used = v.role == Role::kKv ? used_blocks : used_slots;
+        for (uint32_t index : used) {
+          for (uint32_t l = 0; l < v.layers.size(); ++l) {
+            const uint64_t off = v.offset(index, l);
+            std::fill(mine.begin() + off, mine.begin() + off + v.record_bytes, 1);
+          }
+        }
+      }
+      for (uint64_t i = 0; i < region->length(); ++i) {
+        if (!mine[i] && region->data()[i] != kSentinel) {
+          if (stray == 0 && where) {
+            *where = "region " + std::to_string(region->id()) + " offset " + std::to_string(i);
+          }
+          ++stray;
+        }
+      }
+    }
+    return stray;
+  }
+};
+
+StatusOr<std::unique_ptr<GenRank>> startGeneration(
+    const ModelSpec& model, const ParallelConfig& pc, uint32_t rank, StateLayout layout,
+    Capacity capacity, const ParallelConfig& ctx_pc, std::vector<std::string> ctx_addresses,
+    milliseconds request_timeout = milliseconds(60000),
+    std::function<std::unique_ptr<Agent>(std::unique_ptr<Agent>)> wrap = nullptr,
+    const std::string& token = "") {
+  auto g = std::make_unique<GenRank>();
+  ASSIGN_OR_RETURN(g->cache, HybridCacheManager::create(model, pc, rank % pc.tp, rank / pc.tp,
+                                                        layout, capacity, Region::Backing::kMemfd));
+  for (const auto& r : g->cache->regions()) std::memset(r->data(), kSentinel, r->length());
+  ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent, shmAgent("", "gen" + std::to_string(rank)));
+  if (wrap) agent = wrap(std::move(agent));
+  g->agent = agent.get();
+  GenerationReceiver::Options ro;
+  ro.instance_id = "gen";
+  ro.model = model;
+  ro.parallel = pc;
+  ro.tp_rank = rank % pc.tp;
+  ro.pp_rank = rank / pc.tp;
+  ro.auth_token = token;
+  ro.ctx_parallel = ctx_pc;
+  ro.ctx_addresses = std::move(ctx_addresses);
+  ro.request_timeout = request_timeout;
+  ro.reconnect_interval = milliseconds(100);
+  ASSIGN_OR_RETURN(g->rx, GenerationReceiver::create(ro, g->cache.get(), std::move(agent)));
+  return g;
+}
+
+// No used, quarantined or in-flight page: the rank's pool accounting is back at its start.
+bool pagesFree(const HybridCacheManager& cache, std::string* why) {
+  const CacheCounters c = cache.counters();
+  const bool ok = c.used_blocks == 0 && c.used_slots == 0 && c.quarantined_blocks == 0 &&
+                  c.quarantined_slots == 0 && c.inflight_transfers == 0 &&
+                  c.free_blocks == c.total_blocks && c.free_slots == c.total_slots;
+  if (!ok && why) {
+    *why = "used blocks " + std::to_string(c.used_blocks) + " slots " +
+           std::to_string(c.used_slots) + ", quarantined blocks " +
+           std::to_string(c.quarantined_blocks) + " slots " + std::to_string(c.quarantined_slots) +
+           ", in flight " + std::to_string(c.inflight_transfers);
+  }
+  return ok;
+}
+void expectPagesFree(const HybridCacheManager& cache, const std::string& who) {
+  std::string why;
+  const auto end = deadline();
+  while (!pagesFree(cache, &why) && Clock::now() < end)
+    std::this_thread::sleep_for(milliseconds(2));
+  EXPECT_TRUE(pagesFree(cache, &why)) << who << ": " << why;
+}
+
+// Runs one request on `gens` (same id on each), waits, verifies every byte and releases it.
+void runAndVerify(const std::vector<GenRank*>& gens, uint64_t id, uint32_t tokens) {
+  for (GenRank* g : gens) {
+    auto a = g->start(id, tokens);
+    ASSERT_TRUE(a.isOk()) << "request " << id << ": " << a.status().toString();
+  }
+  for (GenRank* g : gens) {
+    auto r = g->rx->wait(id, deadline());
+    ASSERT_TRUE(r.isOk()) << r.status().toString();
+    ASSERT_EQ(r->state, RequestResult::State::kDone)
+        << "request " << id << ": " << r->status.toString();
+    auto report = g->verify(id);
+    ASSERT_TRUE(report.isOk()) << report.status().toString();
+    EXPECT_TRUE(report->ok()) << report->toString();
+    EXPECT_GT(report->bytes_checked, 0u);
+    ASSERT_TRUE(g->rx->release(id).isOk());
+  }
+}
+
+void expectNoStrayBytes(GenRank& g, const std::string& who) {
+  std::string where;
+  EXPECT_EQ(g.strayBytes(&where), 0u) << who << ": first stray byte at " << where;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child processes. Forked before the test creates any thread; a child waits for kGo on its
+// command pipe, runs its body and _exits with the body's code (never returns into gtest).
+
+constexpr char kGo = 'G';
+constexpr char kQuit = 'Q';
+constexpr char kReady = 'R';
+constexpr char kPosted = 'P';
+constexpr char kStarted = 'S';
+
+class Child {
+ public:
+  using Body = std::function<int(int cmd_fd, int report_fd)>;
+  static std::unique_ptr<Child> spawn(Body body) {
+    int cmd[2], rep[2];
+    if (pipe(cmd) != 0 || pipe(rep) != 0) return nullptr;
+    const pid_t pid = fork();
+    if (pid < 0) return nullptr;
+    if (pid == 0) {
+      close(cmd[1]);
+      close(rep[0]);
+      char c = 0;
+      if (read(cmd[0], &c, 1) != 1 || c != kGo) _exit(0);  // never started: nothing to do
+      _exit(body(cmd[0], rep[1]));
+    }
+    close(cmd[0]);
+    close(rep[1]);
+    auto child = std::unique_ptr<Child>(new Child);
+    child->pid_ = pid;
+    child->cmd_ = cmd[1];
+    child->rep_ = rep[0];
+    return child;
+  }
+  ~Child() {
+    if (pid_ > 0) kill();
+    close(cmd_);
+    close(rep_);
+  }
+  bool send(char c) { return write(cmd_, &c, 1) == 1; }
+  // Reads report bytes until `c` arrives (true) or the deadline / EOF (false).
+  bool expect(char c, seconds timeout = seconds(60)) {
+    const auto end = Clock::now() + timeout;
+    while (Clock::now() < end) {
+      pollfd p{rep_, POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      char got = 0;
+      if (read(rep_, &got, 1) != 1) return false;
+      if (got == c) return true;
+    }
+    return false;
+  }
+  void kill() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    int st = 0;
+    waitpid(pid_, &st, 0);
+    pid_ = -1;
+  }
+  // Waits for a normal exit; its code, or -1 when it did not exit by itself in time.
+  int join(seconds timeout = seconds(60)) {
+    const auto end = Clock::now() + timeout;
+    while (Clock::now() < end) {
+      int st = 0;
+      const pid_t r = waitpid(pid_, &st, WNOHANG);
+      if (r == pid_) {
+        pid_ = -1;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      }
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    return -1;
+  }
+
+ private:
+  Child() = default;
+  pid_t pid_ = -1;
+  int cmd_ = -1, rep_ = -1;
+};
+
+void report(int fd, char c) { (void)!write(fd, &c, 1); }
+
+// Context rank `rank` of `pc` serving until kQuit (exit 0) or killed. With `write_delay` every
+// write completes only that long after it was posted (it stays in flight); kPosted is reported
+// once `report_after` writes have been posted.
+int contextChild(int cmd, int rep, const ModelSpec& model, ParallelConfig pc, uint32_t rank,
+                 std::string listen, milliseconds write_delay, uint64_t report_after) {
+  std::function<std::unique_ptr<Agent>(std::unique_ptr<Agent>)> wrap;
+  if (write_delay.count() > 0) {
+    wrap = [&](std::unique_ptr<Agent> a) {
+      transport::FaultPolicy p;
+      p.write_delay = write_delay;
+      return transport::wrapWithFaults(std::move(a), p);
+    };
+  }
+  auto c =
+      startContext(model, pc, rank, listen, StateLayout::kPaged, Capacity::counts(128, 32), wrap);
+  if (!c.isOk()) return 10;
+  report(rep, kReady);
+  bool posted = false;
+  while (true) {
+    pollfd p{cmd, POLLIN, 0};
+    if (::poll(&p, 1, 10) > 0) {
+      char got = 0;
+      if (read(cmd, &got, 1) != 1 || got == kQuit) break;
+    }
+    if (!posted && report_after > 0 &&
+        transport::faultStats(*c->agent).writes_delayed >= report_after) {
+      report(rep, kPosted);
+      posted = true;
+    }
+  }
+  c->sender->shutdown();
+  std::string why;
+  return pagesFree(*c->cache, &why) ? 0 : 11;
+}
+
+// Generation rank `rank` of `pc`: starts `n` requests (ids from `first_id`). `verify`: waits
+// for them, checks every byte and exits 0 when all verified; otherwise reports kStarted and
+// idles until killed.
+int generationChild(int cmd, int rep, const ModelSpec& model, ParallelConfig pc, uint32_t rank,
+                    ParallelConfig ctx_pc, std::vector<std::string> ctx_addresses,
+                    uint64_t first_id, int n, bool verify) {
+  auto g = startGeneration(model, pc, rank, StateLayout::kPaged, Capacity::counts(128, 32), ctx_pc,
+                           ctx_addresses);
+  if (!g.isOk()) return 20;
+  if (!(*g)->rx->waitForPeers(deadline()).isOk()) return 21;
+  for (int i = 0; i < n; ++i) {
+    if (!(*g)->start(first_id + i, 50 + 7 * i).isOk()) return 22;
+  }
+  if (!verify) {
+    report(rep, kStarted);
+    while (true) pause();
+  }
+  for (int i = 0; i < n; ++i) {
+    auto r = (*g)->rx->wait(first_id + i, deadline());
+    if (!r.isOk() || r->state != RequestResult::State::kDone) return 23;
+    auto report = (*g)->verify(first_id + i);
+    if (!report.isOk() || !report->ok()) return 24;
+    if (!(*g)->rx->release(first_id + i).isOk()) return 25;
+  }
+  (*g)->rx->shutdown();
+  std::string why;
+  return pagesFree(*(*g)->cache, &why) ? 0 : 26;
+}
+
+// Same TP on both sides: generation rank r reads only from context rank r, so a fault on one
+// pair leaves the other pair's requests unaffected.
+const ParallelConfig kTp2{2, 1, {}};
+
+// ---------------------------------------------------------------------------------------------
+// Faults
+
+TEST(Faults, ContextProcessKilledMidTransferFailsOnlyItsRequestsAndRestartServesAgain) {
+  const ModelSpec model = tinyModel();
+  const std::string ctx0 = uniqueName("ctx0"), ctx1 = uniqueName("ctx1");
+  constexpr int kInFlight = 6;
+  // Incarnation 1 of context rank 1: every write stays in flight for a minute (it is killed
+  // long before). Incarnation 2: restarted at the same address, healthy.
+  auto first = Child::spawn([&](int cmd, int rep) {
+    return contextChild(cmd, rep, model, kTp2, 1, ctx1, milliseconds(60000), kInFlight);
+  });
+  auto second = Child::spawn([&](int cmd, int rep) {
+    return contextChild(cmd, rep, model, kTp2, 1, ctx1, milliseconds(0), 0);
+  });
+  ASSERT_TRUE(first && second);
+  ASSERT_TRUE(first->send(kGo));
+  ASSERT_TRUE(first->expect(kReady));
+
+  auto c0 = startContext(model, kTp2, 0, ctx0, StateLayout::kPaged, Capacity::counts(128, 32));
+  ASSERT_TRUE(c0.isOk()) << c0.status().toString();
+  const std::vector<std::string> addrs = {shmAddress(ctx0), shmAddress(ctx1)};
+  auto g0 =
+      startGeneration(model, kTp2, 0, StateLayout::kPaged, Capacity::counts(128, 32), kTp2, addrs);
+  auto g1 =
+      startGeneration(model, kTp2, 1, StateLayout::kPaged, Capacity::counts(128, 32), kTp2, addrs);
+  ASSERT_TRUE(g0.isOk() && g1.isOk());
+  ASSERT_EQ((*g0)->rx->contextRanks(), std::vector<uint32_t>{0});
+  ASSERT_EQ((*g1)->rx->contextRanks(), std::vector<uint32_t>{1});
+  ASSERT_TRUE((*g0)->rx->waitForPeers(deadline()).isOk());
+  ASSERT_TRUE((*g1)->rx->waitForPeers(deadline()).isOk());
+
+  // Requests towards the doomed rank: posted, in flight when it dies.
+  for (int i = 0; i < kInFlight; ++i) ASSERT_TRUE((*g1)->start(100 + i, 40 + 9 * i).isOk());
+  ASSERT_TRUE(first->expect(kPosted)) << "the context child never posted its writes";
+  // Requests of the other pair run before, across and after the kill.
+  for (int i = 0; i < 4; ++i) runAndVerify({g0->get()}, 1 + i, 30 + 11 * i);
+  first->kill();
+  for (int i = 0; i < kInFlight; ++i) {
+    auto r = (*g1)->rx->wait(100 + i, deadline());
+    ASSERT_TRUE(r.isOk());
+    EXPECT_EQ(r->state, RequestResult::State::kFailed);
+    EXPECT_EQ(r->status.code(), StatusCode::kUnavailable) << r->status.toString();
+    EXPECT_NE(r->status.message().find("context rank 1"), std::string::npos)
+        << r->status.toString();
+    ASSERT_TRUE((*g1)->rx->release(100 + i).isOk());
+  }
+  for (int i = 0; i < 4; ++i) runAndVerify({g0->get()}, 10 + i, 64);
+  // The pages of the failed requests are free again: no context rank can write into them.
+  expectPagesFree(*(*g1)->cache, "gen 1 after the kill");
+  // While the rank is down its requests fail at once rather than hang.
+  EXPECT_EQ((*g1)->rx->startRequest(200, 10).status().code(), StatusCode::kUnavailable);
+
+  // Restarted at the same address: the generation rank reconnects and is served again.
+  ASSERT_TRUE(second->send(kGo));
+  ASSERT_TRUE(second->expect(kReady));
+  ASSERT_TRUE((*g1)->rx->waitForPeers(deadline()).isOk());
+  for (int i = 0; i < 3; ++i) runAndVerify({g1->get()}, 300 + i, 50 + 20 * i);
+  runAndVerify({g0->get()}, 400, 70);
+  EXPECT_GE((*g1)->rx->metrics().failuresBy(FailureCause::kPeerLost), uint64_t{kInFlight});
+  EXPECT_GE((*g1)->rx->metrics().reconnects, 1u);
+  ASSERT_TRUE(second->send(kQuit));
+  EXPECT_EQ(second->join(), 0) << "the restarted context rank did not end with free pages";
+
+  expectPagesFree(*(*g0)->cache, "gen 0");
+  expectPagesFree(*(*g1)->cache, "gen 1");
+  expectPagesFree(*c0->cache, "ctx 0");
+  EXPECT_EQ(c0->sender->heldRequests(), 0u);
+  expectNoStrayBytes(**g0, "gen 0");
+  expectNoStrayBytes(**g1, "gen 1");
+}
+
+TEST(Faults, GenerationProcessKilledMidTransferFreesTheContextSideAndServesTheNextOne) {
+  const ModelSpec model = tinyModel();
+  const std::string ctx0 = uniqueName("ctx0"), ctx1 = uniqueName("ctx1");
+  const std::vector<std::string> addrs = {shmAddress(ctx0), shmAddress(ctx1)};
+  constexpr int kInFlight = 6;
+  auto doomed = Child::spawn([&](int cmd, int rep) {
+    return generationChild(cmd, rep, model, kTp2, 1, kTp2, addrs, 100, kInFlight, false);
+  });
+  auto next = Child::spawn([&](int cmd, int rep) {
+    return generationChild(cmd, rep, model, kTp2, 1, kTp2, addrs, 500, 3, true);
+  });
+  ASSERT_TRUE(doomed && next);
+
+  auto c0 = startContext(model, kTp2, 0, ctx0, StateLayout::kPaged, Capacity::counts(128, 32));
+  // Context rank 1's writes complete 1.5 s after posting: in flight when the reader dies.
+  auto c1 = startContext(model, kTp2, 1, ctx1, StateLayout::kPaged, Capacity::counts(128, 32),
+                         [](std::unique_ptr<Agent> a) {
+                           transport::FaultPolicy p;
+                           p.write_delay = milliseconds(1500);
+                           return transport::wrapWithFaults(std::move(a), p);
+                         });
+  ASSERT_TRUE(c0.isOk() && c1.isOk());
+  auto g0 =
+      startGeneration(model, kTp2, 0, StateLayout::kPaged, Capacity::counts(128, 32), kTp2, addrs);
+  ASSERT_TRUE(g0.isOk());
+  ASSERT_TRUE((*g0)->rx->waitForPeers(deadline()).isOk());
+
+  ASSERT_TRUE(doomed->send(kGo));
+  ASSERT_TRUE(doomed->expect(kStarted));
+  const auto end = deadline();
+  while (transport::faultStats(*c1->agent).writes_delayed < kInFlight && Clock::now() < end) {
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  ASSERT_GE(transport::faultStats(*c1->agent).writes_delayed, uint64_t{kInFlight});
+  runAndVerify({g0->get()}, 1, 60);
+  doomed->kill();
+  runAndVerify({g0->get()}, 2, 60);
+
+  // The context rank frees the dead reader's source pages once the writes reach a terminal
+  // state; nothing waits for an answer nobody can receive.
+  expectPagesFree(*c1->cache, "ctx 1 after the generation rank died");
+  const auto end2 = deadline();
+  while (c1->sender->connectedPeers() != 0 && Clock::now() < end2) {
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  EXPECT_EQ(c1->sender->heldRequests(), 0u);
+  EXPECT_GE(c1->sender->metrics().peers_lost, 1u);
+
+  // A new generation process is served by the same context rank; it verifies every byte.
+  ASSERT_TRUE(next->send(kGo));
+  EXPECT_EQ(next->join(), 0) << "the next generation rank did not verify its requests";
+  runAndVerify({g0->get()}, 3, 90);
+
+  expectPagesFree(*c0->cache, "ctx 0");
+  expectPagesFree(*c1->cache, "ctx 1");
+  expectPagesFree(*(*g0)->cache, "gen 0");
+  expectNoStrayBytes(**g0, "gen 0");
+}
+
+// Two rank-local pairs in this process, built by the fault tests below.
+struct Pairs {
+  std::string ctx_names[2];
+  CtxRank ctx[2];
+  std::unique_ptr<GenRank> gen[2];
+  ~Pairs() {
+    for (auto& g : gen) {
+      if (g) g->rx->shutdown();
+    }
+    for (auto& c : ctx) {
+      if (c.sender) c.sender->shutdown();
+    }
+  }
+};
+
+using Wrap = std::function<std::unique_ptr<Agent>(std::unique_ptr<Agent>)>;
+
+void startPairs(Pairs& p, const ModelSpec& model, Wrap ctx1_wrap, Wrap gen1_wrap,
+                milliseconds gen1_timeout) {
+  for (int i = 0; i < 2; ++i) {
+    p.ctx_names[i] = uniqueName("ctx" + std::to_string(i));
+    auto c = startContext(model, kTp2, i, p.ctx_names[i], StateLayout::kPaged,
+                          Capacity::counts(128, 32), i == 1 ? ctx1_wrap : nullptr);
+    ASSERT_TRUE(c.isOk()) << c.status().toString();
+    p.ctx[i] = std::move(*c);
+  }
+  const std::vector<std::string> addrs = {shmAddress(p.ctx_names[0]), shmAddress(p.ctx_names[1])};
+  for (int i = 0; i < 2; ++i) {
+    auto g =
+        startGeneration(model, kTp2, i, StateLayout::kPaged, Capacity::counts(128, 32), kTp2, addrs,
+                        i == 1 ? gen1_timeout : milliseconds(60000), i == 1 ? gen1_wrap : nullptr);
+    ASSERT_TRUE(g.isOk()) << g.status().toString();
+    p.gen[i] = std::move(*g);
+  }
+  for (auto& g : p.gen) ASSERT_TRUE(g->rx->waitForPeers(deadline()).isOk());
+}
+
+TEST(Faults, LostTransferRequestTimesOutAloneAndItsPagesComeBack) {
+  const ModelSpec model = tinyModel();
+  Pairs p;
+  // Generation rank 1's messages: #1 Hello, #2 the first request, #3 the second: lost.
+  transport::FaultPolicy policy;
+  policy.drop_nth_message = 3;
+  startPairs(
+      p, model, nullptr,
+      [&](std::unique_ptr<Agent> a) { return transport::wrapWithFaults(std::move(a), policy); },
+      milliseconds(3000));
+  if (HasFatalFailure()) return;
+  runAndVerify({p.gen[1].get()}, 1, 40);
+  ASSERT_TRUE(p.gen[1]->start(2, 40).isOk());  // its TransferRequest is dropped
+  EXPECT_EQ(transport::faultStats(*p.gen[1]->agent).messages_dropped, 1u);
+  for (int i = 0; i < 5; ++i) runAndVerify({p.gen[0].get()}, 10 + i, 50);
+  auto r = p.gen[1]->rx->wait(2, deadline());
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->status.code(), StatusCode::kTimeout) << r->status.toString();
+  EXPECT_NE(r->status.message().find("request 2"), std::string::npos) << r->status.toString();
+  ASSERT_TRUE(p.gen[1]->rx->release(2).isOk());
+  // The context rank never saw the request; it answers the generation rank's Cancel so that
+  // the quarantined pages come back without tearing the connection down.
+  expectPagesFree(*p.gen[1]->cache, "gen 1 after the lost request");
+  for (int i = 0; i < 3; ++i) runAndVerify({p.gen[1].get()}, 20 + i, 60);
+  EXPECT_EQ(p.gen[1]->rx->metrics().failuresBy(FailureCause::kTimeout), 1u);
+  for (int i = 0; i < 2; ++i) {
+    expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
+    expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
+    expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
+  }
+}
+
+TEST(Faults, PeerDelayedPastTheTimeoutFailsItsRequestWhileOthersComplete) {
+  const ModelSpec model = tinyModel();
+  Pairs p;
+  HoldAgent* hold = nullptr;
+  startPairs(
+      p, model,
+      [&](std::unique_ptr<Agent> a) {
+        auto h = std::make_unique<HoldAgent>(std::move(a));
+        hold = h.get();
+        return h;
+      },
+      nullptr, milliseconds(1500));
+  if (HasFatalFailure()) return;
+  ASSERT_NE(hold, nullptr);
+  runAndVerify({p.gen[1].get()}, 1, 40);
+  hold->hold();  // context rank 1 writes, but its TransferDone is late
+  ASSERT_TRUE(p.gen[1]->start(2, 70).isOk());
+  for (int i = 0; i < 5; ++i) runAndVerify({p.gen[0].get()}, 10 + i, 50);
+  auto r = p.gen[1]->rx->wait(2, deadline());
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->status.code(), StatusCode::kTimeout) << r->status.toString();
+  ASSERT_TRUE(p.gen[1]->rx->release(2).isOk());
+  // In-flight gating: until the late Done arrives the pages stay quarantined, never reused.
+  const CacheCounters during = p.gen[1]->cache->counters();
+  EXPECT_GT(during.quarantined_blocks + during.quarantined_slots, 0u);
+  EXPECT_GE(hold->heldMessages(), 1u);
+  hold->release();
+  expectPagesFree(*p.gen[1]->cache, "gen 1 after the late Done");
+  for (int i = 0; i < 3; ++i) runAndVerify({p.gen[1].get()}, 20 + i, 60);
+  EXPECT_GE(p.gen[1]->rx->metrics().quarantined_requests, 1u);
+  for (int i = 0; i < 2; ++i) {
+    expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
+    expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
+    expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
+  }
+}
+
+TEST(Faults, PeerRestartedWithAnotherLayoutIsRefusedNamingTheField) {
+  LogCapture logs;
+  const ModelSpec model = tinyModel();
+  Pairs p;
+  startPairs(p, model, nullptr, nullptr, milliseconds(60000));
+  if (HasFatalFailure()) return;
+  runAndVerify({p.gen[1].get()}, 1, 40);
+  // Context rank 1 goes away and comes back at the same address with fp32 conv state.
+  p.ctx[1].sender->shutdown();
+  p.ctx[1].sender.reset();
+  expectPagesFree(*p.gen[1]->cache, "gen 1 after the context rank left");
+  ModelSpec other = model;
+  other.conv_dtype = DType::kFp32;
+  auto c =
+      startContext(other, kTp2, 1, p.ctx_names[1], StateLayout::kPaged, Capacity::counts(128, 32));
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  p.ctx[1] = std::move(*c);
+  Status s = p.gen[1]->rx->waitForPeers(deadline());
+  EXPECT_EQ(s.code(), StatusCode::kIncompatible) << s.toString();
+  EXPECT_NE(s.message().find("conv dtype"), std::string::npos) << s.toString();
+  // Refused for good: requests needing it fail at once, naming the field, allocating nothing.
+  auto a = p.gen[1]->rx->startRequest(2, 40);
+  EXPECT_EQ(a.status().code(), StatusCode::kIncompatible) << a.status().toString();
+  EXPECT_NE(a.status().message().find("conv dtype"), std::string::npos);
+  EXPECT_TRUE(logs.has({"refusing", "conv dtype"})) << logs.all();
+  for (int i = 0; i < 3; ++i) runAndVerify({p.gen[0].get()}, 10 + i, 50);
+  for (int i = 0; i < 2; ++i) {
+    expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
+    expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
+    expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A full mesh: context tp=2, generation pp=2 (every generation rank reads from both context
+// ranks, every context rank serves both generation ranks), context paged, generation
+// layer-major.
+
+struct Mesh {
+  const ParallelConfig ctx_pc{2, 1, {}};
+  const ParallelConfig gen_pc{1, 2, {}};
+  CtxRank ctx[2];
+  std::unique_ptr<GenRank> gen[2];
+  ~Mesh() {
+    for (auto& g : gen) {
+      if (g) g->rx->shutdown();
+    }
+    for (auto& c : ctx) {
+      if (c.sender) c.sender->shutdown();
+    }
+  }
+  void start(const ModelSpec& model, uint32_t gen_blocks, uint32_t gen_slots) {
+    std::vector<std::string> addrs;
+    for (int i = 0; i < 2; ++i) {
+      const std::string name = uniqueName("mesh-ctx" + std::to_string(i));
+      auto c = startContext(model, ctx_pc, i, name, StateLayout::kPaged,
+                            Capacity::counts(4 * gen_blocks, 4 * gen_slots));
+      ASSERT_TRUE(c.isOk()) << c.status().toString();
+      ctx[i] = std::move(*c);
+      addrs.push_back(shmAddress(name));
+    }
+    for (int i = 0; i < 2; ++i) {
+      auto g = startGeneration(model, gen_pc, i, StateLayout::kLayerMajor,
+                               Capacity::counts(gen_blocks, gen_slots), ctx_pc, addrs);
+      ASSERT_TRUE(g.isOk()) << g.status().toString();
+      gen[i] = std::move(*g);
+      ASSERT_EQ(gen[i]->rx->contextRanks().size(), 2u);
+    }
+    for (auto& g : gen) ASSERT_TRUE(g->rx->waitForPeers(deadline()).isOk());
+  }
+  void expectQuiet() {
+    for (int i = 0; i < 2; ++i) {
+      expectPagesFree(*ctx[i].cache, "ctx " + std::to_string(i));
+      expectPagesFree(*gen[i]->cache, "gen " + std::to_string(i));
+      expectNoStrayBytes(*gen[i], "gen " + std::to_string(i));
+      EXPECT_EQ(gen[i]->rx->activeRequests(), 0u);
+      EXPECT_EQ(ctx[i].serve->exhausted.load(), 0u) << "context rank " << i << " ran out of pages";
+    }
+    const auto end = deadline();
+    for (int i = 0; i < 2; ++i) {
+      while (ctx[i].sender->heldRequests() != 0 && Clock::now() < end) {
+        std::this_thread::sleep_for(milliseconds(2));
+      }
+      EXPECT_EQ(ctx[i].sender->heldRequests(), 0u);
+    }
+  }
+};
+
+// Starts `id` on both generation ranks, retrying while pages are short (quarantined pages come
+// back when their late Dones arrive).
+bool startOnBoth(Mesh& m, uint64_t id, uint32_t tokens) {
+  const auto end = deadline();
+  for (auto& g : m.gen) {
+    while (true) {
+      auto a = g->start(id, tokens);
+      if (a.isOk()) break;
+      if (a.status().code() != StatusCode::kResourceExhausted || Clock::now() > end) {
+        ADD_FAILURE() << "start " << id << ": " << a.status().toString();
+        return false;
+      }
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+  }
+  return true;
+}
+
+TEST(CancellationRaces, RandomCancelsOnBothSidesNeverTouchAnotherRequestsPages) {
+  const ModelSpec model = tinyModel();
+  Mesh m;
+  m.start(model, 256, 64);
+  if (HasFatalFailure()) return;
+  constexpr int kRequests = 1200;
+  constexpr size_t kWindow = 24;
+  std::mt19937_64 rng(20240607);
+  std::deque<uint64_t> live;
+  std::set<uint64_t> cancelled;
+  uint64_t ok = 0, failed = 0, verified_twice = 0;
+  std::atomic<uint64_t> cancels{0};
+  // Cancels from a second thread hit requests at random points of their life on both sides.
+  std::mutex live_mu;
+  std::vector<uint64_t> targets;  // guarded by live_mu
+  std::atomic<bool> stop{false};
+  std::thread canceller([&] {
+    std::mt19937_64 r(7);
+    while (!stop.load()) {
+      uint64_t id = 0;
+      {
+        std::lock_guard lock(live_mu);
+        if (!targets.empty()) id = targets[r() % targets.size()];
+      }
+      if (id != 0) {
+        switch (r() % 4) {
+          case 0:
+            (void)m.ctx[r() % 2].sender->cancel(id);
+            break;
+          case 1:
+            (void)m.gen[r() % 2]->rx->cancel(id);
+            break;
+          default:
+            break;  // leave it alone this time
+        }
+        ++cancels;
+      }
+      if (r() % 8 == 0) std::this_thread::sleep_for(std::chrono::microseconds(r() % 500));
+    }
+  });
+
+  // Completed requests are checked when they finish and again just before release, after
+  // later requests (and late writes of cancelled ones) had their chance to touch them.
+  std::deque<uint64_t> done;
+  auto settle = [&](uint64_t id) {
+    bool all_ok = true;
+    for (auto& g : m.gen) {
+      auto r = g->rx->wait(id, deadline());
+      ASSERT_TRUE(r.isOk()) << r.status().toString();
+      ASSERT_TRUE(r->terminal()) << "request " << id << " hung";
+      if (r->state == RequestResult::State::kDone) {
+        auto report = g->verify(id);
+        ASSERT_TRUE(report.isOk()) << report.status().toString();
+        ASSERT_TRUE(report->ok()) << "request " << id << ": " << report->toString();
+      } else {
+        all_ok = false;
+        // The only way to fail here is a cancel (from either side).
+        EXPECT_EQ(r->status.code(), StatusCode::kCancelled)
+            << "request " << id << ": " << r->status.toString();
+        ASSERT_TRUE(g->rx->release(id).isOk());
+      }
+    }
+    if (all_ok) {
+      ++ok;
+      done.push_back(id);
+    } else {
+      ++failed;
+      for (auto& g : m.gen) {
+        if (g->rx->poll(id).isOk()) {
+          ASSERT_TRUE(g->rx->release(id).isOk());
+        }
+      }
+    }
+    while (done.size() > 8) {
+      const uint64_t old = done.front();
+      done.pop_front();
+      for (auto& g : m.gen) {
+        auto report = g->verify(old);
+        ASSERT_TRUE(report.isOk()) << report.status().toString();
+        ASSERT_TRUE(report->ok()) << "request " << old
+                                  << " changed after completion: " << report->toString();
+        ASSERT_TRUE(g->rx->release(old).isOk());
+      }
+      ++verified_twice;
+    }
+  };
+
+  for (uint64_t id = 1; id <= kRequests; ++id) {
+    const uint32_t tokens = 1 + static_cast<uint32_t>(rng() % 160);
+    ASSERT_TRUE(startOnBoth(m, id, tokens));
+    {
+      std::lock_guard lock(live_mu);
+      targets.push_back(id);
+      if (targets.size() > kWindow) targets.erase(targets.begin());
+    }
+    // Some cancels land right at the start, before the context rank even heard of the request.
+    if (rng() % 16 == 0) (void)m.gen[rng() % 2]->rx->cancel(id);
+    if (rng() % 16 == 0) (void)m.ctx[rng() % 2].sender->cancel(id);
+    live.push_back(id);
+    while (live.size() > kWindow) {
+      const uint64_t oldest = live.front();
+      live.pop_front();
+      settle(oldest);
+      if (HasFatalFailure()) break;
+    }
+    if (HasFatalFailure()) break;
+  }
+  stop = true;
+  canceller.join();
+  if (HasFatalFailure()) return;
+  while (!live.empty()) {
+    settle(live.front());
+    live.pop_front();
+    if (HasFatalFailure()) return;
+  }
+  while (!done.empty()) {
+    for (auto& g : m.gen) {
+      auto report = g->verify(done.front());
+      ASSERT_TRUE(report.isOk() && report->ok());
+      ASSERT_TRUE(g->rx->release(done.front()).isOk());
+    }
+    done.pop_front();
+  }
+  EXPECT_EQ(ok + failed, uint64_t{kRequests});
+  EXPECT_GT(failed, 0u) << "no cancel hit a live request";
+  EXPECT_GT(ok, 0u);
+  EXPECT_GT(cancels.load(), 100u);
+  RecordProperty("requests", kRequests);
+  RecordProperty("ok", std::to_string(ok));
+  RecordProperty("cancelled", std::to_string(failed));
+  RecordProperty("cancel_calls", std::to_string(cancels.load()));
+  std::printf(
+      "cancellation races: %d requests, %llu completed and verified (%llu twice), "
+      "%llu cancelled, %llu cancel calls\n",
+      kRequests, static_cast<unsigned long long>(ok),
+      static_cast<unsigned long long>(verified_twice), static_cast<unsigned long long>(failed),
+      static_cast<unsigned long long>(cancels.load()));
+  m.expectQuiet();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Load
+
+TEST(Load, ThousandsOfConcurrentRequestsAcrossTwoByTwoRanksLoseNothing) {
+  const ModelSpec model = tinyModel();
+  Mesh m;
+  m.start(model, 1024, 96);
+  if (HasFatalFailure()) return;
+  constexpr int kThreads = 4;
+  constexpr int kPerThread = 500;  // 2000 requests, each on both generation ranks
+  constexpr size_t kWindow = 16;   // per thread: 64 in flight
+  std::atomic<uint64_t> verified{0}, bytes{0}, lost{0};
+  std::vector<std::string> errors(kThreads);
+  const auto start = Clock::now();
+  std::vector<std::thread> drivers;
+  for (int t = 0; t < kThreads; ++t) {
+    drivers.emplace_back([&, t] {
+      std::mt19937_64 rng(1000 + t);
+      std::deque<uint64_t> live;
+      auto finish = [&](uint64_t id) {
+        for (auto& g : m.gen) {
+          auto r = g->rx->wait(id, deadline(seconds(120)));
+          if (!r.isOk() || r->state != RequestResult::State::kDone) {
+            ++lost;
+            if (errors[t].empty()) {
+              errors[t] = "request " + std::to_string(id) + ": " +
+                          (r.isOk() ? r->status.toString() : r.status().toString());
+            }
+            if (r.isOk() && !r->terminal()) (void)g->rx->cancel(id);
+            (void)g->rx->release(id);
+            continue;
+          }
+          auto report = g->verify(id);
+          if (!report.isOk() || !report->ok()) {
+            ++lost;
+            if (errors[t].empty()) {
+              errors[t] = "request " + std::to_string(id) + ": " +
+                          (report.isOk() ? report->toString() : report.status().toString());
+            }
+          } else {
+            bytes += report->bytes_checked;
+          }
+          (void)g->rx->release(id);
+        }
+        ++verified;
+      };
+      for (int i = 0; i < kPerThread; ++i) {
+        const uint64_t id = 1 + t * kPerThread + i;
+        const uint32_t tokens = 1 + static_cast<uint32_t>(rng() % 200);
+        if (!startOnBoth(m, id, tokens)) {
+          ++lost;
+          continue;
+        }
+        live.push_back(id);
+        while (live.size() > kWindow) {
+          finish(live.front());
+          live.pop_front();
+        }
+      }
+      while (!live.empty()) {
+        finish(live.front());
+        live.pop_front();
+      }
+    });
+  }
+  for (auto& d : drivers) d.join();
+  const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+  for (const auto& e : errors) EXPECT_TRUE(e.empty()) << e;
+  EXPECT_EQ(lost.load(), 0u);
+  EXPECT_EQ(verified.load(), uint64_t{kThreads * kPerThread});
+  for (auto& g : m.gen) {
+    EXPECT_EQ(g->rx->metrics().requests_ok, uint64_t{kThreads * kPerThread});
+    EXPECT_EQ(g->rx->metrics().requests_failed, 0u);
+  }
+  std::printf(
+      "load: %d requests x 2 generation ranks, %d in flight, %llu bytes verified, "
+      "0 lost, %.1f s\n",
+      kThreads * kPerThread, static_cast<int>(kThreads * kWindow),
+      static_cast<unsigned long long>(bytes.load()), secs);
+  m.expectQuiet();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hostile peers: raw agents that speak well-formed wire messages with bad content.
+
+// Sends `m` and returns the next message from `peer` (skipping connection events), decoded.
+StatusOr<wire::Message> exchange(Agent& agent, transport::PeerId peer,
+                                 std::optional<wire::Message> m) {
+  if (m) RETURN_IF_ERROR(agent.sendMessage(peer, wire::encodeMessage(*m)));
+  const auto end = deadline();
+  while (Clock::now() < end) {
+    auto ev = agent.pollEvent(milliseconds(100));
+    if (!ev) continue;
+    if (ev->peer != peer) continue;
+    if (ev->kind == transport::Event::Kind::kPeerLost) {
+      return Unavailable("peer lost: " + ev->status.toString());
+    }
+    if (ev->kind != transport::Event::Kind::kMessage) continue;
+    return wire::decodeMessage(ev->payload);
+  }
+  return Timeout("no answer");
+}
+
+// A generation rank's RankInfo for `cache`, as the receiver would publish it.
+wire::RankInfo rankInfoOf(const HybridCacheManager& cache, const Agent& agent,
+                          wire::InstanceRole role) {
+  wire::RankInfo info;
+  info.instance_id = "hostile";
+  info.role = role;
+  const std::string addr = agent.localAddress();
+  info.address.assign(addr.begin(), addr.end());
+  info.layout = cache.layout();
+  return info;
+}
+
+TEST(HostilePeer, GenerationPeerWithBadRequestsIsRefusedAndNothingIsWritten) {
+  LogCapture logs;
+  const ModelSpec model = tinyModel();
+  const ParallelConfig one{1, 1, {}};
+  const std::string name = uniqueName("ctx");
+  auto c = startContext(model, one, 0, name, StateLayout::kPaged, Capacity::counts(128, 32),
+                        nullptr, "secret");
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  auto honest = startGeneration(model, one, 0, StateLayout::kPaged, Capacity::counts(64, 8), one,
+                                {shmAddress(name)}, milliseconds(60000), nullptr, "secret");
+  ASSERT_TRUE(honest.isOk());
+  ASSERT_TRUE((*honest)->rx->waitForPeers(deadline()).isOk());
+  runAndVerify({honest->get()}, 1, 50);
+
+  // The hostile peer has real pools (filled with the sentinel) registered with its agent.
+  auto cache = HybridCacheManager::create(model, one, 0, 0, StateLayout::kPaged,
+                                          Capacity::counts(64, 8), Region::Backing::kMemfd);
+  ASSERT_TRUE(cache.isOk());
+  for (const auto& r : (*cache)->regions()) std::memset(r->data(), kSentinel, r->length());
+  auto agent = shmAgent("", "hostile");
+  ASSERT_TRUE(agent.isOk());
+  for (const auto& r : (*cache)->regions()) ASSERT_TRUE((*agent)->registerRegion(*r).isOk());
+  const wire::RankInfo good = rankInfoOf(**cache, **agent, wire::InstanceRole::kGeneration);
+
+  auto refusedWith = [&](wire::Hello hello, std::string_view needle) {
+    auto peer = (*agent)->connect(shmAddress(name));
+    ASSERT_TRUE(peer.isOk());
+    auto answer = exchange(**agent, *peer, wire::Message{std::move(hello)});
+    ASSERT_TRUE(answer.isOk()) << answer.status().toString();
+    auto* err = std::get_if<wire::Error>(&*answer);
+    ASSERT_NE(err, nullptr) << wire::summarize(*answer);
+    EXPECT_NE(err->status.message().find(needle), std::string::npos) << err->status.toString();
+    EXPECT_TRUE(logs.has({"refusing generation peer", needle})) << logs.all();
+    (void)(*agent)->disconnect(*peer);
+  };
+  refusedWith(wire::Hello{good, "guess"}, "auth token");
+  wire::RankInfo wrong_model = good;
+  wrong_model.layout.model_fingerprint ^= 1;
+  refusedWith(wire::Hello{wrong_model, "secret"}, "fingerprint");
+
+  // Accepted handshake, then requests that must each be refused before any byte moves.
+  auto peer = (*agent)->connect(shmAddress(name));
+  ASSERT_TRUE(peer.isOk());
+  auto hello = exchange(**agent, *peer, wire::Message{wire::Hello{good, "secret"}});
+  ASSERT_TRUE(hello.isOk() && std::holds_alternative<wire::Hello>(*hello));
+  const RankLayout& gl = (*cache)->layout();
+  auto request = [&](uint64_t id) {
+    wire::TransferRequest r;
+    r.request_id = id;
+    r.dst_block_ids = {0, 1, 2};
+    r.dst_slot = 0;
+    r.num_tokens = 3 * gl.tokens_per_block;
+    return r;
+  };
+  struct Bad {
+    std::string what;
+    wire::TransferRequest req;
+    std::string needle;
+  };
+  std::vector<Bad> bad;
+  {
+    auto r = request(9001);
+    r.dst_block_ids = {0, gl.num_blocks + 5};
+    bad.push_back({"a block it does not own", r, "dst_block_ids"});
+  }
+  {
+    auto r = request(9002);
+    r.gen_tp_rank = 3;
+    bad.push_back({"another rank's pages", r, "reached rank"});
+  }
+  {
+    auto r = request(9003);
+    r.dst_slot = gl.num_slots;
+    bad.push_back({"a slot it does not own", r, "dst_slot"});
+  }
+  {
+    auto r = request(9004);
+    r.dst_block_ids.clear();
+    for (uint32_t b = 0; b < 40; ++b) r.dst_block_ids.push_back(b);
+    r.num_tokens = 1;  // the context side holds one block; 40 are asked for
+    bad.push_back({"more blocks than the request has", r, "block"});
+  }
+  {
+    auto r = request(9006);
+    r.dst_block_ids = {4, 4};
+    r.num_tokens = 2;
+    bad.push_back({"a block twice", r, "twice"});
+  }
+  for (const Bad& b : bad) {
+    auto answer = exchange(**agent, *peer, wire::Message{b.req});
+    ASSERT_TRUE(answer.isOk()) << b.what << ": " << answer.status().toString();
+    auto* done = std::get_if<wire::TransferDone>(&*answer);
+    ASSERT_NE(done, nullptr) << b.what << ": " << wire::summarize(*answer);
+    EXPECT_EQ(done->request_id, b.req.request_id);
+    EXPECT_FALSE(done->status.isOk()) << b.what;
+    EXPECT_EQ(done->bytes, 0u) << b.what;
+    EXPECT_NE(done->status.message().find(b.needle), std::string::npos)
+        << b.what << ": " << done->status.toString();
+    EXPECT_TRUE(logs.has({"refusing request " + std::to_string(b.req.request_id)})) << logs.all();
+  }
+  (void)(*agent)->disconnect(*peer);
+  // Requests the decoder itself refuses (a count over its limit, an index past its list): the
+  // peer is refused and dropped, naming the field.
+  std::vector<Bad> undecodable;
+  {
+    auto r = request(9100);
+    r.dst_block_ids.assign(wire::kMaxBlockIds + 1, 0);
+    undecodable.push_back({"an oversize block count", r, "dst_block_ids.count"});
+  }
+  {
+    auto r = request(9101);
+    r.first_block = 7;
+    undecodable.push_back({"first_block past its blocks", r, "first_block"});
+  }
+  for (const Bad& b : undecodable) {
+    auto p2 = (*agent)->connect(shmAddress(name));
+    ASSERT_TRUE(p2.isOk());
+    auto h2 = exchange(**agent, *p2, wire::Message{wire::Hello{good, "secret"}});
+    ASSERT_TRUE(h2.isOk() && std::holds_alternative<wire::Hello>(*h2)) << b.what;
+    auto answer = exchange(**agent, *p2, wire::Message{b.req});
+    ASSERT_TRUE(answer.isOk()) << b.what << ": " << answer.status().toString();
+    auto* err = std::get_if<wire::Error>(&*answer);
+    ASSERT_NE(err, nullptr) << b.what << ": " << wire::summarize(*answer);
+    EXPECT_NE(err->status.message().find(b.needle), std::string::npos)
+        << b.what << ": " << err->status.toString();
+    EXPECT_TRUE(logs.has({"refusing generation peer", b.needle})) << logs.all();
+    (void)(*agent)->disconnect(*p2);
+  }
+
+  // Nothing was written into the hostile peer's pools, and the honest rank is still served.
+  uint64_t written = 0;
+  for (const auto& r : (*cache)->regions()) {
+    written +=
+        std::count_if(r->data(), r->data() + r->length(), [](uint8_t b) { return b != kSentinel; });
+  }
+  EXPECT_EQ(written, 0u);
+  runAndVerify({honest->get()}, 2, 80);
+  EXPECT_GE(c->sender->metrics().handshakes_refused, 4u);
+  expectPagesFree(*c->cache, "ctx");
+  expectPagesFree(*(*honest)->cache, "gen");
+  expectNoStrayBytes(**honest, "gen");
+  (*honest)->rx->shutdown();
+  c->sender->shutdown();
+}
+
+// A context peer that answers the handshake with `reply` (built from the Hello it receives).
+struct HostileContext {
+  std::unique_ptr<HybridCacheManager> cache;
+  std::unique_ptr<Agent> agent;
+  transport::PeerId peer = 0;
+  static std::unique_ptr<HostileContext> make(const ModelSpec& model) {
+    auto h = std::make_unique<HostileContext>();
+    auto cache = HybridCacheManager::create(model, {1, 1, {}}, 0, 0, StateLayout::kPaged,
+                                            Capacity::counts(64, 8), Region::Backing::kMemfd);
+    auto agent = shmAgent(uniqueName("hostile-ctx"), "hostile");
+    if (!cache.isOk() || !agent.isOk()) return nullptr;
+    h->cache = std::move(*cache);
+    h->agent = std::move(*agent);
+    for (const auto& r : h->cache->regions()) {
+      if (!h->agent->registerRegion(*r).isOk()) return nullptr;
+    }
+    return h;
+  }
+  // Waits for the generation rank's Hello.
+  bool acceptHello() {
+    const auto end = deadline();
+    while (Clock::now() < end) {
+      auto ev = agent->pollEvent(milliseconds(100));
+      if (!ev || ev->kind != transport::Event::Kind::kMessage) continue;
+      auto m = wire::decodeMessage(ev->payload);
+      if (m.isOk() && std::holds_alternative<wire::Hello>(*m)) {
+        peer = ev->peer;
+        return true;
+      }
+    }
+    return false;
+  }
+  void send(const wire::Message& m) {
+    ASSERT_TRUE(agent->sendMessage(peer, wire::encodeMessage(m)).isOk());
+  }
+  // Next message from the generation rank, decoded.
+  std::optional<wire::Message> next() {
+    const auto end = deadline();
+    while (Clock::now() < end) {
+      auto ev = agent->pollEvent(milliseconds(100));
+      if (!ev || ev->kind != transport::Event::Kind::kMessage) continue;
+      auto m = wire::decodeMessage(ev->payload);
+      if (m.isOk()) return *m;
+    }
+    return std::nullopt;
+  }
+};
+
+TEST(HostilePeer, ContextPeerWithWrongModelOrTokenOrAnswersIsRefused) {
+  LogCapture logs;
+  const ModelSpec model = tinyModel();
+  const ParallelConfig one{1, 1, {}};
+  struct Case {
+    std::string what;
+    std::function<void(wire::Hello&)> spoil;
+    StatusCode code;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {"wrong model fingerprint", [](wire::Hello& h) { h.rank_info.layout.model_fingerprint ^= 1; },
+       StatusCode::kIncompatible, "fingerprint"},
+      {"wrong token", [](wire::Hello& h) { h.auth_token = "guess"; }, StatusCode::kIncompatible,
+       "auth token"},
+      {"claims the generation role",
+       [](wire::Hello& h) { h.rank_info.role = wire::InstanceRole::kGeneration; },
+       StatusCode::kIncompatible, "role"},
+  };
+  for (const Case& k : cases) {
+    auto h = HostileContext::make(model);
+    ASSERT_NE(h, nullptr);
+    auto g = startGeneration(model, one, 0, StateLayout::kPaged, Capacity::counts(64, 8), one,
+                             {h->agent->localAddress()}, milliseconds(60000), nullptr, "secret");
+    ASSERT_TRUE(g.isOk());
+    ASSERT_TRUE(h->acceptHello()) << k.what;
+    wire::Hello hello{rankInfoOf(*h->cache, *h->agent, wire::InstanceRole::kContext), "secret"};
+    k.spoil(hello);
+    if (!wire::checkRankInfo(hello.rank_info).isOk()) {
+      // A layout the decoder itself would refuse never reaches the receiver's own checks.
+      hello.rank_info.layout = h->cache->layout();
+      hello.rank_info.layout.model_fingerprint ^= 1;
+    }
+    h->send(hello);
+    Status s = (*g)->rx->waitForPeers(deadline());
+    EXPECT_EQ(s.code(), k.code) << k.what << ": " << s.toString();
+    EXPECT_NE(s.message().find(k.needle), std::string::npos) << k.what << ": " << s.toString();
+    EXPECT_TRUE(logs.has({"refusing context rank", k.needle})) << k.what << "\n" << logs.all();
+    EXPECT_FALSE((*g)->rx->startRequest(1, 10).isOk());
+    (*g)->rx->shutdown();
+    expectPagesFree(*(*g)->cache, k.what);
+    expectNoStrayBytes(**g, k.what);
+  }
+
+  // A context peer that handshakes correctly, then lies in its answers.
+  auto h = HostileContext::make(model);
+  ASSERT_NE(h, nullptr);
+  auto g = startGeneration(model, one, 0, StateLayout::kPaged, Capacity::counts(64, 8), one,
+                           {h->agent->localAddress()});
+  ASSERT_TRUE(g.isOk());
+  ASSERT_TRUE(h->acceptHello());
+  h->send(wire::Hello{rankInfoOf(*h->cache, *h->agent, wire::InstanceRole::kContext), ""});
+  ASSERT_TRUE((*g)->rx->waitForPeers(deadline()).isOk());
+  // A Done for a request nobody asked for is ignored.
+  h->send(wire::TransferDone{777, OkStatus(), 1 << 20, std::nullopt});
+  // A Done claiming success with the wrong byte count fails the request instead of lying.
+  ASSERT_TRUE((*g)->start(5, 40).isOk());
+  auto ask = h->next();
+  ASSERT_TRUE(ask && std::holds_alternative<wire::TransferRequest>(*ask));
+  h->send(wire::TransferDone{5, OkStatus(), 12345, std::nullopt});
+  auto r = (*g)->rx->wait(5, deadline());
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->state, RequestResult::State::kFailed);
+  EXPECT_NE(r->status.message().find("expected"), std::string::npos) << r->status.toString();
+  ASSERT_TRUE((*g)->rx->release(5).isOk());
+  EXPECT_EQ(r->status.code(), StatusCode::kInternal);
+  EXPECT_FALSE((*g)->rx->poll(777).isOk());
+  (*g)->rx->shutdown();
+  expectPagesFree(*(*g)->cache, "gen");
+  expectNoStrayBytes(**g, "gen");
+}
+
+// UCX active-message path: the receiving agent checks every incoming write against its OWN
+// registered regions, whatever lengths the writer was told.
+TEST(HostilePeer, UcxActiveMessageWritesOutsideRegisteredRegionsAreRefused) {
+  const auto backends = transport::availableBackends();
+  if (std::find(backends.begin(), backends.end(), "ucx") == backends.end()) {
+    GTEST_SKIP() << "built without UCX";
+  }
+  LogCapture logs;
+  auto config = [](const std::string& label) {
+    transport::AgentConfig ac;
+    ac.backend = "ucx";
+    ac.label = label;
+    ac.ucx_mode = transport::UcxMode::kAm;
+    ac.ucx_options = {{"TLS", "tcp"}};
+    return ac;
+  };
+  auto writer = transport::createAgent(config("writer"));
+  auto receiver = transport::createAgent(config("receiver"));
+  ASSERT_TRUE(writer.isOk() && receiver.isOk()) << writer.status().toString();
+  constexpr uint64_t kLen = 64 << 10;
+  auto dst = Region::allocate(7, kLen, Region::Backing::kAnonymous, "dst");
+  auto src = Region::allocate(1, 4 * kLen, Region::Backing::kAnonymous, "src");
+  ASSERT_TRUE(dst.isOk() && src.isOk());
+  std::memset((*dst)->data(), kSentinel, kLen);
+  std::memset((*src)->data(), 0x11, 4 * kLen);
+  auto key = (*receiver)->registerRegion(**dst);
+  ASSERT_TRUE(key.isOk());
+  ASSERT_TRUE((*writer)->registerRegion(**src).isOk());
+  auto peer = (*writer)->connect((*receiver)->localAddress());
+  ASSERT_TRUE(peer.isOk()) << peer.status().toString();
+  // The writer holds a forged key (the key's length field, bytes 8..15, says 4x the registered
+  // length), so its own bounds check passes; and it believes a region 8 exists.
+  std::vector<uint8_t> forged = *key;
+  ASSERT_GE(forged.size(), 16u);
+  for (int i = 0; i < 8; ++i) forged[8 + i] = static_cast<uint8_t>((4 * kLen) >> (8 * i));
+  ASSERT_TRUE((*writer)->addRemoteRegion(*peer, 7, 4 * kLen, forged).isOk());
+  ASSERT_TRUE((*writer)->addRemoteRegion(*peer, 8, 4 * kLen, forged).isOk());
+  struct Bad {
+    std::string what;
+    transport::WriteOp op;
+  };
+  const std::vector<Bad> bad = {
+      {"crossing the end", {1, 0, 7, kLen - 100, 4096}},
+      {"past the end", {1, 0, 7, 2 * kLen, 4096}},
+      {"an unregistered region", {1, 0, 8, 0, 4096}},
+  };
+  for (const Bad& b : bad) {
+    auto t = (*writer)->postWrite(*peer, {b.op});
+    if (!t.isOk()) {
+      EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << b.what;
+      continue;
+    }
+    Status s = t->wait(deadline());
+    EXPECT_FALSE(s.isOk()) << b.what;
+    EXPECT_NE(t->poll(), transport::TransferState::kInProgress) << b.what;
+  }
+  // A good write still lands, and not one byte outside it was touched.
+  auto good = (*writer)->postWrite(*peer, {{1, 0, 7, 1024, 512}});
+  ASSERT_TRUE(good.isOk());
+  ASSERT_TRUE(good->wait(deadline()).isOk());
+  uint64_t stray = 0;
+  for (uint64_t i = 0; i < kLen; ++i) {
+    const bool inside = i >= 1024 && i < 1024 + 512;
+    stray += (*dst)->data()[i] != (inside ? 0x11 : kSentinel);
+  }
+  EXPECT_EQ(stray, 0u);
+  EXPECT_TRUE(logs.has({"refusing a write", "does not fit region id=7"})) << logs.all();
+  EXPECT_TRUE(logs.has({"refusing a write", "not registered here"})) << logs.all();
+}
+
+}  // namespace
+}  // namespace hxfer::engine

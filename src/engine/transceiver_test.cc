@@ -1,0 +1,293 @@
+// End-to-end tests of the transceiver: context and generation ranks as threads of this process,
+// each with its own cache manager and transport agent, over every backend. Every test ends by
+// asserting that pool accounting is back to its start on every surviving rank.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+
+#include "engine/cluster.h"
+#include "model/presets.h"
+#include "transport/transport.h"
+
+namespace hxfer::engine {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+// Generous: the box may be loaded; nothing here asserts on time.
+Clock::time_point deadline() { return Clock::now() + seconds(60); }
+
+ModelSpec tinyModel() {
+  auto m = loadPreset(kDefaultPreset);
+  EXPECT_TRUE(m.isOk());
+  return *m;
+}
+
+ClusterOptions baseOptions(const std::string& backend, ParallelConfig ctx, ParallelConfig gen) {
+  ClusterOptions o;
+  o.model = tinyModel();
+  o.ctx = ctx;
+  o.gen = gen;
+  o.backend = backend;
+  o.blocks = 32;
+  o.slots = 4;
+  if (backend == "ucx") o.ucx_options = {{"TLS", "tcp,self"}};
+  return o;
+}
+
+void expectPagesFree(const LocalCluster& c) {
+  std::string why;
+  EXPECT_TRUE(c.waitAllPagesFree(deadline(), &why)) << why;
+}
+
+// Runs `n` requests through the cluster and checks every byte.
+void transferAndVerify(LocalCluster& c, uint64_t first_id, int n, uint32_t tokens,
+                       uint32_t prefix = 0) {
+  for (int i = 0; i < n; ++i) {
+    const uint64_t id = first_id + i;
+    ASSERT_TRUE(c.prepareContext(id, tokens).isOk());
+    ASSERT_TRUE(c.startGeneration(id, tokens, prefix).isOk());
+  }
+  for (int i = 0; i < n; ++i) {
+    const uint64_t id = first_id + i;
+    Status s = c.waitGeneration(id, deadline());
+    ASSERT_TRUE(s.isOk()) << s.toString();
+    auto report = c.check(id, prefix);
+    ASSERT_TRUE(report.isOk()) << report.status().toString();
+    EXPECT_TRUE(report->ok()) << report->toString();
+    EXPECT_GT(report->bytes_checked, 0u);
+    ASSERT_TRUE(c.release(id).isOk());
+  }
+}
+
+class Transceiver : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::unique_ptr<LocalCluster> make(ClusterOptions o) {
+    auto c = LocalCluster::create(std::move(o));
+    EXPECT_TRUE(c.isOk()) << c.status().toString();
+    if (!c.isOk()) return nullptr;
+    for (auto& r : (*c)->receivers()) {
+      Status s = r->waitForPeers(deadline());
+      EXPECT_TRUE(s.isOk()) << s.toString();
+    }
+    return std::move(*c);
+  }
+};
+
+TEST_P(Transceiver, SameTpMovesEveryByte) {
+  auto c = make(baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  transferAndVerify(*c, 1, 3, 100);
+  EXPECT_EQ(c->genMetrics().requests_ok, 3u);
+  expectPagesFree(*c);
+}
+
+TEST_P(Transceiver, TwoToOneGathersBothContextRanks) {
+  auto c = make(baseOptions(GetParam(), {2, 1, {}}, {1, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->receivers()[0]->contextRanks().size(), 2u);
+  transferAndVerify(*c, 1, 3, 77);
+  expectPagesFree(*c);
+}
+
+TEST_P(Transceiver, OneToTwoSplitsToBothGenerationRanks) {
+  auto c = make(baseOptions(GetParam(), {1, 1, {}}, {2, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  transferAndVerify(*c, 1, 3, 64);
+  // The one context rank served one part per generation rank per request.
+  EXPECT_EQ(c->ctxMetrics().requests_ok, 6u);
+  expectPagesFree(*c);
+}
+
+TEST_P(Transceiver, PpMismatchMovesOnlyOverlappingStages) {
+  auto c = make(baseOptions(GetParam(), {1, 2, {}}, {2, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  transferAndVerify(*c, 1, 2, 90);
+  expectPagesFree(*c);
+}
+
+TEST_P(Transceiver, MixedLayoutsMapOntoEachOther) {
+  auto o = baseOptions(GetParam(), {2, 1, {}}, {1, 2, {}});
+  o.ctx_layout = StateLayout::kLayerMajor;
+  o.gen_layout = StateLayout::kPaged;
+  auto c = make(o);
+  ASSERT_NE(c, nullptr);
+  transferAndVerify(*c, 1, 2, 50);
+  expectPagesFree(*c);
+}
+
+TEST_P(Transceiver, PrefixBlocksAreNotSent) {
+  auto c = make(baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  const uint32_t tpb = c->options().model.tokens_per_block;
+  transferAndVerify(*c, 1, 1, 5 * tpb, 2 * tpb);
+  const uint64_t kv = c->genCaches()[0]->layout().kvBytesPerBlock();
+  const uint64_t state = c->genCaches()[0]->layout().stateBytesPerSlot();
+  EXPECT_EQ(c->genMetrics().bytes, 3 * kv + state);
+  expectPagesFree(*c);
+}
+
+TEST_P(Transceiver, ReadyAfterRequestStartsTransferToo) {
+  auto c = make(baseOptions(GetParam(), {2, 1, {}}, {1, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->prepareContext(9, 70, /*mark_ready=*/false).isOk());
+  ASSERT_TRUE(c->startGeneration(9, 70).isOk());
+  ASSERT_TRUE(c->markReady(9).isOk());
+  ASSERT_TRUE(c->waitGeneration(9, deadline()).isOk());
+  auto report = c->check(9);
+  ASSERT_TRUE(report.isOk());
+  EXPECT_TRUE(report->ok()) << report->toString();
+  ASSERT_TRUE(c->release(9).isOk());
+  expectPagesFree(*c);
+}
+
+TEST_P(Transceiver, ChecksumVerifiesOnArrival) {
+  auto o = baseOptions(GetParam(), {2, 1, {}}, {1, 1, {}});
+  o.checksum = true;
+  auto c = make(o);
+  ASSERT_NE(c, nullptr);
+  transferAndVerify(*c, 1, 2, 64);
+  EXPECT_EQ(c->genMetrics().failuresBy(FailureCause::kChecksum), 0u);
+  expectPagesFree(*c);
+}
+
+TEST_P(Transceiver, GenerationCancelBeforeReadyFreesBothSides) {
+  auto c = make(baseOptions(GetParam(), {2, 1, {}}, {1, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->prepareContext(5, 60, /*mark_ready=*/false).isOk());
+  ASSERT_TRUE(c->startGeneration(5, 60).isOk());
+  ASSERT_TRUE(c->receivers()[0]->cancel(5).isOk());
+  auto r = c->receivers()[0]->wait(5, deadline());
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->status.code(), StatusCode::kCancelled);
+  // The context side still owns its pages until the serving code marks or cancels them.
+  ASSERT_TRUE(c->markReady(5).isOk());
+  ASSERT_TRUE(c->release(5).isOk());
+  // Nobody asks any more (the asks were cancelled), so the sources go when the asks are
+  // answered: every expected rank has been answered.
+  expectPagesFree(*c);
+  EXPECT_GE(c->genMetrics().requests_cancelled, 1u);
+}
+
+TEST_P(Transceiver, ContextCancelFailsTheGenerationRequest) {
+  auto c = make(baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->prepareContext(6, 60, /*mark_ready=*/false).isOk());
+  ASSERT_TRUE(c->startGeneration(6, 60).isOk());
+  ASSERT_TRUE(c->senders()[0]->cancel(6).isOk());
+  EXPECT_EQ(c->senders()[0]->markReady(6).code(), StatusCode::kCancelled);
+  auto r = c->receivers()[0]->wait(6, deadline());
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->status.code(), StatusCode::kCancelled) << r->status.toString();
+  ASSERT_TRUE(c->release(6).isOk());
+  expectPagesFree(*c);
+}
+
+TEST_P(Transceiver, CancelAfterCompletionIsHarmless) {
+  auto c = make(baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->prepareContext(7, 40).isOk());
+  ASSERT_TRUE(c->startGeneration(7, 40).isOk());
+  ASSERT_TRUE(c->waitGeneration(7, deadline()).isOk());
+  ASSERT_TRUE(c->senders()[0]->cancel(7).isOk());
+  ASSERT_TRUE(c->receivers()[0]->cancel(7).isOk());
+  auto r = c->receivers()[0]->poll(7);
+  ASSERT_TRUE(r.isOk());
+  EXPECT_TRUE(r->status.isOk());  // completed stays completed
+  auto report = c->check(7);
+  ASSERT_TRUE(report.isOk());
+  EXPECT_TRUE(report->ok());
+  ASSERT_TRUE(c->release(7).isOk());
+  expectPagesFree(*c);
+}
+
+TEST_P(Transceiver, LeaseExpiresWhenNobodyAsks) {
+  auto o = baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}});
+  o.lease_timeout = milliseconds(50);
+  auto c = make(o);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->prepareContext(8, 60).isOk());
+  expectPagesFree(*c);
+  EXPECT_EQ(c->ctxMetrics().leases_expired, 1u);
+  // A late ask is answered with the expiry, not served from freed pages.
+  ASSERT_TRUE(c->startGeneration(8, 60).isOk());
+  auto r = c->receivers()[0]->wait(8, deadline());
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->status.code(), StatusCode::kTimeout) << r->status.toString();
+  ASSERT_TRUE(c->release(8).isOk());
+  expectPagesFree(*c);
+}
+
+TEST_P(Transceiver, WrongTokenIsRefusedAndCounted) {
+  auto o = baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}});
+  o.ctx_token = "secret";
+  o.gen_token = "guess";
+  auto c = LocalCluster::create(o);
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  Status s = (*c)->receivers()[0]->waitForPeers(deadline());
+  EXPECT_FALSE(s.isOk());
+  EXPECT_NE(s.toString().find("token"), std::string::npos) << s.toString();
+  EXPECT_GE((*c)->ctxMetrics().handshakes_refused, 1u);
+  EXPECT_FALSE((*c)->startGeneration(1, 10).isOk());
+  expectPagesFree(**c);
+}
+
+TEST_P(Transceiver, IncompatiblePeerIsRefusedNamingTheField) {
+  auto o = baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}});
+  auto c = LocalCluster::create(o);
+  ASSERT_TRUE(c.isOk());
+  // A generation rank of a model with another ssm dtype asks the same context rank.
+  ModelSpec other = o.model;
+  other.ssm_dtype = DType::kBf16;
+  auto cache = HybridCacheManager::create(
+      other, o.gen, 0, 0, StateLayout::kPaged, Capacity::counts(8, 2),
+      o.backend == "shm" ? Region::Backing::kMemfd : Region::Backing::kAnonymous);
+  ASSERT_TRUE(cache.isOk());
+  transport::AgentConfig ac;
+  ac.backend = o.backend;
+  ac.ucx_options = o.ucx_options;
+  auto agent = transport::createAgent(ac);
+  ASSERT_TRUE(agent.isOk());
+  GenerationReceiver::Options ro;
+  ro.model = other;
+  ro.parallel = o.gen;
+  ro.ctx_parallel = o.ctx;
+  ro.ctx_addresses = {(*c)->senders()[0]->address()};
+  auto rx = GenerationReceiver::create(ro, cache->get(), std::move(*agent));
+  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
+  Status s = (*rx)->waitForPeers(deadline());
+  EXPECT_EQ(s.code(), StatusCode::kIncompatible) << s.toString();
+  EXPECT_NE(s.message().find("ssm dtype"), std::string::npos) << s.toString();
+  (*rx)->shutdown();
+  EXPECT_EQ((*cache)->counters().used_blocks, 0u);
+  // The regular generation rank is unaffected.
+  ASSERT_TRUE((*c)->receivers()[0]->waitForPeers(deadline()).isOk());
+  transferAndVerify(**c, 1, 1, 32);
+  expectPagesFree(**c);
+}
+
+TEST_P(Transceiver, DeadContextRankFailsItsRequests) {
+  auto c = make(baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  // A request in flight towards a context rank that dies before serving it.
+  ASSERT_TRUE(c->prepareContext(1, 60, /*mark_ready=*/false).isOk());
+  ASSERT_TRUE(c->startGeneration(1, 60).isOk());
+  c->senders()[0]->shutdown();  // frees nothing it does not own; request 1 is not ready
+  ASSERT_TRUE(c->ctxCaches()[0]->free(1).isOk());
+  auto r = c->receivers()[0]->wait(1, deadline());
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->status.code(), StatusCode::kUnavailable) << r->status.toString();
+  ASSERT_TRUE(c->release(1).isOk());
+  EXPECT_EQ(c->genMetrics().failuresBy(FailureCause::kPeerLost), 1u);
+  expectPagesFree(*c);
+}
+
+std::vector<std::string> backends() { return transport::availableBackends(); }
+
+INSTANTIATE_TEST_SUITE_P(Backends, Transceiver, ::testing::ValuesIn(backends()),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace hxfer::engine

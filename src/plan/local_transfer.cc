@@ -1,0 +1,195 @@
+#include "plan/local_transfer.h"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <string>
+
+namespace hxfer {
+namespace {
+
+std::vector<uint32_t> blockIds(uint32_t request_blocks, uint32_t pool_blocks, uint64_t rank,
+                               const LocalTransferOptions& o, uint64_t salt) {
+  std::vector<uint32_t> ids(pool_blocks);
+  if (o.shuffle_blocks) {
+    std::iota(ids.begin(), ids.end(), 0u);
+    std::mt19937_64 rng(o.seed * 1000003 + salt * 1009 + rank);
+    std::shuffle(ids.begin(), ids.end(), rng);
+  } else {
+    const uint32_t start = static_cast<uint32_t>((rank + salt) % (o.spare_blocks + 1));
+    std::iota(ids.begin(), ids.end(), start);
+  }
+  ids.resize(request_blocks);
+  return ids;
+}
+
+// Proves that the ops wrote every byte of the request's destination records exactly once and
+// nothing else: the ops' destination ranges must not overlap one another, and their union must
+// equal the union of the records. Works on intervals, so it costs O(ops log ops), not O(bytes).
+class Coverage {
+ public:
+  void add(const CopyOp& op) {
+    if (op.bytes > 0) written_.push_back({op.dst_region, op.dst_offset, op.dst_offset + op.bytes});
+  }
+  // Returns the number of violations; the first one is described in *first (if empty).
+  uint64_t finish(const RankLayout& l, const RankIds& ids, BlockRange blocks, std::string* first) {
+    std::vector<Range> expected;
+    for (const PoolView& v : l.views) {
+      const uint64_t lo = v.indexedByBlock() ? blocks.first_block : 0;
+      const uint64_t hi = v.indexedByBlock() ? blocks.end() : 1;
+      for (uint64_t pos = lo; pos < hi; ++pos) {
+        const uint64_t index = v.indexedByBlock() ? ids.blocks[pos] : ids.slot;
+        for (uint32_t li = 0; li < v.layers.size(); ++li) {
+          const uint64_t off = v.offset(index, li);
+          expected.push_back({v.region_id, off, off + v.record_bytes});
+        }
+      }
+    }
+    uint64_t bad = 0;
+    auto report = [&](const std::string& what) {
+      ++bad;
+      if (first->empty()) *first = what;
+    };
+    std::sort(written_.begin(), written_.end());
+    for (size_t i = 1; i < written_.size(); ++i) {
+      if (written_[i].region == written_[i - 1].region && written_[i].begin < written_[i - 1].end) {
+        report("region " + std::to_string(written_[i].region) + " bytes [" +
+               std::to_string(written_[i].begin) + ", " +
+               std::to_string(std::min(written_[i].end, written_[i - 1].end)) +
+               ") written more than once");
+      }
+    }
+    const std::vector<Range> got = merged(written_);
+    const std::vector<Range> want = merged(std::move(expected));
+    if (got != want) {
+      size_t i = 0;
+      while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
+      auto text = [](const std::vector<Range>& v, size_t i) {
+        if (i >= v.size()) return std::string("nothing");
+        return "region " + std::to_string(v[i].region) + " [" + std::to_string(v[i].begin) + ", " +
+               std::to_string(v[i].end) + ")";
+      };
+      report("written bytes differ from the request's records: written " + text(got, i) +
+             ", records " + text(want, i));
+    }
+    written_.clear();
+    return bad;
+  }
+
+ private:
+  struct Range {
+    uint32_t region;
+    uint64_t begin, end;
+    auto operator<=>(const Range&) const = default;
+  };
+  static std::vector<Range> merged(std::vector<Range> v) {
+    std::sort(v.begin(), v.end());
+    std::vector<Range> out;
+    for (const Range& r : v) {
+      if (!out.empty() && out.back().region == r.region && r.begin <= out.back().end) {
+        out.back().end = std::max(out.back().end, r.end);
+      } else {
+        out.push_back(r);
+      }
+    }
+    return out;
+  }
+  std::vector<Range> written_;
+};
+
+}  // namespace
+
+StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const ParallelConfig& pc,
+                                                   StateLayout layout, uint32_t request_blocks,
+                                                   const LocalTransferOptions& o, uint64_t salt,
+                                                   bool allocate) {
+  std::vector<LocalRank> ranks;
+  const uint32_t pool_blocks = request_blocks + o.spare_blocks;
+  for (uint32_t pp = 0; pp < pc.pp; ++pp) {
+    for (uint32_t tp = 0; tp < pc.tp; ++tp) {
+      LocalRank r;
+      ASSIGN_OR_RETURN(r.layout,
+                       buildRankLayout(model, pc, tp, pp, layout, std::max(pool_blocks, 1u),
+                                       std::max(o.num_slots, 1u)));
+      const uint64_t k = uint64_t{pp} * pc.tp + tp;
+      r.ids.blocks = blockIds(request_blocks, std::max(pool_blocks, 1u), k, o, salt);
+      r.ids.slot = static_cast<uint32_t>((k + salt) % std::max(o.num_slots, 1u));
+      if (allocate) {
+        for (const RegionSpec& spec : r.layout.regions) {
+          if (r.mem.size() <= spec.id) r.mem.resize(spec.id + 1);
+          if (o.use_regions) {
+            ASSIGN_OR_RETURN(auto region, Region::allocate(spec.id, spec.length,
+                                                           Region::Backing::kAnonymous, spec.name));
+            r.mem[spec.id] = {region->data(), region->length()};
+            r.regions.push_back(std::move(region));
+          } else {
+            r.buffers.emplace_back(spec.length);
+            r.mem[spec.id] = {r.buffers.back().data(), spec.length};
+          }
+        }
+      }
+      ranks.push_back(std::move(r));
+    }
+  }
+  return ranks;
+}
+
+StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
+                                               const LocalTransferOptions& o) {
+  if (o.tokens == 0) return InvalidArgument("tokens=0 (a request has at least one token)");
+  if (o.prefix_tokens > o.tokens) {
+    return InvalidArgument("prefix_tokens=" + std::to_string(o.prefix_tokens) +
+                           " > tokens=" + std::to_string(o.tokens));
+  }
+  const uint32_t t = model.tokens_per_block;
+  if (t == 0) return InvalidArgument("tokens_per_block=0");
+  const uint32_t request_blocks = (o.tokens + t - 1) / t;
+  LocalTransferResult out;
+  out.blocks.first_block = o.prefix_tokens / t;
+  out.blocks.num_blocks = request_blocks - out.blocks.first_block;
+
+  ASSIGN_OR_RETURN(std::vector<LocalRank> ctx,
+                   makeLocalInstance(model, o.ctx, o.ctx_layout, request_blocks, o, 1, o.execute));
+  ASSIGN_OR_RETURN(std::vector<LocalRank> gen,
+                   makeLocalInstance(model, o.gen, o.gen_layout, request_blocks, o, 2, o.execute));
+  std::vector<RankLayout> ctx_layouts;
+  std::vector<RankIds> ctx_ids;
+  for (LocalRank& r : ctx) {
+    if (o.execute) RETURN_IF_ERROR(fillRank(r.layout, r.mem, r.ids, o.request_id));
+    ctx_layouts.push_back(r.layout);
+    ctx_ids.push_back(r.ids);
+  }
+  out.executed = o.execute;
+  for (LocalRank& g : gen) {
+    ASSIGN_OR_RETURN(Planner planner, Planner::create(ctx_layouts, g.layout));
+    ASSIGN_OR_RETURN(RequestPlan plan, planner.plan(ctx_ids, g.ids, out.blocks));
+    out.expected_bytes += planner.expectedBytes(out.blocks.num_blocks);
+    out.total_bytes += plan.total_bytes;
+    out.total_ops += plan.total_ops;
+    for (const RankPlan& rp : plan.ranks) {
+      if (rp.ops.empty()) continue;
+      const RankLayout& c = ctx_layouts[rp.ctx_index];
+      out.pairs.push_back(
+          {c.tp_rank, c.pp_rank, g.layout.tp_rank, g.layout.pp_rank, rp.ops.size(), rp.bytes});
+    }
+    if (!o.execute) continue;
+    std::unique_ptr<Coverage> coverage;
+    if (o.check_coverage) coverage = std::make_unique<Coverage>();
+    for (const RankPlan& rp : plan.ranks) {
+      RETURN_IF_ERROR(executeOps(rp.ops, ctx[rp.ctx_index].mem, g.mem));
+      if (coverage) {
+        for (const CopyOp& op : rp.ops) coverage->add(op);
+      }
+    }
+    if (coverage) {
+      out.coverage_errors +=
+          coverage->finish(g.layout, g.ids, out.blocks, &out.first_coverage_error);
+    }
+    ASSIGN_OR_RETURN(OracleReport report,
+                     checkRank(g.layout, g.mem, g.ids, o.request_id, out.blocks));
+    out.oracle.merge(report);
+  }
+  return out;
+}
+
+}  // namespace hxfer

@@ -1,0 +1,222 @@
+#include "plan/oracle.h"
+
+#include <cstring>
+#include <string>
+
+namespace hxfer {
+namespace {
+
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
+
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+inline uint64_t word(uint64_t seed, uint64_t k) { return mix64(seed + (k + 1) * kGamma); }
+
+// One section of a record as held by a rank: global units [first, first + count).
+struct LocalSection {
+  uint32_t first = 0, count = 0;
+  uint64_t unit_bytes = 0, offset = 0;
+};
+
+std::vector<LocalSection> localSections(const RankLayout& layout, const PoolView& view) {
+  std::vector<LocalSection> out;
+  uint64_t off = 0;
+  for (const Section& s : view.sections) {
+    // REQUIRES of the callers: the layout validated, so the section shards.
+    const UnitRange r = shardUnits(s.units, layout.tp, layout.tp_rank, s.name).value();
+    out.push_back({r.first, r.count, s.unit_bytes, off});
+    off += uint64_t{r.count} * s.unit_bytes;
+  }
+  return out;
+}
+
+// Counts differing bytes of two words and returns the index of the first one.
+inline int firstDiff(uint64_t a, uint64_t b, uint64_t n, uint64_t* count) {
+  uint8_t x[8], y[8];
+  std::memcpy(x, &a, 8);
+  std::memcpy(y, &b, 8);
+  int first = -1;
+  for (uint64_t i = 0; i < n; ++i) {
+    if (x[i] != y[i]) {
+      ++*count;
+      if (first < 0) first = static_cast<int>(i);
+    }
+  }
+  return first;
+}
+
+void checkUnit(uint64_t seed, const uint8_t* p, uint64_t bytes, OracleReport* report,
+               const OracleMismatch& where, uint64_t unit_offset) {
+  const uint64_t words = bytes / 8;
+  for (uint64_t k = 0; k <= words; ++k) {
+    const uint64_t n = k < words ? 8 : bytes % 8;
+    if (n == 0) break;
+    const uint64_t expect = word(seed, k);
+    uint64_t got = 0;
+    if (n == 8) {
+      std::memcpy(&got, p + 8 * k, 8);
+      if (got == expect) continue;
+    } else {
+      uint64_t e = 0;
+      std::memcpy(&got, p + 8 * k, n);
+      std::memcpy(&e, &expect, n);
+      if (got == e) continue;
+    }
+    const int i = firstDiff(expect, got, n, &report->mismatched_bytes);
+    if (i >= 0 && !report->first) {
+      OracleMismatch m = where;
+      m.byte = 8 * k + i;
+      m.expected = oracleByte(seed, m.byte);
+      m.actual = p[m.byte];
+      m.offset = unit_offset + m.byte;
+      report->first = m;
+    }
+  }
+  report->bytes_checked += bytes;
+}
+
+// Calls fn(view, local_layer, position, region, record_offset, record_ptr) for every record of
+// the request: kv records of positions [blocks.first_block, blocks.end()) and the slot records.
+template <typename Fn>
+Status forEachRecord(const RankLayout& layout, const RankMemory& mem, const RankIds& ids,
+                     BlockRange blocks, Fn&& fn) {
+  for (const PoolView& v : layout.views) {
+    const uint64_t first = v.indexedByBlock() ? blocks.first_block : 0;
+    const uint64_t end = v.indexedByBlock() ? blocks.end() : 1;
+    if (v.indexedByBlock() && end > ids.blocks.size()) {
+      return InvalidArgument(std::to_string(ids.blocks.size()) +
+                             " block ids given, positions up to " + std::to_string(end) +
+                             " needed");
+    }
+    for (uint64_t pos = first; pos < end; ++pos) {
+      const uint32_t index = v.indexedByBlock() ? ids.blocks[pos] : ids.slot;
+      if (index >= v.num_indices) {
+        return InvalidArgument(std::string(v.indexedByBlock() ? "block id " : "slot ") +
+                               std::to_string(index) + " >= " + std::to_string(v.num_indices));
+      }
+      for (uint32_t l = 0; l < v.layers.size(); ++l) {
+        const uint64_t off = v.offset(index, l);
+        ASSIGN_OR_RETURN(uint8_t * p, regionBytes(mem, v.region_id, off, v.record_bytes));
+        fn(v, l, static_cast<uint32_t>(pos), v.region_id, off, p);
+      }
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+uint64_t oracleUnitSeed(uint64_t request_id, uint32_t layer, Role role, uint32_t section,
+                        uint32_t unit, uint32_t position) {
+  uint64_t h = mix64(request_id ^ 0x6878666572ull);  // "hxfer"
+  h = mix64(h ^ layer);
+  h = mix64(h ^ (uint64_t{static_cast<uint8_t>(role)} << 32 | section));
+  h = mix64(h ^ unit);
+  return mix64(h ^ (uint64_t{position} << 1 | 1));
+}
+
+void oracleFillUnit(uint64_t seed, uint8_t* out, uint64_t bytes) {
+  const uint64_t words = bytes / 8;
+  for (uint64_t k = 0; k < words; ++k) {
+    const uint64_t w = word(seed, k);
+    std::memcpy(out + 8 * k, &w, 8);
+  }
+  if (bytes % 8) {
+    const uint64_t w = word(seed, words);
+    std::memcpy(out + 8 * words, &w, bytes % 8);
+  }
+}
+
+uint8_t oracleByte(uint64_t seed, uint64_t byte) {
+  const uint64_t w = word(seed, byte / 8);
+  uint8_t b[8];
+  std::memcpy(b, &w, 8);
+  return b[byte % 8];
+}
+
+std::string OracleMismatch::toString() const {
+  return "request " + std::to_string(request_id) + " layer " + std::to_string(layer) + " " +
+         std::string(roleName(role)) + " section " + std::to_string(section) + " (" + section_name +
+         ") unit " + std::to_string(unit) + " position " + std::to_string(position) + " byte " +
+         std::to_string(byte) + ": expected " + std::to_string(expected) + " got " +
+         std::to_string(actual) + " (region " + std::to_string(region) + " offset " +
+         std::to_string(offset) + ")";
+}
+
+void OracleReport::merge(const OracleReport& other) {
+  bytes_checked += other.bytes_checked;
+  mismatched_bytes += other.mismatched_bytes;
+  if (!first && other.first) first = other.first;
+}
+
+std::string OracleReport::toString() const {
+  if (ok()) return "ok: " + std::to_string(bytes_checked) + " bytes";
+  std::string s =
+      std::to_string(mismatched_bytes) + " of " + std::to_string(bytes_checked) + " bytes differ";
+  if (first) s += "; first: " + first->toString();
+  return s;
+}
+
+void fillRecord(const RankLayout& layout, const PoolView& view, uint32_t local_layer,
+                uint32_t position, uint64_t request_id, uint8_t* record) {
+  const uint32_t layer = view.layers[local_layer];
+  const std::vector<LocalSection> secs = localSections(layout, view);
+  for (uint32_t s = 0; s < secs.size(); ++s) {
+    const LocalSection& ls = secs[s];
+    for (uint32_t u = 0; u < ls.count; ++u) {
+      const uint64_t seed = oracleUnitSeed(request_id, layer, view.role, s, ls.first + u,
+                                           view.indexedByBlock() ? position : 0);
+      oracleFillUnit(seed, record + ls.offset + u * ls.unit_bytes, ls.unit_bytes);
+    }
+  }
+}
+
+void checkRecord(const RankLayout& layout, const PoolView& view, uint32_t local_layer,
+                 uint32_t position, uint64_t request_id, const uint8_t* record, uint32_t region,
+                 uint64_t record_offset, OracleReport* report) {
+  OracleMismatch where;
+  where.request_id = request_id;
+  where.layer = view.layers[local_layer];
+  where.role = view.role;
+  where.position = view.indexedByBlock() ? position : 0;
+  where.region = region;
+  const std::vector<LocalSection> secs = localSections(layout, view);
+  for (uint32_t s = 0; s < secs.size(); ++s) {
+    const LocalSection& ls = secs[s];
+    where.section = s;
+    where.section_name = view.sections[s].name;
+    for (uint32_t u = 0; u < ls.count; ++u) {
+      where.unit = ls.first + u;
+      const uint64_t seed =
+          oracleUnitSeed(request_id, where.layer, view.role, s, where.unit, where.position);
+      const uint64_t at = ls.offset + u * ls.unit_bytes;
+      checkUnit(seed, record + at, ls.unit_bytes, report, where, record_offset + at);
+    }
+  }
+}
+
+Status fillRank(const RankLayout& layout, const RankMemory& mem, const RankIds& ids,
+                uint64_t request_id) {
+  const BlockRange all{0, static_cast<uint32_t>(ids.blocks.size())};
+  return forEachRecord(layout, mem, ids, all,
+                       [&](const PoolView& v, uint32_t l, uint32_t pos, uint32_t, uint64_t,
+                           uint8_t* p) { fillRecord(layout, v, l, pos, request_id, p); });
+}
+
+StatusOr<OracleReport> checkRank(const RankLayout& layout, const RankMemory& mem,
+                                 const RankIds& ids, uint64_t request_id, BlockRange blocks) {
+  OracleReport report;
+  RETURN_IF_ERROR(forEachRecord(layout, mem, ids, blocks,
+                                [&](const PoolView& v, uint32_t l, uint32_t pos, uint32_t region,
+                                    uint64_t off, const uint8_t* p) {
+                                  checkRecord(layout, v, l, pos, request_id, p, region, off,
+                                              &report);
+                                }));
+  return report;
+}
+
+}  // namespace hxfer

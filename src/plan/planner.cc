@@ -1,0 +1,491 @@
+#include "plan/planner.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <tuple>
+#include <utility>
+
+namespace hxfer {
+namespace {
+
+std::string hex64(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "0x%016" PRIx64, v);
+  return buf;
+}
+
+std::string rankName(const RankLayout& l) {
+  return "(tp_rank " + std::to_string(l.tp_rank) + ", pp_rank " + std::to_string(l.pp_rank) + ")";
+}
+
+uint64_t numLayers(const RankLayout& l) {
+  uint64_t n = 0;
+  for (uint32_t c : l.layers_per_stage) n += c;
+  return n;
+}
+
+// Global layers [first, end) of the rank's pp stage. REQUIRES: l.validate() is ok.
+std::pair<uint64_t, uint64_t> stageRange(const RankLayout& l) {
+  uint64_t first = 0;
+  for (uint32_t s = 0; s < l.pp_rank; ++s) first += l.layers_per_stage[s];
+  return {first, first + l.layers_per_stage[l.pp_rank]};
+}
+
+std::string sectionsText(const std::vector<Section>& sections) {
+  std::string s;
+  for (const Section& sec : sections) {
+    if (!s.empty()) s += " ";
+    s += sec.name + ":" + std::to_string(sec.units) + "x" + std::to_string(sec.unit_bytes) + "B";
+  }
+  return s;
+}
+
+std::string viewWhat(const PoolView& v, uint32_t layer, const Section& s) {
+  return "layer " + std::to_string(layer) + " " + std::string(layerKindName(v.kind)) + " " +
+         std::string(roleName(v.role)) + " " + s.name;
+}
+
+// Every section of every view shards at the layout's tp (checked before validate(), so that
+// the refusal names the section rather than a record size).
+Status checkDivisible(const RankLayout& l, std::string_view side) {
+  for (const PoolView& v : l.views) {
+    for (const Section& s : v.sections) {
+      auto r = shardUnits(s.units, l.tp, 0, viewWhat(v, v.layers.empty() ? 0 : v.layers[0], s));
+      if (!r.isOk()) {
+        return Status(r.status().code(), std::string(side) + " " + r.status().message());
+      }
+    }
+  }
+  return OkStatus();
+}
+
+// (global layer, role) -> (view index, local layer) of one rank.
+using RecordIndex = std::map<std::pair<uint32_t, Role>, std::pair<uint32_t, uint32_t>>;
+
+RecordIndex indexRecords(const RankLayout& l) {
+  RecordIndex idx;
+  for (uint32_t vi = 0; vi < l.views.size(); ++vi) {
+    const PoolView& v = l.views[vi];
+    for (uint32_t li = 0; li < v.layers.size(); ++li) idx[{v.layers[li], v.role}] = {vi, li};
+  }
+  return idx;
+}
+
+// The context TP rank that writes unit `u` of a section of `units` units for generation TP
+// rank `gen_rank`, at global layer `layer`.
+uint32_t writerTpRank(uint32_t u, uint32_t units, uint32_t ctx_tp, uint32_t gen_tp,
+                      uint32_t gen_rank, uint32_t layer) {
+  if (units >= ctx_tp) return u / (units / ctx_tp);  // exactly one holder
+  const uint32_t reps = ctx_tp / units;
+  const uint32_t h0 = u * reps;  // holders [h0, h0 + reps)
+  // Context ranks that cover the same slice of the model as gen_rank.
+  const uint64_t cover_lo = uint64_t{gen_rank} * ctx_tp / gen_tp;
+  const uint64_t cover_hi = (uint64_t{gen_rank + 1} * ctx_tp + gen_tp - 1) / gen_tp;
+  const uint64_t lo = std::max<uint64_t>(h0, cover_lo);
+  const uint64_t hi = std::min<uint64_t>(h0 + reps, cover_hi);
+  if (lo < hi) return static_cast<uint32_t>(lo + (uint64_t{layer} + gen_rank) % (hi - lo));
+  return h0 + (layer + gen_rank) % reps;
+}
+
+void appendSegment(std::vector<Planner::Segment>& segs, size_t begin, uint64_t src_off,
+                   uint64_t dst_off, uint64_t bytes) {
+  if (segs.size() > begin) {
+    Planner::Segment& b = segs.back();
+    if (b.src_off + b.bytes == src_off && b.dst_off + b.bytes == dst_off) {
+      b.bytes += bytes;
+      return;
+    }
+  }
+  segs.push_back({src_off, dst_off, bytes});
+}
+
+// Appends an op, merging it into the previous one when both sides continue contiguously.
+inline void appendOp(std::vector<CopyOp>& ops, uint32_t src_region, uint64_t src_off,
+                     uint32_t dst_region, uint64_t dst_off, uint64_t bytes) {
+  if (!ops.empty()) {
+    CopyOp& b = ops.back();
+    if (b.src_region == src_region && b.dst_region == dst_region &&
+        b.src_offset + b.bytes == src_off && b.dst_offset + b.bytes == dst_off) {
+      b.bytes += bytes;
+      return;
+    }
+  }
+  ops.push_back({src_region, src_off, dst_region, dst_off, bytes});
+}
+
+struct PendingMap {
+  bool by_block;
+  uint32_t src_view, dst_view, src_layer;
+  Planner::RecordMap map;
+};
+
+// The mapping from context rank `c` to generation rank `g`. REQUIRES: checkCompatible(c, g).
+Planner::SourceMap buildSourceMap(const RankLayout& c, const RankLayout& g) {
+  Planner::SourceMap out;
+  const RecordIndex ctx_records = indexRecords(c);
+  std::vector<PendingMap> pending;
+  for (uint32_t gvi = 0; gvi < g.views.size(); ++gvi) {
+    const PoolView& gv = g.views[gvi];
+    for (uint32_t gl = 0; gl < gv.layers.size(); ++gl) {
+      const uint32_t layer = gv.layers[gl];
+      auto it = ctx_records.find({layer, gv.role});
+      if (it == ctx_records.end()) continue;  // another pp stage holds this layer
+      const auto [cvi, cl] = it->second;
+      const PoolView& cv = c.views[cvi];
+      const size_t seg_begin = out.segments.size();
+      uint64_t src_sec = 0, dst_sec = 0;  // offset of the section in each record
+      for (const Section& s : gv.sections) {
+        // Both layouts are validated, so the sections shard.
+        const UnitRange rg = shardUnits(s.units, g.tp, g.tp_rank, s.name).value();
+        const UnitRange rc = shardUnits(s.units, c.tp, c.tp_rank, s.name).value();
+        const uint32_t lo = std::max(rg.first, rc.first);
+        const uint32_t hi = std::min(rg.first + rg.count, rc.first + rc.count);
+        bool writes = lo < hi;
+        // A replicated unit (units < ctx tp) is written by one chosen holder only.
+        if (writes && s.units < c.tp) {
+          writes = writerTpRank(lo, s.units, c.tp, g.tp, g.tp_rank, layer) == c.tp_rank;
+        }
+        if (writes) {
+          appendSegment(out.segments, seg_begin, src_sec + uint64_t{lo - rc.first} * s.unit_bytes,
+                        dst_sec + uint64_t{lo - rg.first} * s.unit_bytes,
+                        uint64_t{hi - lo} * s.unit_bytes);
+        }
+        src_sec += uint64_t{rc.count} * s.unit_bytes;
+        dst_sec += uint64_t{rg.count} * s.unit_bytes;
+      }
+      if (out.segments.size() == seg_begin) continue;
+      Planner::RecordMap m;
+      m.src_region = cv.region_id;
+      m.dst_region = gv.region_id;
+      m.src_base = cv.offset(0, cl);
+      m.src_stride = cv.index_stride;
+      m.dst_base = gv.offset(0, gl);
+      m.dst_stride = gv.index_stride;
+      m.seg_begin = static_cast<uint32_t>(seg_begin);
+      m.seg_end = static_cast<uint32_t>(out.segments.size());
+      uint64_t bytes = 0;
+      for (uint32_t i = m.seg_begin; i < m.seg_end; ++i) bytes += out.segments[i].bytes;
+      (gv.indexedByBlock() ? out.kv_bytes_per_block : out.state_bytes) += bytes;
+      pending.push_back({gv.indexedByBlock(), cvi, gvi, cl, m});
+    }
+  }
+  // kv: grouped by (source view, destination view), layers in source order, so that one
+  // block's records follow each other in the source pool. State: in source address order, so
+  // that interleaved pools ([ssm_l0|conv_l0|ssm_l1|...]) read front to back.
+  std::stable_sort(pending.begin(), pending.end(), [](const PendingMap& a, const PendingMap& b) {
+    if (a.by_block != b.by_block) return a.by_block;
+    if (a.by_block) {
+      return std::tie(a.src_view, a.dst_view, a.src_layer) <
+             std::tie(b.src_view, b.dst_view, b.src_layer);
+    }
+    return std::tie(a.map.src_region, a.map.src_base) < std::tie(b.map.src_region, b.map.src_base);
+  });
+  for (size_t i = 0; i < pending.size(); ++i) {
+    const PendingMap& p = pending[i];
+    if (!p.by_block) {
+      out.slot_maps.push_back(p.map);
+      continue;
+    }
+    if (i == 0 || pending[i - 1].src_view != p.src_view || pending[i - 1].dst_view != p.dst_view) {
+      Planner::BlockGroup grp;
+      grp.map_begin = static_cast<uint32_t>(out.block_maps.size());
+      out.block_groups.push_back(grp);
+    }
+    out.block_maps.push_back(p.map);
+    out.block_groups.back().map_end = static_cast<uint32_t>(out.block_maps.size());
+  }
+  return out;
+}
+
+}  // namespace
+
+Status checkCompatible(const RankLayout& ctx, const RankLayout& gen) {
+  if (ctx.model_fingerprint != gen.model_fingerprint) {
+    return Incompatible("ctx model fingerprint " + hex64(ctx.model_fingerprint) +
+                        " != gen model fingerprint " + hex64(gen.model_fingerprint));
+  }
+  const std::tuple<const char*, DType, DType> dtypes[] = {{"kv", ctx.kv_dtype, gen.kv_dtype},
+                                                          {"conv", ctx.conv_dtype, gen.conv_dtype},
+                                                          {"ssm", ctx.ssm_dtype, gen.ssm_dtype}};
+  for (const auto& [name, a, b] : dtypes) {
+    if (a != b) {
+      return Incompatible(std::string("ctx ") + name + " dtype " + std::string(dtypeName(a)) +
+                          " != gen " + name + " dtype " + std::string(dtypeName(b)));
+    }
+  }
+  if (ctx.tokens_per_block != gen.tokens_per_block) {
+    return Incompatible("ctx tokens_per_block " + std::to_string(ctx.tokens_per_block) +
+                        " != gen tokens_per_block " + std::to_string(gen.tokens_per_block));
+  }
+  if (numLayers(ctx) != numLayers(gen)) {
+    return Incompatible("ctx num_layers " + std::to_string(numLayers(ctx)) + " != gen num_layers " +
+                        std::to_string(numLayers(gen)));
+  }
+  RETURN_IF_ERROR(checkDivisible(ctx, "ctx"));
+  RETURN_IF_ERROR(checkDivisible(gen, "gen"));
+  if (Status s = ctx.validate(); !s.isOk()) return s.withContext("ctx layout " + rankName(ctx));
+  if (Status s = gen.validate(); !s.isOk()) return s.withContext("gen layout " + rankName(gen));
+
+  // Every layer both stages hold has the same records on both sides.
+  const auto [c_first, c_end] = stageRange(ctx);
+  const auto [g_first, g_end] = stageRange(gen);
+  const RecordIndex c_idx = indexRecords(ctx);
+  const RecordIndex g_idx = indexRecords(gen);
+  for (uint64_t layer = std::max(c_first, g_first); layer < std::min(c_end, g_end); ++layer) {
+    for (uint8_t r = 0; r <= kMaxRole; ++r) {
+      const Role role = static_cast<Role>(r);
+      const std::pair<uint32_t, Role> key{static_cast<uint32_t>(layer), role};
+      auto ci = c_idx.find(key);
+      auto gi = g_idx.find(key);
+      const std::string what = "layer " + std::to_string(layer) + " " + std::string(roleName(role));
+      if ((ci == c_idx.end()) != (gi == g_idx.end())) {
+        return Incompatible(what + " record: ctx " + (ci == c_idx.end() ? "has none" : "has one") +
+                            " != gen " + (gi == g_idx.end() ? "has none" : "has one"));
+      }
+      if (ci == c_idx.end()) continue;
+      const PoolView& cv = ctx.views[ci->second.first];
+      const PoolView& gv = gen.views[gi->second.first];
+      if (cv.kind != gv.kind) {
+        return Incompatible(what + " kind: ctx " + std::string(layerKindName(cv.kind)) +
+                            " != gen " + std::string(layerKindName(gv.kind)));
+      }
+      if (cv.sections != gv.sections) {
+        return Incompatible(what + " sections: ctx " + sectionsText(cv.sections) + " != gen " +
+                            sectionsText(gv.sections));
+      }
+    }
+  }
+  return OkStatus();
+}
+
+Status checkInstance(const std::vector<RankLayout>& ctx) {
+  if (ctx.empty()) return InvalidArgument("context instance has no ranks");
+  const RankLayout& a = ctx[0];
+  std::vector<bool> seen(uint64_t{a.tp} * a.pp, false);
+  for (const RankLayout& l : ctx) {
+    const std::string who = "ctx rank " + rankName(l);
+    if (l.tp != a.tp || l.pp != a.pp) {
+      return Incompatible(who + " has tp=" + std::to_string(l.tp) + " pp=" + std::to_string(l.pp) +
+                          " != tp=" + std::to_string(a.tp) + " pp=" + std::to_string(a.pp) +
+                          " of " + rankName(a));
+    }
+    if (l.layers_per_stage != a.layers_per_stage) {
+      return Incompatible(who + " has a different layers_per_stage than " + rankName(a));
+    }
+    // Same model, dtypes and block size as the first rank: reuse the pairwise check's fields.
+    if (l.model_fingerprint != a.model_fingerprint || l.kv_dtype != a.kv_dtype ||
+        l.conv_dtype != a.conv_dtype || l.ssm_dtype != a.ssm_dtype ||
+        l.tokens_per_block != a.tokens_per_block) {
+      return Incompatible(who + " disagrees with " + rankName(a) +
+                          " on model fingerprint, dtypes or tokens_per_block");
+    }
+    if (l.tp_rank >= l.tp || l.pp_rank >= l.pp) {
+      return InvalidArgument(who + " is outside tp=" + std::to_string(l.tp) +
+                             " pp=" + std::to_string(l.pp));
+    }
+    const uint64_t pos = uint64_t{l.pp_rank} * l.tp + l.tp_rank;
+    if (seen[pos]) return InvalidArgument(who + " appears twice");
+    seen[pos] = true;
+  }
+  if (ctx.size() != seen.size()) {
+    return InvalidArgument("context instance has " + std::to_string(ctx.size()) +
+                           " ranks, tp*pp=" + std::to_string(seen.size()));
+  }
+  return OkStatus();
+}
+
+StatusOr<Planner> Planner::build(std::vector<RankLayout> ctx, RankLayout gen) {
+  for (const RankLayout& c : ctx) {
+    if (Status s = checkCompatible(c, gen); !s.isOk()) {
+      return s.withContext("ctx rank " + rankName(c) + " -> gen rank " + rankName(gen));
+    }
+  }
+  Planner p;
+  p.ctx_ = std::move(ctx);
+  p.gen_ = std::move(gen);
+  for (uint32_t i = 0; i < p.ctx_.size(); ++i) {
+    p.maps_.push_back(buildSourceMap(p.ctx_[i], p.gen_));
+    const SourceMap& m = p.maps_.back();
+    if (!m.block_maps.empty() || !m.slot_maps.empty()) {
+      p.sources_.push_back({i, m.kv_bytes_per_block, m.state_bytes});
+    }
+  }
+  return p;
+}
+
+StatusOr<Planner> Planner::create(std::vector<RankLayout> ctx, RankLayout gen) {
+  RETURN_IF_ERROR(checkInstance(ctx));
+  return build(std::move(ctx), std::move(gen));
+}
+
+StatusOr<Planner> Planner::createForSource(RankLayout ctx, RankLayout gen) {
+  std::vector<RankLayout> one;
+  one.push_back(std::move(ctx));
+  return build(std::move(one), std::move(gen));
+}
+
+uint64_t Planner::expectedBytes(uint32_t num_blocks) const {
+  return uint64_t{num_blocks} * gen_.kvBytesPerBlock() + gen_.stateBytesPerSlot();
+}
+
+Status Planner::checkDst(const RankIds& dst, BlockRange blocks) const {
+  bool kv = false, state = false;
+  for (const PoolView& v : gen_.views) (v.indexedByBlock() ? kv : state) = true;
+  if (kv && blocks.num_blocks > 0) {
+    if (dst.blocks.size() < blocks.end()) {
+      return InvalidArgument("gen block ids: " + std::to_string(dst.blocks.size()) +
+                             " given, blocks up to position " + std::to_string(blocks.end()) +
+                             " are sent");
+    }
+    // Each destination block is written by this request once: no id twice in the range.
+    std::vector<uint64_t> seen((uint64_t{gen_.num_blocks} + 63) / 64, 0);
+    for (uint64_t i = blocks.first_block; i < blocks.end(); ++i) {
+      const uint32_t d = dst.blocks[i];
+      if (d >= gen_.num_blocks) {
+        return InvalidArgument("gen block id " + std::to_string(d) + " at position " +
+                               std::to_string(i) +
+                               " >= num_blocks=" + std::to_string(gen_.num_blocks));
+      }
+      uint64_t& word = seen[d / 64];
+      const uint64_t bit = uint64_t{1} << (d % 64);
+      if (word & bit) {
+        return InvalidArgument(
+            "gen block id " + std::to_string(d) + " appears twice in positions [" +
+            std::to_string(blocks.first_block) + ", " + std::to_string(blocks.end()) + ")");
+      }
+      word |= bit;
+    }
+  }
+  if (state && dst.slot >= gen_.num_slots) {
+    return InvalidArgument("gen slot " + std::to_string(dst.slot) +
+                           " >= num_slots=" + std::to_string(gen_.num_slots));
+  }
+  return OkStatus();
+}
+
+Status Planner::checkSrc(uint32_t ctx_index, const RankIds& src, BlockRange blocks) const {
+  const SourceMap& m = maps_[ctx_index];
+  const RankLayout& c = ctx_[ctx_index];
+  if (!m.block_maps.empty() && blocks.num_blocks > 0) {
+    if (src.blocks.size() < blocks.end()) {
+      return InvalidArgument("ctx block ids: " + std::to_string(src.blocks.size()) +
+                             " given, blocks up to position " + std::to_string(blocks.end()) +
+                             " are sent");
+    }
+    for (uint64_t i = blocks.first_block; i < blocks.end(); ++i) {
+      if (src.blocks[i] >= c.num_blocks) {
+        return InvalidArgument("ctx block id " + std::to_string(src.blocks[i]) + " at position " +
+                               std::to_string(i) +
+                               " >= num_blocks=" + std::to_string(c.num_blocks));
+      }
+    }
+  }
+  if (!m.slot_maps.empty() && src.slot >= c.num_slots) {
+    return InvalidArgument("ctx slot " + std::to_string(src.slot) +
+                           " >= num_slots=" + std::to_string(c.num_slots));
+  }
+  return OkStatus();
+}
+
+void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, BlockRange blocks,
+                   RankPlan* out) const {
+  const SourceMap& m = maps_[ctx_index];
+  out->ctx_index = ctx_index;
+  out->ops.clear();
+  const bool moves_kv = !m.block_maps.empty() && blocks.num_blocks > 0;
+  size_t estimate = m.slot_maps.empty() ? 0 : m.segments.size();
+  if (moves_kv) {
+    size_t per_block = 0;
+    for (const RecordMap& r : m.block_maps) per_block += r.seg_end - r.seg_begin;
+    estimate += per_block * blocks.num_blocks;
+  }
+  std::vector<CopyOp>& ops = out->ops;
+  ops.reserve(estimate);
+  const Segment* segs = m.segments.data();
+  if (moves_kv) {
+    for (const BlockGroup& grp : m.block_groups) {
+      for (uint64_t i = blocks.first_block; i < blocks.end(); ++i) {
+        const uint64_t s = src.blocks[i], d = dst.blocks[i];
+        for (uint32_t k = grp.map_begin; k < grp.map_end; ++k) {
+          const RecordMap& r = m.block_maps[k];
+          const uint64_t sb = r.src_base + s * r.src_stride;
+          const uint64_t db = r.dst_base + d * r.dst_stride;
+          for (uint32_t j = r.seg_begin; j < r.seg_end; ++j) {
+            appendOp(ops, r.src_region, sb + segs[j].src_off, r.dst_region, db + segs[j].dst_off,
+                     segs[j].bytes);
+          }
+        }
+      }
+    }
+  }
+  for (const RecordMap& r : m.slot_maps) {
+    const uint64_t sb = r.src_base + uint64_t{src.slot} * r.src_stride;
+    const uint64_t db = r.dst_base + uint64_t{dst.slot} * r.dst_stride;
+    for (uint32_t j = r.seg_begin; j < r.seg_end; ++j) {
+      appendOp(ops, r.src_region, sb + segs[j].src_off, r.dst_region, db + segs[j].dst_off,
+               segs[j].bytes);
+    }
+  }
+  out->bytes = (moves_kv ? m.kv_bytes_per_block * blocks.num_blocks : 0) +
+               (m.slot_maps.empty() ? 0 : m.state_bytes);
+}
+
+Status Planner::planRankInto(uint32_t ctx_index, const RankIds& src, const RankIds& dst,
+                             BlockRange blocks, RankPlan* out) const {
+  if (ctx_index >= maps_.size()) {
+    return InvalidArgument("ctx_index=" + std::to_string(ctx_index) + " but the planner has " +
+                           std::to_string(maps_.size()) + " context ranks");
+  }
+  RETURN_IF_ERROR(checkDst(dst, blocks));
+  RETURN_IF_ERROR(checkSrc(ctx_index, src, blocks));
+  emit(ctx_index, src, dst, blocks, out);
+  return OkStatus();
+}
+
+StatusOr<RankPlan> Planner::planRank(uint32_t ctx_index, const RankIds& src, const RankIds& dst,
+                                     BlockRange blocks) const {
+  RankPlan plan;
+  RETURN_IF_ERROR(planRankInto(ctx_index, src, dst, blocks, &plan));
+  return plan;
+}
+
+Status Planner::planInto(const std::vector<RankIds>& ctx_ids, const RankIds& dst, BlockRange blocks,
+                         RequestPlan* out) const {
+  if (ctx_ids.size() != ctx_.size()) {
+    return InvalidArgument("ctx ids for " + std::to_string(ctx_ids.size()) +
+                           " ranks, the planner has " + std::to_string(ctx_.size()));
+  }
+  RETURN_IF_ERROR(checkDst(dst, blocks));
+  for (const SourceSummary& s : sources_) {
+    if (Status st = checkSrc(s.ctx_index, ctx_ids[s.ctx_index], blocks); !st.isOk()) {
+      return st.withContext("ctx rank " + rankName(ctx_[s.ctx_index]));
+    }
+  }
+  out->ranks.resize(ctx_.size());
+  out->total_bytes = out->total_ops = 0;
+  for (uint32_t i = 0; i < ctx_.size(); ++i) {
+    emit(i, ctx_ids[i], dst, blocks, &out->ranks[i]);
+    out->total_bytes += out->ranks[i].bytes;
+    out->total_ops += out->ranks[i].ops.size();
+  }
+  return OkStatus();
+}
+
+StatusOr<RequestPlan> Planner::plan(const std::vector<RankIds>& ctx_ids, const RankIds& dst,
+                                    BlockRange blocks) const {
+  RequestPlan out;
+  RETURN_IF_ERROR(planInto(ctx_ids, dst, blocks, &out));
+  return out;
+}
+
+StatusOr<RequestPlan> planRequest(const std::vector<RankLayout>& ctx,
+                                  const std::vector<RankIds>& ctx_ids, const RankLayout& gen,
+                                  const RankIds& gen_ids, BlockRange blocks) {
+  ASSIGN_OR_RETURN(Planner p, Planner::create(ctx, gen));
+  return p.plan(ctx_ids, gen_ids, blocks);
+}
+
+}  // namespace hxfer

@@ -1,0 +1,172 @@
+// The transfer planner: which bytes of which context rank go where on one generation rank
+// (DESIGN §5).
+//
+// Input: the layouts (cache::RankLayout) of the context ranks and of one generation rank, and
+// per request the block ids / slot on each side. Output, per context rank: a list of CopyOps
+// (region + offset on both sides) such that
+//   * every destination byte of the request that the generation rank owns is written exactly
+//     once: the kv records of the blocks [first_block, first_block + num_blocks) and the conv
+//     and ssm records of its slot, for every local layer;
+//   * each byte comes from a context rank holding the same logical unit (same global layer,
+//     role, section and global unit; for kv, the same block position in the request);
+//   * nothing else is written.
+// Units are matched per section (K|V, x|B|C, Q|K|V, heads, channels), never as one flat range:
+// a flat split of the conv state is the bug that silently corrupts output at TP mismatch.
+// A unit replicated on the context side (units < ctx tp) has exactly one writer, chosen
+// deterministically: the holder with the same TP position when there is one (same TP keeps
+// every copy rank-local), otherwise rotated by global layer among the holders that cover this
+// generation rank, so that reads spread over the context ranks.
+//
+// Every address goes through PoolView::offset(index, local_layer), so paged and layer-major
+// layouts map onto each other in any direction. Adjacent ops whose source and destination are
+// both contiguous are merged: same TP + same layout + consecutive blocks collapses a request to
+// one op per pool and block run.
+//
+// The source -> destination mapping of each (layer, role) is computed once per (context
+// layout, generation layout) by Planner::create; planning a request only walks block ids.
+// A context rank's plan depends only on its own layout, the generation layout and the two
+// sides' ids, so a context rank can plan alone (Planner::createForSource).
+//
+// Pure: no I/O, no threads. A Planner is immutable after creation; const methods may be called
+// from any number of threads at once.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cache/layout.h"
+#include "common/status.h"
+
+namespace hxfer {
+
+// One contiguous copy. Offsets are relative to the start of the region.
+struct CopyOp {
+  uint32_t src_region = 0;
+  uint64_t src_offset = 0;
+  uint32_t dst_region = 0;
+  uint64_t dst_offset = 0;
+  uint64_t bytes = 0;
+  bool operator==(const CopyOp&) const = default;
+};
+
+// A request's ids on one rank.
+struct RankIds {
+  std::vector<uint32_t> blocks;  // the request's block ids in token order (position i = block i)
+  uint32_t slot = 0;             // its recurrent state slot
+};
+
+// Which kv blocks move: positions [first_block, first_block + num_blocks) of the request.
+// Positions before first_block are a prefix the generation side already holds.
+struct BlockRange {
+  uint32_t first_block = 0;
+  uint32_t num_blocks = 0;
+  uint64_t end() const { return uint64_t{first_block} + num_blocks; }
+};
+
+// The ops one context rank runs for one request towards the planner's generation rank.
+struct RankPlan {
+  uint32_t ctx_index = 0;  // index into the planner's context layouts
+  std::vector<CopyOp> ops;
+  uint64_t bytes = 0;  // sum of ops' bytes
+};
+
+struct RequestPlan {
+  std::vector<RankPlan> ranks;  // one per context layout, same order (empty when no overlap)
+  uint64_t total_bytes = 0;
+  uint64_t total_ops = 0;
+};
+
+// What one context rank sends to the generation rank per request.
+struct SourceSummary {
+  uint32_t ctx_index = 0;
+  uint64_t kv_bytes_per_block = 0;  // per block position sent
+  uint64_t state_bytes = 0;         // per request (the slot's conv + ssm records)
+};
+
+// Checks that a context rank and a generation rank can exchange state, before any byte moves:
+// model fingerprint, kv/conv/ssm dtypes, tokens per block, number of layers, TP divisibility
+// of every section on both sides, structural validity of both layouts, and, for every global
+// layer both hold, the same roles with the same sections. Refusals are Incompatible (or the
+// layout's own InvalidArgument) naming the field and both values, e.g.
+// "ctx ssm dtype fp32 != gen ssm dtype bf16".
+Status checkCompatible(const RankLayout& ctx, const RankLayout& gen);
+
+// Checks that `ctx` is one whole context instance: non-empty, the same tp/pp/stage split,
+// model and dtypes on every rank, and every (tp_rank, pp_rank) exactly once.
+Status checkInstance(const std::vector<RankLayout>& ctx);
+
+class Planner {
+ public:
+  // Planner for every rank of a context instance towards one generation rank. Runs
+  // checkInstance(ctx) and checkCompatible(c, gen) for every c.
+  static StatusOr<Planner> create(std::vector<RankLayout> ctx, RankLayout gen);
+  // Planner for a single context rank (the context side of the engine plans alone). Its
+  // ctx_index is 0.
+  static StatusOr<Planner> createForSource(RankLayout ctx, RankLayout gen);
+
+  // The ops context rank `ctx_index` runs. `src` are that rank's ids, `dst` the generation
+  // rank's. Errors (InvalidArgument): block lists shorter than blocks.end() on a side that
+  // moves kv, ids outside the pools, a destination block id repeated in the range.
+  StatusOr<RankPlan> planRank(uint32_t ctx_index, const RankIds& src, const RankIds& dst,
+                              BlockRange blocks) const;
+  // planRank for every context rank. ctx_ids has one entry per context layout.
+  StatusOr<RequestPlan> plan(const std::vector<RankIds>& ctx_ids, const RankIds& dst,
+                             BlockRange blocks) const;
+  // The same, reusing the capacity of *out's op vectors (a request's ops can be hundreds of
+  // KiB; reusing them avoids fresh pages per request). *out is changed only on success.
+  Status planRankInto(uint32_t ctx_index, const RankIds& src, const RankIds& dst, BlockRange blocks,
+                      RankPlan* out) const;
+  Status planInto(const std::vector<RankIds>& ctx_ids, const RankIds& dst, BlockRange blocks,
+                  RequestPlan* out) const;
+
+  // Context ranks that send anything to this generation rank (the peers it must contact).
+  const std::vector<SourceSummary>& sources() const { return sources_; }
+  // Bytes the generation rank receives per request: num_blocks * gen.kvBytesPerBlock() +
+  // gen.stateBytesPerSlot().
+  uint64_t expectedBytes(uint32_t num_blocks) const;
+
+  const std::vector<RankLayout>& ctxLayouts() const { return ctx_; }
+  const RankLayout& genLayout() const { return gen_; }
+
+  // Internal mapping, public only so that the .cc helpers can name them.
+  struct Segment {  // bytes at src_off in the source record go to dst_off in the destination
+    uint64_t src_off = 0, dst_off = 0, bytes = 0;
+  };
+  struct RecordMap {  // one (source view, local layer) -> (destination view, local layer)
+    uint32_t src_region = 0, dst_region = 0;
+    uint64_t src_base = 0, src_stride = 0;  // offset(index, layer) = base + index * stride
+    uint64_t dst_base = 0, dst_stride = 0;
+    uint32_t seg_begin = 0, seg_end = 0;  // into SourceMap::segments
+  };
+  struct BlockGroup {  // record maps of one (ctx kv view, gen kv view) pair, in layer order
+    uint32_t map_begin = 0, map_end = 0;
+  };
+  struct SourceMap {
+    std::vector<RecordMap> block_maps;  // grouped by BlockGroup
+    std::vector<BlockGroup> block_groups;
+    std::vector<RecordMap> slot_maps;  // in source address order
+    std::vector<Segment> segments;
+    uint64_t kv_bytes_per_block = 0, state_bytes = 0;
+  };
+
+ private:
+  Planner() = default;
+  static StatusOr<Planner> build(std::vector<RankLayout> ctx, RankLayout gen);
+  Status checkDst(const RankIds& dst, BlockRange blocks) const;
+  Status checkSrc(uint32_t ctx_index, const RankIds& src, BlockRange blocks) const;
+  void emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, BlockRange blocks,
+            RankPlan* out) const;
+
+  std::vector<RankLayout> ctx_;
+  RankLayout gen_;
+  std::vector<SourceMap> maps_;  // one per ctx layout
+  std::vector<SourceSummary> sources_;
+};
+
+// One-shot form: Planner::create(ctx, gen) then plan(). Prefer a cached Planner per peer pair.
+StatusOr<RequestPlan> planRequest(const std::vector<RankLayout>& ctx,
+                                  const std::vector<RankIds>& ctx_ids, const RankLayout& gen,
+                                  const RankIds& gen_ids, BlockRange blocks);
+
+}  // namespace hxfer

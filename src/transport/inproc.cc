@@ -1,0 +1,288 @@
+#include "transport/inproc.h"
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "common/logging.h"
+#include "transport/local_common.h"
+
+namespace hxfer::transport {
+namespace {
+
+using detail::CopyJob;
+using detail::CopySegment;
+using detail::CopyWorker;
+using detail::EventQueue;
+using detail::RegionGuard;
+using detail::TransferCore;
+
+constexpr std::string_view kScheme = "inproc:";
+constexpr uint64_t kMaxMessageBytes = 64ull << 20;
+
+struct InprocState;
+
+struct InprocPeer {
+  PeerId id = 0;
+  std::weak_ptr<InprocState> remote;
+  PeerId remote_id = 0;  // our id in the remote's table
+  std::atomic<bool> lost{false};
+  std::map<uint32_t, std::shared_ptr<RegionGuard>> remote_regions;  // guarded by state mu
+};
+
+// The part of an agent its peers can reach (through the registry or a peer's weak pointer).
+struct InprocState {
+  std::string name;
+  std::mutex mu;
+  std::map<uint32_t, std::shared_ptr<RegionGuard>> regions;       // guarded by mu
+  std::unordered_map<PeerId, std::shared_ptr<InprocPeer>> peers;  // guarded by mu
+  PeerId next_peer = 1;                                           // guarded by mu
+  EventQueue events;
+
+  std::shared_ptr<InprocPeer> peer(PeerId id) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = peers.find(id);
+    return it == peers.end() ? nullptr : it->second;
+  }
+
+  // Marks a peer lost: fails its transfers, forgets its regions, queues kPeerLost.
+  void onPeerLost(PeerId id, const Status& why) {
+    std::shared_ptr<InprocPeer> p;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = peers.find(id);
+      if (it == peers.end()) return;
+      p = it->second;
+      if (p->lost.exchange(true)) return;
+      p->remote_regions.clear();
+    }
+    events.push(Event{Event::Kind::kPeerLost, id, {}, why});
+  }
+};
+
+std::mutex& registryMu() {
+  static std::mutex mu;
+  return mu;
+}
+std::unordered_map<std::string, std::weak_ptr<InprocState>>& registry() {
+  static auto* r = new std::unordered_map<std::string, std::weak_ptr<InprocState>>();
+  return *r;
+}
+
+class InprocAgent final : public Agent {
+ public:
+  explicit InprocAgent(std::shared_ptr<InprocState> state) : state_(std::move(state)) {
+    caps_.name = "inproc";
+    caps_.same_host_only = true;
+    caps_.one_sided = true;
+    caps_.many_small_ops_cheap = true;
+    caps_.needs_memfd_regions = false;
+    caps_.max_message_bytes = kMaxMessageBytes;
+  }
+
+  ~InprocAgent() override {
+    {
+      std::lock_guard<std::mutex> lock(registryMu());
+      registry().erase(state_->name);
+    }
+    std::vector<std::shared_ptr<InprocPeer>> peers;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      for (auto& [id, p] : state_->peers) peers.push_back(p);
+      for (auto& [id, g] : state_->regions) g->retire();
+    }
+    const Status gone = Unavailable("inproc agent '" + state_->name + "' shut down");
+    for (auto& p : peers) {
+      if (auto remote = p->remote.lock()) remote->onPeerLost(p->remote_id, gone);
+      p->lost = true;
+    }
+    // copy_ (declared last) is destroyed first: queued jobs fail, the running one finishes.
+  }
+
+  const Capabilities& capabilities() const override { return caps_; }
+  std::string localAddress() const override { return std::string(kScheme) + state_->name; }
+
+  StatusOr<std::vector<uint8_t>> registerRegion(const Region& region) override {
+    auto g = std::make_shared<RegionGuard>();
+    g->id = region.id();
+    g->base = region.data();
+    g->length = region.length();
+    std::lock_guard<std::mutex> lock(state_->mu);
+    auto [it, inserted] = state_->regions.emplace(region.id(), g);
+    if (!inserted) {
+      return InvalidArgument("region id=" + std::to_string(region.id()) + " is already registered");
+    }
+    return std::vector<uint8_t>{};
+  }
+
+  Status deregisterRegion(uint32_t region_id) override {
+    std::shared_ptr<RegionGuard> g;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      auto it = state_->regions.find(region_id);
+      if (it == state_->regions.end()) {
+        return NotFound("region id=" + std::to_string(region_id) + " is not registered");
+      }
+      g = it->second;
+      state_->regions.erase(it);
+    }
+    g->retire();  // waits for copies into it to finish
+    return OkStatus();
+  }
+
+  StatusOr<PeerId> connect(const std::string& address) override {
+    if (!address.starts_with(kScheme)) {
+      return InvalidArgument("inproc address '" + address + "' does not start with 'inproc:'");
+    }
+    const std::string name = address.substr(kScheme.size());
+    std::shared_ptr<InprocState> remote;
+    {
+      std::lock_guard<std::mutex> lock(registryMu());
+      auto it = registry().find(name);
+      if (it != registry().end()) remote = it->second.lock();
+    }
+    if (!remote) return Unavailable("no inproc agent listens on '" + name + "'");
+    auto mine = std::make_shared<InprocPeer>();
+    auto theirs = std::make_shared<InprocPeer>();
+    mine->remote = remote;
+    theirs->remote = state_;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      mine->id = state_->next_peer++;
+      state_->peers.emplace(mine->id, mine);
+    }
+    {
+      std::lock_guard<std::mutex> lock(remote->mu);
+      theirs->id = remote->next_peer++;
+      remote->peers.emplace(theirs->id, theirs);
+    }
+    mine->remote_id = theirs->id;
+    theirs->remote_id = mine->id;
+    remote->events.push(Event{Event::Kind::kPeerConnected, theirs->id, {}, OkStatus()});
+    return mine->id;
+  }
+
+  Status disconnect(PeerId peer) override {
+    auto p = state_->peer(peer);
+    if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
+    const Status why = Unavailable("peer " + std::to_string(peer) + " was disconnected");
+    if (auto remote = p->remote.lock()) {
+      remote->onPeerLost(p->remote_id, Unavailable("the peer disconnected"));
+    }
+    state_->onPeerLost(peer, why);
+    return OkStatus();
+  }
+
+  Status addRemoteRegion(PeerId peer, uint32_t region_id, uint64_t length,
+                         std::span<const uint8_t> key) override {
+    auto p = state_->peer(peer);
+    if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
+    auto remote = p->remote.lock();
+    if (!remote || p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
+    std::shared_ptr<RegionGuard> g;
+    {
+      std::lock_guard<std::mutex> lock(remote->mu);
+      auto it = remote->regions.find(region_id);
+      if (it == remote->regions.end()) {
+        return NotFound("peer " + std::to_string(peer) +
+                        " has no region id=" + std::to_string(region_id));
+      }
+      g = it->second;
+    }
+    if (length > g->length) {
+      return InvalidArgument("remote region id=" + std::to_string(region_id) +
+                             " length=" + std::to_string(length) +
+                             " exceeds the peer's registered length=" + std::to_string(g->length));
+    }
+    std::lock_guard<std::mutex> lock(state_->mu);
+    p->remote_regions[region_id] = g;
+    return OkStatus();
+  }
+
+  StatusOr<Transfer> postWrite(PeerId peer, std::vector<WriteOp> ops) override {
+    auto p = state_->peer(peer);
+    if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
+    if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
+    CopyJob job;
+    uint64_t total = 0;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      job.segments.reserve(ops.size());
+      for (size_t i = 0; i < ops.size(); ++i) {
+        const WriteOp& op = ops[i];
+        auto l = state_->regions.find(op.local_region);
+        if (l == state_->regions.end()) {
+          return NotFound("op " + std::to_string(i) + ": local region id=" +
+                          std::to_string(op.local_region) + " is not registered");
+        }
+        auto r = p->remote_regions.find(op.remote_region);
+        if (r == p->remote_regions.end()) {
+          return NotFound("op " + std::to_string(i) +
+                          ": remote region id=" + std::to_string(op.remote_region) + " of peer " +
+                          std::to_string(peer) + " was not added");
+        }
+        RETURN_IF_ERROR(detail::validateOp(i, op, l->second->length, r->second->length));
+        job.segments.push_back(
+            CopySegment{l->second->base + op.local_offset, r->second, op.remote_offset, op.bytes});
+        total += op.bytes;
+      }
+    }
+    if (ops.empty()) return detail::finishedTransfer(OkStatus());
+    job.core = std::make_shared<TransferCore>(total, ops.size());
+    std::weak_ptr<InprocPeer> weak = p;
+    job.check = [weak, peer]() -> Status {
+      auto q = weak.lock();
+      if (!q || q->lost) return Unavailable("peer " + std::to_string(peer) + " was lost");
+      return OkStatus();
+    };
+    Transfer t(job.core);
+    copy_.submit(std::move(job));
+    return t;
+  }
+
+  Status sendMessage(PeerId peer, std::span<const uint8_t> payload) override {
+    if (payload.size() > kMaxMessageBytes) {
+      return InvalidArgument(
+          "message of " + std::to_string(payload.size()) +
+          " bytes exceeds max_message_bytes=" + std::to_string(kMaxMessageBytes));
+    }
+    auto p = state_->peer(peer);
+    if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
+    auto remote = p->remote.lock();
+    if (!remote || p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
+    remote->events.push(Event{Event::Kind::kMessage, p->remote_id,
+                              std::vector<uint8_t>(payload.begin(), payload.end()), OkStatus()});
+    return OkStatus();
+  }
+
+  std::optional<Event> pollEvent(std::chrono::milliseconds timeout) override {
+    return state_->events.pop(timeout);
+  }
+
+ private:
+  Capabilities caps_;
+  std::shared_ptr<InprocState> state_;
+  CopyWorker copy_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Agent>> createInprocAgent(const AgentConfig& config) {
+  static std::atomic<uint64_t> counter{0};
+  auto state = std::make_shared<InprocState>();
+  state->name = config.listen.empty() ? config.label + "-" + std::to_string(counter.fetch_add(1))
+                                      : config.listen;
+  {
+    std::lock_guard<std::mutex> lock(registryMu());
+    auto& slot = registry()[state->name];
+    if (slot.lock()) {
+      return InvalidArgument("inproc listen name '" + state->name + "' is already in use");
+    }
+    slot = state;
+  }
+  return std::unique_ptr<Agent>(new InprocAgent(std::move(state)));
+}
+
+}  // namespace hxfer::transport

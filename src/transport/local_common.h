@@ -1,0 +1,100 @@
+// Pieces shared by the memcpy-based backends (inproc and shm): an event queue, a guard that
+// keeps a destination region mapped while a copy runs into it, op validation, and the copy
+// worker thread that executes posted batches in order.
+//
+// Thread-safety: EventQueue and CopyWorker are thread-safe; RegionGuard is shared by
+// shared_ptr and synchronises writers against its owner's deregistration.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <thread>
+#include <vector>
+
+#include "transport/transfer_core.h"
+#include "transport/transport.h"
+
+namespace hxfer::transport::detail {
+
+class EventQueue {
+ public:
+  void push(Event event);
+  std::optional<Event> pop(std::chrono::milliseconds timeout);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Event> events_;  // guarded by mu_
+};
+
+// A destination a writer may copy into. `owner` (optional) keeps a mapping alive (shm maps
+// the peer's fd); writers hold `mu` shared while copying and the region's owner takes it
+// exclusively to retire it, so deregistration waits for copies in flight and no copy lands
+// after it returns.
+struct RegionGuard {
+  uint32_t id = 0;
+  uint8_t* base = nullptr;
+  uint64_t length = 0;
+  std::shared_ptr<void> owner;
+  std::shared_mutex mu;
+  bool alive = true;  // guarded by mu
+
+  void retire() {
+    std::unique_lock<std::shared_mutex> lock(mu);
+    alive = false;
+  }
+};
+
+// Checks one op against the local and remote lengths; the message names the op and field.
+Status validateOp(size_t index, const WriteOp& op, uint64_t local_length, uint64_t remote_length);
+
+struct CopySegment {
+  const uint8_t* src = nullptr;
+  std::shared_ptr<RegionGuard> dst;
+  uint64_t dst_offset = 0;
+  uint64_t bytes = 0;
+};
+
+struct CopyJob {
+  std::shared_ptr<TransferCore> core;
+  std::vector<CopySegment> segments;
+  // Called before every segment and after the last one: a non-ok status (e.g. Unavailable when
+  // the peer was lost) stops the copy and finishes the transfer with it. The worker alone
+  // finishes a job's transfer, so a terminal transfer never has a copy running: once a caller
+  // sees kDone / kFailed / kCancelled, neither its source nor its destination is touched again.
+  std::function<Status()> check;
+};
+
+// One thread that runs copy jobs in FIFO order. Between segments it honours cancellation and
+// the job's check (peer lost).
+// A thread waiting on a transfer whose job has not started takes the job out of the queue and
+// runs it itself (TransferCore::setWaitHelper): no hand-off to this thread and back.
+class CopyWorker {
+ public:
+  CopyWorker();
+  // Fails queued jobs with Unavailable("agent shut down") and joins; the running job stops at
+  // its next check.
+  ~CopyWorker();
+  void submit(CopyJob job);
+
+ private:
+  struct Queue {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<CopyJob> jobs;  // guarded by mu
+    bool stop = false;         // guarded by mu
+  };
+  static void execute(CopyJob& job);
+  void run();
+
+  std::shared_ptr<Queue> q_;  // shared with wait helpers, which may outlive the worker
+  std::thread thread_;
+};
+
+}  // namespace hxfer::transport::detail

@@ -1,0 +1,203 @@
+// Transport interface: the one contract every backend (inproc, shm, ucx, and the fault
+// decorator) implements. Small and NIXL-like: an Agent per rank process registers the regions
+// its pools live in, connects to peers, posts batches of one-sided writes into a peer's
+// registered regions, and exchanges small ordered control messages.
+//
+// Life of a transfer (both sides):
+//   receiver: registerRegion(r) -> key bytes; publish localAddress() + (region id, length, key)
+//             to the writer (the engine does this inside RankInfo, over sendMessage).
+//   writer:   peer = connect(address) (or learn it from a kPeerConnected event);
+//             addRemoteRegion(peer, id, length, key);
+//             t = postWrite(peer, ops); poll / wait until terminal.
+//   When t reaches kDone every byte of every op is visible in the destination region (flush
+//   semantics), so a control message sent after that (e.g. TransferDone) never overtakes data.
+//
+// Backends ("inproc", "shm", "ucx") are created with createAgent(config); per backend notes:
+//   inproc: peers live in the same process and are found through a process-local registry by
+//           address. Keys are empty. Regions may be of any backing.
+//   shm:    same host. Regions MUST be memfd-backed (Region::Backing::kMemfd). Each agent
+//           listens on an abstract Unix-domain socket; on connect and on every later
+//           registerRegion, the fds of all registered regions travel to every connected peer
+//           over that socket (SCM_RIGHTS) and are mapped there once. Keys are empty (the fd is
+//           the key); addRemoteRegion checks that the peer's fd arrived and its length. Regions
+//           registered before a sendMessage are always mapped at the peer before that message
+//           is delivered, so "register, then send the RankInfo" needs no extra sync.
+//   ucx:    UCP worker + listener on ip:port (port 0 picks one; localAddress has the real one).
+//           Control = active messages. Data mode (AgentConfig::ucx_mode): kPut = ucp_put_nbx
+//           with the rkey from the key bytes + ucp_ep_flush_nbx; kAm = active-message
+//           rendezvous received straight into the destination region, and the receiver
+//           validates every incoming write against ITS OWN registered regions (bad ones are
+//           refused and fail the transfer with InvalidArgument); kAuto = put only when the
+//           endpoint's RMA lanes are real RMA (RDMA, cuda_ipc), else am. The choice is logged.
+//           UCX_* environment variables are honoured; AgentConfig::ucx_options are applied on
+//           top (hermetic tests use them instead of the environment).
+//
+// Errors (see common/status.h):
+//   InvalidArgument  zero-byte op, op outside a local or remote region, unknown backend option,
+//                    region not memfd on shm, message too large.
+//   NotFound         unknown peer id or region id (local or remote).
+//   Unavailable      the peer is gone (lost or disconnected) or unreachable: every pending
+//                    transfer to it fails with Unavailable and so does every later postWrite /
+//                    sendMessage to it. Never a hang.
+//   Cancelled        Transfer::cancel() won before completion.
+//
+// Thread-safety: every Agent method and every Transfer method may be called from any thread
+// concurrently. Each agent runs its own internal progress thread(s); nothing needs driving from
+// outside. A Transfer handle may outlive its Agent (it then fails with Unavailable if pending).
+// Fork: create agents AFTER fork(); an agent does not survive into a child process.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cache/region.h"
+#include "common/status.h"
+
+namespace hxfer::transport {
+
+using Clock = std::chrono::steady_clock;
+
+// Locally assigned, unique per agent, never reused. 0 is never a valid peer.
+using PeerId = uint64_t;
+
+// What a backend can do; the engine's routing reads these (DESIGN §8).
+struct Capabilities {
+  std::string name;                   // "inproc", "shm", "ucx", or "fault(<inner>)"
+  bool same_host_only = false;        // peers must share the host (inproc: the process)
+  bool one_sided = false;             // data lands without receiver CPU work (shm, inproc, put)
+  bool many_small_ops_cheap = false;  // per-op cost ~ a memcpy call, fine for paged layouts
+  bool needs_memfd_regions = false;   // registerRegion refuses anonymous regions
+  uint64_t max_message_bytes = 0;     // sendMessage refuses larger payloads
+};
+
+enum class UcxMode { kAuto, kPut, kAm };
+std::string_view ucxModeName(UcxMode mode);
+StatusOr<UcxMode> parseUcxMode(std::string_view name);  // "auto" | "put" | "am"
+
+struct AgentConfig {
+  std::string backend;  // "inproc" | "shm" | "ucx"
+  // Where to listen. inproc: a unique name (empty: generated). shm: abstract socket name
+  // (empty: generated from pid and a counter). ucx: "ip:port" (empty: "127.0.0.1:0").
+  std::string listen;
+  std::string label = "agent";  // used in log lines and memfd/socket names only
+  UcxMode ucx_mode = UcxMode::kAuto;
+  // UCX config overrides applied with ucp_config_modify after reading the environment, e.g.
+  // {{"TLS", "tcp"}} (names without the UCX_ prefix).
+  std::vector<std::pair<std::string, std::string>> ucx_options;
+  // How long connect() waits for the peer to answer.
+  std::chrono::milliseconds connect_timeout{10000};
+};
+
+// One write: bytes from (local region, offset) to (remote region, offset) on one peer.
+struct WriteOp {
+  uint32_t local_region = 0;
+  uint64_t local_offset = 0;
+  uint32_t remote_region = 0;
+  uint64_t remote_offset = 0;
+  uint64_t bytes = 0;
+};
+
+enum class TransferState { kInProgress, kDone, kFailed, kCancelled };
+std::string_view transferStateName(TransferState state);
+
+namespace detail {
+class TransferCore;
+}
+
+// Handle to one posted batch. Copyable (copies share the transfer); thread-safe.
+// Cancellation is best effort: cancel() asks the backend to stop, but bytes already in flight
+// may still land and the transfer may still reach kDone or kFailed. Callers must keep polling
+// (or wait) until a terminal state; only then may the destination pages be reused.
+class Transfer {
+ public:
+  Transfer() = default;  // an empty handle: poll() returns kFailed, status() is Internal
+  explicit Transfer(std::shared_ptr<detail::TransferCore> core) : core_(std::move(core)) {}
+
+  TransferState poll() const;
+  // Blocks until a terminal state or the deadline. Returns status() when terminal, Timeout
+  // when the deadline passed first (the transfer keeps going; poll or wait again).
+  Status wait(Clock::time_point deadline) const;
+  Status waitFor(std::chrono::milliseconds timeout) const { return wait(Clock::now() + timeout); }
+  void cancel() const;
+  // Ok when kDone, Cancelled when kCancelled, the error when kFailed; Ok while in progress.
+  Status status() const;
+  uint64_t bytes() const;  // total bytes in the batch
+  size_t opCount() const;
+
+  const std::shared_ptr<detail::TransferCore>& core() const { return core_; }
+
+ private:
+  std::shared_ptr<detail::TransferCore> core_;
+};
+
+struct Event {
+  enum class Kind {
+    kPeerConnected,  // a peer connected to our listener (connect() callers get no event)
+    kMessage,        // payload holds one message from `peer`, in send order
+    kPeerLost,       // the peer is gone; status says why (always Unavailable)
+  };
+  Kind kind = Kind::kMessage;
+  PeerId peer = 0;
+  std::vector<uint8_t> payload;
+  Status status;
+};
+std::string_view eventKindName(Event::Kind kind);
+
+class Agent {
+ public:
+  virtual ~Agent() = default;
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+
+  virtual const Capabilities& capabilities() const = 0;
+  // Bytes (printable) a peer passes to connect(), e.g. "shm:@hxfer-123-0", "ucx:127.0.0.1:4096".
+  virtual std::string localAddress() const = 0;
+
+  // Makes `region` writable by peers under region.id(). Returns the key bytes peers pass to
+  // addRemoteRegion (may be empty). REQUIRES: `region` outlives its registration; ids unique.
+  virtual StatusOr<std::vector<uint8_t>> registerRegion(const Region& region) = 0;
+  // After this returns no new incoming write lands in the region (pending local transfers that
+  // read from it must have finished first: the caller's job).
+  virtual Status deregisterRegion(uint32_t region_id) = 0;
+
+  // Connects to a listening agent of the same backend. Returns once the peer accepted (or
+  // connect_timeout passed: Unavailable).
+  virtual StatusOr<PeerId> connect(const std::string& address) = 0;
+  // Closes the connection: pending transfers and later calls for `peer` fail Unavailable; the
+  // remote side sees kPeerLost; locally a kPeerLost event is queued too.
+  virtual Status disconnect(PeerId peer) = 0;
+
+  // Declares a region of `peer` that postWrite may target. `length` is the peer's region length
+  // (bounds are checked against it); `key` the bytes from the peer's registerRegion.
+  virtual Status addRemoteRegion(PeerId peer, uint32_t region_id, uint64_t length,
+                                 std::span<const uint8_t> key) = 0;
+
+  // Posts a batch of writes to `peer`. Every op is checked first (bytes > 0, inside the local
+  // region, inside the remote region as declared); any bad op rejects the whole batch and
+  // nothing moves. An empty batch yields a transfer that is already kDone.
+  virtual StatusOr<Transfer> postWrite(PeerId peer, std::vector<WriteOp> ops) = 0;
+
+  // Sends one message; messages to one peer are delivered in send order, after all writes of
+  // transfers that were kDone when the message was sent.
+  virtual Status sendMessage(PeerId peer, std::span<const uint8_t> payload) = 0;
+
+  // Next event, waiting up to `timeout`; nullopt when none arrived in time.
+  virtual std::optional<Event> pollEvent(std::chrono::milliseconds timeout) = 0;
+
+ protected:
+  Agent() = default;
+};
+
+// Creates an agent for config.backend ("inproc", "shm", "ucx"). The ucx backend is present only
+// when built with HXFER_WITH_UCX (NotFound otherwise).
+StatusOr<std::unique_ptr<Agent>> createAgent(const AgentConfig& config);
+// Backend names compiled in, in preference order.
+std::vector<std::string> availableBackends();
+
+}  // namespace hxfer::transport

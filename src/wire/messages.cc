@@ -1,0 +1,415 @@
+#include "wire/messages.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "common/crc32c.h"
+
+namespace hxfer::wire {
+namespace {
+
+constexpr uint8_t kMaxStatusCode = static_cast<uint8_t>(StatusCode::kInternal);
+
+std::string versionText(uint16_t major, uint16_t minor) {
+  return std::to_string(major) + "." + std::to_string(minor);
+}
+
+Status over(const std::string& field, uint64_t value, uint64_t limit) {
+  return Corruption(field + "=" + std::to_string(value) + " exceeds the limit " +
+                    std::to_string(limit));
+}
+
+// ---- encoding -------------------------------------------------------------------------------
+
+void encodeStatus(const Status& s, Bytes& out) {
+  putFixed8(out, static_cast<uint8_t>(s.code()));
+  putString(out, s.message());
+}
+
+void encodeBody(const Hello& m, Bytes& out) {
+  Bytes info = encodeRankInfo(m.rank_info);
+  putBytes(out, info);
+  putString(out, m.auth_token);
+}
+
+void encodeBody(const TransferRequest& m, Bytes& out) {
+  putFixed64(out, m.request_id);
+  putVarint64(out, m.gen_tp_rank);
+  putVarint64(out, m.gen_pp_rank);
+  putVarint64(out, m.dst_block_ids.size());
+  for (uint32_t id : m.dst_block_ids) putVarint64(out, id);
+  putFixed8(out, m.dst_slot.has_value() ? 1 : 0);
+  if (m.dst_slot) putVarint64(out, *m.dst_slot);
+  putVarint64(out, m.first_block);
+  putVarint64(out, m.num_tokens);
+  putBytes(out, m.aux);
+}
+
+void encodeBody(const TransferDone& m, Bytes& out) {
+  putFixed64(out, m.request_id);
+  encodeStatus(m.status, out);
+  putVarint64(out, m.bytes);
+  putFixed8(out, m.checksum.has_value() ? 1 : 0);
+  if (m.checksum) putFixed64(out, *m.checksum);
+}
+
+void encodeBody(const Cancel& m, Bytes& out) {
+  putFixed64(out, m.request_id);
+  putString(out, m.reason);
+}
+
+void encodeBody(const Error& m, Bytes& out) { encodeStatus(m.status, out); }
+
+// ---- checks shared by checkMessage and the decoder ------------------------------------------
+
+Status checkStatus(const Status& s, const std::string& path, bool allow_ok) {
+  if (static_cast<int>(s.code()) < 0 || static_cast<int>(s.code()) > kMaxStatusCode) {
+    return Corruption(path + "code: unknown status code " +
+                      std::to_string(static_cast<int>(s.code())));
+  }
+  if (!allow_ok && s.isOk()) return Corruption(path + "code: 0 (ok) is not an error");
+  if (s.message().size() > kMaxMessageBytes) {
+    return over(path + "message.length", s.message().size(), kMaxMessageBytes);
+  }
+  return OkStatus();
+}
+
+Status check(const Hello& m) {
+  if (m.auth_token.size() > kMaxTokenBytes) {
+    return over("hello.auth_token.length", m.auth_token.size(), kMaxTokenBytes);
+  }
+  Status s = checkRankInfo(m.rank_info);
+  if (!s.isOk()) return Status(s.code(), "hello." + s.message());
+  return OkStatus();
+}
+
+Status check(const TransferRequest& m) {
+  if (m.gen_tp_rank >= kMaxTp)
+    return over("transfer_request.gen_tp_rank", m.gen_tp_rank, kMaxTp - 1);
+  if (m.gen_pp_rank >= kMaxPp)
+    return over("transfer_request.gen_pp_rank", m.gen_pp_rank, kMaxPp - 1);
+  if (m.dst_block_ids.size() > kMaxBlockIds) {
+    return over("transfer_request.dst_block_ids.count", m.dst_block_ids.size(), kMaxBlockIds);
+  }
+  if (m.first_block > m.dst_block_ids.size()) {
+    return Corruption("transfer_request.first_block=" + std::to_string(m.first_block) +
+                      " is past the " + std::to_string(m.dst_block_ids.size()) +
+                      " destination blocks");
+  }
+  if (m.num_tokens > kMaxTokens)
+    return over("transfer_request.num_tokens", m.num_tokens, kMaxTokens);
+  if (m.aux.size() > kMaxAuxBytes)
+    return over("transfer_request.aux.length", m.aux.size(), kMaxAuxBytes);
+  return OkStatus();
+}
+
+Status check(const TransferDone& m) {
+  return checkStatus(m.status, "transfer_done.status.", /*allow_ok=*/true);
+}
+
+Status check(const Cancel& m) {
+  if (m.reason.size() > kMaxMessageBytes) {
+    return over("cancel.reason.length", m.reason.size(), kMaxMessageBytes);
+  }
+  return OkStatus();
+}
+
+Status check(const Error& m) { return checkStatus(m.status, "error.status.", /*allow_ok=*/false); }
+
+// ---- decoding -------------------------------------------------------------------------------
+
+Status readStatus(WireReader& r, bool allow_ok, Status* out) {
+  auto scope = r.scope("status.");
+  uint8_t code = 0;
+  RETURN_IF_ERROR(r.enumByte("code", kMaxStatusCode, &code));
+  if (!allow_ok && code == 0) return r.corrupt("code", "0 (ok) is not an error");
+  std::string message;
+  RETURN_IF_ERROR(r.string("message", kMaxMessageBytes, &message));
+  *out = Status(static_cast<StatusCode>(code), std::move(message));
+  return OkStatus();
+}
+
+Status readBody(WireReader& r, Hello* m) {
+  std::span<const uint8_t> info;
+  RETURN_IF_ERROR(r.span("rank_info", kMaxFrameBodyBytes, &info));
+  ASSIGN_OR_RETURN(m->rank_info, internal::decodeRankInfo(info, r.name("rank_info.")));
+  return r.string("auth_token", kMaxTokenBytes, &m->auth_token);
+}
+
+Status readBody(WireReader& r, TransferRequest* m) {
+  RETURN_IF_ERROR(r.u64Fixed("request_id", &m->request_id));
+  RETURN_IF_ERROR(r.varint32("gen_tp_rank", kMaxTp - 1, &m->gen_tp_rank));
+  RETURN_IF_ERROR(r.varint32("gen_pp_rank", kMaxPp - 1, &m->gen_pp_rank));
+  size_t n = 0;
+  RETURN_IF_ERROR(r.count("dst_block_ids.count", kMaxBlockIds, 1, &n));
+  m->dst_block_ids.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    RETURN_IF_ERROR(r.varint32("dst_block_ids", UINT32_MAX, &m->dst_block_ids[i]));
+  }
+  bool has_slot = false;
+  RETURN_IF_ERROR(r.boolean("has_dst_slot", &has_slot));
+  if (has_slot) {
+    uint32_t slot = 0;
+    RETURN_IF_ERROR(r.varint32("dst_slot", UINT32_MAX, &slot));
+    m->dst_slot = slot;
+  }
+  RETURN_IF_ERROR(r.varint32("first_block", n, &m->first_block));
+  RETURN_IF_ERROR(r.varint("num_tokens", kMaxTokens, &m->num_tokens));
+  return r.bytes("aux", kMaxAuxBytes, &m->aux);
+}
+
+Status readBody(WireReader& r, TransferDone* m) {
+  RETURN_IF_ERROR(r.u64Fixed("request_id", &m->request_id));
+  RETURN_IF_ERROR(readStatus(r, /*allow_ok=*/true, &m->status));
+  RETURN_IF_ERROR(r.varint("bytes", UINT64_MAX, &m->bytes));
+  bool has_checksum = false;
+  RETURN_IF_ERROR(r.boolean("has_checksum", &has_checksum));
+  if (has_checksum) {
+    uint64_t c = 0;
+    RETURN_IF_ERROR(r.u64Fixed("checksum", &c));
+    m->checksum = c;
+  }
+  return OkStatus();
+}
+
+Status readBody(WireReader& r, Cancel* m) {
+  RETURN_IF_ERROR(r.u64Fixed("request_id", &m->request_id));
+  return r.string("reason", kMaxMessageBytes, &m->reason);
+}
+
+Status readBody(WireReader& r, Error* m) { return readStatus(r, /*allow_ok=*/false, &m->status); }
+
+template <typename T>
+StatusOr<Message> decodeBody(std::span<const uint8_t> body, std::string path, bool newer_minor) {
+  WireReader r(body, std::move(path));
+  T m;
+  RETURN_IF_ERROR(readBody(r, &m));
+  // Fields a newer minor appended are skipped; otherwise the body must end here.
+  if (!newer_minor) RETURN_IF_ERROR(r.expectEnd("end"));
+  RETURN_IF_ERROR(check(m));
+  return Message(std::move(m));
+}
+
+// Header fields, in the order a reader can check them.
+struct Header {
+  uint16_t major = 0, minor = 0;
+  uint8_t type = 0;
+  uint32_t body_length = 0;
+};
+
+StatusOr<Header> readHeader(std::span<const uint8_t> in) {
+  if (in.size() < 4) {
+    return Corruption("frame.magic: truncated (" + std::to_string(in.size()) +
+                      " bytes, a frame header has " + std::to_string(kFrameHeaderBytes) + ")");
+  }
+  const uint32_t magic = loadFixed32(in.data());
+  if (magic != kFrameMagic) {
+    char got[16];
+    std::snprintf(got, sizeof(got), "0x%08x", magic);
+    return Corruption(std::string("frame.magic: ") + got + " is not \"hxfr\" (0x72667868)");
+  }
+  Header h;
+  if (in.size() < 8) {
+    return Corruption("frame.version: truncated (" + std::to_string(in.size()) + " bytes)");
+  }
+  h.major = static_cast<uint16_t>(in[4] | in[5] << 8);
+  h.minor = static_cast<uint16_t>(in[6] | in[7] << 8);
+  if (h.major != kWireVersionMajor) {
+    return Incompatible("frame.version: peer speaks " + versionText(h.major, h.minor) +
+                        ", this build speaks " + versionText(kWireVersionMajor, kWireVersionMinor) +
+                        " (major versions differ)");
+  }
+  if (in.size() < kFrameHeaderBytes) {
+    return Corruption("frame.body_length: truncated header (" + std::to_string(in.size()) + " of " +
+                      std::to_string(kFrameHeaderBytes) + " bytes)");
+  }
+  h.type = in[8];
+  h.body_length = loadFixed32(in.data() + 9);
+  if (h.body_length > kMaxFrameBodyBytes) {
+    return over("frame.body_length", h.body_length, kMaxFrameBodyBytes);
+  }
+  return h;
+}
+
+}  // namespace
+
+std::string_view messageTypeName(MessageType t) {
+  switch (t) {
+    case MessageType::kHello:
+      return "hello";
+    case MessageType::kTransferRequest:
+      return "transfer_request";
+    case MessageType::kTransferDone:
+      return "transfer_done";
+    case MessageType::kCancel:
+      return "cancel";
+    case MessageType::kError:
+      return "error";
+  }
+  return "unknown";
+}
+
+MessageType messageType(const Message& m) {
+  // Variant alternatives are in MessageType order, starting at 1.
+  return static_cast<MessageType>(m.index() + 1);
+}
+
+Status checkMessage(const Message& m) {
+  return std::visit([](const auto& v) { return check(v); }, m);
+}
+
+Bytes encodeMessage(const Message& m) {
+  Bytes out;
+  putFixed32(out, kFrameMagic);
+  putFixed16(out, kWireVersionMajor);
+  putFixed16(out, kWireVersionMinor);
+  putFixed8(out, static_cast<uint8_t>(messageType(m)));
+  putFixed32(out, 0);  // body length, patched below
+  std::visit([&](const auto& v) { encodeBody(v, out); }, m);
+  storeFixed32(out.data() + 9, static_cast<uint32_t>(out.size() - kFrameHeaderBytes));
+  putFixed32(out, crc32c(out.data(), out.size()));
+  return out;
+}
+
+StatusOr<size_t> frameLength(std::span<const uint8_t> header) {
+  ASSIGN_OR_RETURN(Header h, readHeader(header));
+  return kFrameHeaderBytes + size_t{h.body_length} + kFrameTrailerBytes;
+}
+
+StatusOr<Message> decodeMessage(std::span<const uint8_t> frame) {
+  ASSIGN_OR_RETURN(Header h, readHeader(frame));
+  const size_t total = kFrameHeaderBytes + size_t{h.body_length} + kFrameTrailerBytes;
+  if (frame.size() < total) {
+    return Corruption("frame: truncated: body_length=" + std::to_string(h.body_length) + " needs " +
+                      std::to_string(total) + " bytes, have " + std::to_string(frame.size()));
+  }
+  if (frame.size() > total) {
+    return Corruption("frame: " + std::to_string(frame.size() - total) +
+                      " trailing bytes after the frame's " + std::to_string(total));
+  }
+  const uint32_t stored = loadFixed32(frame.data() + total - kFrameTrailerBytes);
+  const uint32_t computed = crc32c(frame.data(), total - kFrameTrailerBytes);
+  if (stored != computed) {
+    char text[80];
+    std::snprintf(text, sizeof(text), "frame.crc32c: stored 0x%08x, computed 0x%08x", stored,
+                  computed);
+    return Corruption(text);
+  }
+  const bool newer = h.minor > kWireVersionMinor;
+  const auto body = frame.subspan(kFrameHeaderBytes, h.body_length);
+  switch (static_cast<MessageType>(h.type)) {
+    case MessageType::kHello:
+      return decodeBody<Hello>(body, "hello.", newer);
+    case MessageType::kTransferRequest:
+      return decodeBody<TransferRequest>(body, "transfer_request.", newer);
+    case MessageType::kTransferDone:
+      return decodeBody<TransferDone>(body, "transfer_done.", newer);
+    case MessageType::kCancel:
+      return decodeBody<Cancel>(body, "cancel.", newer);
+    case MessageType::kError:
+      return decodeBody<Error>(body, "error.", newer);
+  }
+  return Corruption("frame.type: unknown message type " + std::to_string(h.type) +
+                    " in a frame of version " + versionText(h.major, h.minor) +
+                    " (this build speaks " + versionText(kWireVersionMajor, kWireVersionMinor) +
+                    ")");
+}
+
+Status checkDestination(const TransferRequest& req, const RankLayout& dst) {
+  if (req.gen_tp_rank != dst.tp_rank || req.gen_pp_rank != dst.pp_rank) {
+    return InvalidArgument(
+        "transfer_request for generation rank (tp " + std::to_string(req.gen_tp_rank) + ", pp " +
+        std::to_string(req.gen_pp_rank) + ") reached rank (tp " + std::to_string(dst.tp_rank) +
+        ", pp " + std::to_string(dst.pp_rank) + ")");
+  }
+  bool has_kv = false, has_state = false;
+  for (const PoolView& v : dst.views) (v.role == Role::kKv ? has_kv : has_state) = true;
+  if (!has_kv && !req.dst_block_ids.empty()) {
+    return InvalidArgument("transfer_request.dst_block_ids has " +
+                           std::to_string(req.dst_block_ids.size()) +
+                           " ids but the rank holds no attention layers");
+  }
+  std::vector<uint32_t> sorted = req.dst_block_ids;
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    if (sorted[i] >= dst.num_blocks) {
+      return InvalidArgument("transfer_request.dst_block_ids holds block " +
+                             std::to_string(sorted[i]) +
+                             " >= num_blocks=" + std::to_string(dst.num_blocks));
+    }
+    if (i > 0 && sorted[i] == sorted[i - 1]) {
+      return InvalidArgument("transfer_request.dst_block_ids holds block " +
+                             std::to_string(sorted[i]) + " twice");
+    }
+  }
+  if (has_state != req.dst_slot.has_value()) {
+    return InvalidArgument(std::string("transfer_request.dst_slot is ") +
+                           (req.dst_slot ? "present" : "absent") + " but the rank holds " +
+                           (has_state ? "" : "no ") + "recurrent layers");
+  }
+  if (req.dst_slot && *req.dst_slot >= dst.num_slots) {
+    return InvalidArgument("transfer_request.dst_slot=" + std::to_string(*req.dst_slot) +
+                           " >= num_slots=" + std::to_string(dst.num_slots));
+  }
+  if (req.first_block > req.dst_block_ids.size()) {
+    return InvalidArgument("transfer_request.first_block=" + std::to_string(req.first_block) +
+                           " is past the " + std::to_string(req.dst_block_ids.size()) + " blocks");
+  }
+  if (has_kv) {
+    const uint64_t capacity = uint64_t{dst.tokens_per_block} * req.dst_block_ids.size();
+    if (req.num_tokens > capacity) {
+      return InvalidArgument("transfer_request.num_tokens=" + std::to_string(req.num_tokens) +
+                             " does not fit " + std::to_string(req.dst_block_ids.size()) +
+                             " blocks of " + std::to_string(dst.tokens_per_block) + " tokens");
+    }
+  }
+  return OkStatus();
+}
+
+namespace {
+
+std::string summary(const Hello& m) {
+  const RankInfo& i = m.rank_info;
+  return "hello instance=" + i.instance_id + " role=" + std::string(instanceRoleName(i.role)) +
+         " rank=" + std::to_string(i.globalRank()) + " tp=" + std::to_string(i.layout.tp) +
+         " pp=" + std::to_string(i.layout.pp) +
+         " layout=" + std::string(stateLayoutName(i.layout.state_layout)) +
+         " views=" + std::to_string(i.layout.views.size()) +
+         " version=" + versionText(i.version_major, i.version_minor) +
+         (m.auth_token.empty() ? "" : " token=yes");
+}
+
+std::string summary(const TransferRequest& m) {
+  return "transfer_request id=" + std::to_string(m.request_id) + " gen=(" +
+         std::to_string(m.gen_tp_rank) + "," + std::to_string(m.gen_pp_rank) +
+         ") blocks=" + std::to_string(m.dst_block_ids.size()) +
+         " first=" + std::to_string(m.first_block) +
+         " slot=" + (m.dst_slot ? std::to_string(*m.dst_slot) : std::string("none")) +
+         " tokens=" + std::to_string(m.num_tokens) + " aux=" + std::to_string(m.aux.size()) + "B";
+}
+
+std::string summary(const TransferDone& m) {
+  std::string s = "transfer_done id=" + std::to_string(m.request_id) +
+                  " status=" + m.status.toString() + " bytes=" + std::to_string(m.bytes);
+  if (m.checksum) {
+    char text[32];
+    std::snprintf(text, sizeof(text), " checksum=0x%016llx",
+                  static_cast<unsigned long long>(*m.checksum));
+    s += text;
+  }
+  return s;
+}
+
+std::string summary(const Cancel& m) {
+  return "cancel id=" + std::to_string(m.request_id) + " reason=" + m.reason;
+}
+
+std::string summary(const Error& m) { return "error " + m.status.toString(); }
+
+}  // namespace
+
+std::string summarize(const Message& m) {
+  return std::visit([](const auto& v) { return summary(v); }, m);
+}
+
+}  // namespace hxfer::wire
