@@ -4,45 +4,28 @@
 // formed, both panels). It asserts on structure and on byte counts, never on speed: the
 // figures themselves belong in docs/performance.md, not in a test.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <fstream>
-#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
+
+#include "cli/cli_test_util.h"
 
 namespace {
 
 using Json = nlohmann::json;
 
-struct CmdResult {
-  int exit_code = -1;
-  std::string out;
-};
+using hxfer::cli::testing::CmdResult;
+using hxfer::cli::testing::readAll;
+using hxfer::cli::testing::Stderr;
 
-CmdResult hxfer(const std::string& args) {
-  const std::string cmd = std::string(HXFER_BINARY) + " " + args + " 2>&1";
-  CmdResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+// The workloads report progress and errors on stderr; keep it for the failure messages.
+CmdResult runHxfer(const std::string& args) {
+  return hxfer::cli::testing::runHxfer(args, Stderr::kMerge);
 }
 
 std::string tempFile(const std::string& name) {
-  return ::testing::TempDir() + "hxfer_bench_" + std::to_string(getpid()) + "_" + name;
-}
-
-std::string readAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return hxfer::cli::testing::tempFile("hxfer_bench", name);
 }
 
 const char kSmall[] = " --backend inproc --model tiny-hybrid --repetitions 1 --warmup 0 --quiet";
@@ -50,8 +33,8 @@ const char kSmall[] = " --backend inproc --model tiny-hybrid --repetitions 1 --w
 TEST(BenchWorkloads, RequestReportIsVerifiedAndCarriesBaselineRatios) {
   const std::string json = tempFile("request.json");
   const std::string csv = tempFile("request.csv");
-  CmdResult r = hxfer(std::string("bench request --tokens 64,256") + kSmall + " --json " + json +
-                      " --csv " + csv);
+  CmdResult r = runHxfer(std::string("bench request --tokens 64,256") + kSmall + " --json " + json +
+                         " --csv " + csv);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   Json j = Json::parse(readAll(json), nullptr, /*allow_exceptions=*/false);
   ASSERT_FALSE(j.is_discarded());
@@ -76,8 +59,8 @@ TEST(BenchWorkloads, RequestReportIsVerifiedAndCarriesBaselineRatios) {
 TEST(BenchWorkloads, ControlRoundTripMovesNothingAndPlotIsWellFormed) {
   const std::string json = tempFile("control.json");
   const std::string svg = tempFile("control.svg");
-  CmdResult r = hxfer(std::string("bench control --rounds 20") + kSmall + " --json " + json +
-                      " --plot " + svg);
+  CmdResult r = runHxfer(std::string("bench control --rounds 20") + kSmall + " --json " + json +
+                         " --plot " + svg);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   Json j = Json::parse(readAll(json), nullptr, /*allow_exceptions=*/false);
   ASSERT_FALSE(j.is_discarded());
@@ -95,8 +78,8 @@ TEST(BenchWorkloads, ControlRoundTripMovesNothingAndPlotIsWellFormed) {
 
 TEST(BenchWorkloads, MismatchReportsRatioToMatchedTp) {
   const std::string json = tempFile("mismatch.json");
-  CmdResult r = hxfer(std::string("bench mismatch --tokens 128 --tp-pairs 1:1,2:1,1:2") + kSmall +
-                      " --json " + json);
+  CmdResult r = runHxfer(std::string("bench mismatch --tokens 128 --tp-pairs 1:1,2:1,1:2") +
+                         kSmall + " --json " + json);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   Json j = Json::parse(readAll(json), nullptr, /*allow_exceptions=*/false);
   ASSERT_FALSE(j.is_discarded());
@@ -111,16 +94,16 @@ TEST(BenchWorkloads, MismatchReportsRatioToMatchedTp) {
 }
 
 TEST(BenchWorkloads, BadListsAreRefusedNamingTheFlag) {
-  CmdResult r = hxfer(std::string("bench request --tokens 8x") + kSmall);
+  CmdResult r = runHxfer(std::string("bench request --tokens 8x") + kSmall);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.out.find("--tokens"), std::string::npos) << r.out;
-  r = hxfer(std::string("bench mismatch --tp-pairs 2-1") + kSmall);
+  r = runHxfer(std::string("bench mismatch --tp-pairs 2-1") + kSmall);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.out.find("--tp-pairs"), std::string::npos) << r.out;
 }
 
 TEST(BenchWorkloads, TransportBenchStaysRegistered) {
-  CmdResult r = hxfer("bench transport --help");
+  CmdResult r = runHxfer("bench transport --help");
   EXPECT_EQ(r.exit_code, 0) << r.out;
   EXPECT_NE(r.out.find("--op-size"), std::string::npos) << r.out;
 }

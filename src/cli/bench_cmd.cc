@@ -26,6 +26,7 @@
 
 #include "cli/commands.h"
 #include "cli/model_options.h"
+#include "cli/socket_util.h"
 #include "common/coding.h"
 #include "common/crc32c.h"
 #include "transport/transport.h"
@@ -83,28 +84,6 @@ struct Series {
   double best() const { return gbps.empty() ? 0.0 : *std::max_element(gbps.begin(), gbps.end()); }
 };
 
-bool sendAll(int fd, const uint8_t* p, uint64_t n) {
-  while (n > 0) {
-    ssize_t r = send(fd, p, std::min<uint64_t>(n, 1 << 30), MSG_NOSIGNAL);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<uint64_t>(r);
-  }
-  return true;
-}
-
-bool recvAll(int fd, uint8_t* p, uint64_t n) {
-  while (n > 0) {
-    ssize_t r = recv(fd, p, std::min<uint64_t>(n, 1 << 30), 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<uint64_t>(r);
-  }
-  return true;
-}
-
 // The raw TCP baseline: a loopback connection to a forked child that receives `size` bytes per
 // run into a pre-faulted buffer and answers one byte. Started before any agent exists.
 struct TcpPeer {
@@ -112,16 +91,8 @@ struct TcpPeer {
   int fd = -1;
 
   static StatusOr<TcpPeer> start(uint64_t size) {
-    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in sa{};
-    sa.sin_family = AF_INET;
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(sa);
-    if (lfd < 0 || bind(lfd, reinterpret_cast<sockaddr*>(&sa), len) != 0 || listen(lfd, 1) != 0 ||
-        getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
-      if (lfd >= 0) close(lfd);
-      return Unavailable(std::string("tcp baseline listener: ") + std::strerror(errno));
-    }
+    sockaddr_in sa;
+    ASSIGN_OR_RETURN(const int lfd, listenOnLoopback(&sa));
     TcpPeer t;
     t.child = fork();
     if (t.child < 0) return Unavailable("fork for the tcp baseline failed");

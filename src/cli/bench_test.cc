@@ -2,35 +2,20 @@
 // bytes between two processes, the destination verifies, and the report carries the baselines.
 // Sizes are tiny and no speed is asserted: performance belongs to the benchmark itself.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "cli/cli_test_util.h"
+
 namespace {
 
-struct CmdResult {
-  int exit_code = -1;
-  std::string out;
-};
-
-CmdResult hxfer(const std::string& args) {
-  const std::string cmd = std::string(HXFER_BINARY) + " " + args + " 2>/dev/null";
-  CmdResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using hxfer::cli::testing::CmdResult;
+using hxfer::cli::testing::runHxfer;
 
 void expectVerifiedReport(const std::string& args, bool expect_tcp) {
   CmdResult r =
-      hxfer("bench transport --size 1048576 --op-size 65536 --iterations 2 --json " + args);
+      runHxfer("bench transport --size 1048576 --op-size 65536 --iterations 2 --json " + args);
   ASSERT_EQ(r.exit_code, 0) << args << "\n" << r.out;
   auto j = nlohmann::json::parse(r.out, nullptr, /*allow_exceptions=*/false);
   ASSERT_FALSE(j.is_discarded()) << r.out;
@@ -56,9 +41,9 @@ TEST(BenchTransport, UcxOverTcpReportsTheRawTcpBaselineToo) {
 }
 
 TEST(BenchTransport, BadArgumentsExitNonZero) {
-  EXPECT_NE(hxfer("bench transport --backend rdma").exit_code, 0);
-  EXPECT_NE(hxfer("bench transport --backend shm --size 0").exit_code, 0);
-  EXPECT_NE(hxfer("bench transport --backend ucx --ucx-mode fast").exit_code, 0);
+  EXPECT_NE(runHxfer("bench transport --backend rdma").exit_code, 0);
+  EXPECT_NE(runHxfer("bench transport --backend shm --size 0").exit_code, 0);
+  EXPECT_NE(runHxfer("bench transport --backend ucx --ucx-mode fast").exit_code, 0);
 }
 
 }  // namespace

@@ -52,6 +52,7 @@
 #include "cache/cache_manager.h"
 #include "cli/commands.h"
 #include "cli/model_options.h"
+#include "cli/socket_util.h"
 #include "cli/table.h"
 #include "common/logging.h"
 #include "engine/cluster.h"
@@ -346,28 +347,6 @@ class MemcpyBaseline {
   uint64_t total_ = 0;
 };
 
-bool sendAll(int fd, const uint8_t* p, uint64_t n) {
-  while (n > 0) {
-    const ssize_t r = ::send(fd, p, std::min<uint64_t>(n, 1 << 30), MSG_NOSIGNAL);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<uint64_t>(r);
-  }
-  return true;
-}
-
-bool recvAll(int fd, uint8_t* p, uint64_t n) {
-  while (n > 0) {
-    const ssize_t r = ::recv(fd, p, std::min<uint64_t>(n, 1 << 30), 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<uint64_t>(r);
-  }
-  return true;
-}
-
 // A raw TCP loopback connection: a receiver thread reads a length-prefixed message into a
 // pre-faulted buffer and answers one byte, so a run measures bytes landed, like a Done.
 class TcpBaseline {
@@ -376,18 +355,11 @@ class TcpBaseline {
     std::unique_ptr<TcpBaseline> t(new TcpBaseline());
     ASSIGN_OR_RETURN(t->buf_,
                      Region::allocate(3, capacity, Region::Backing::kAnonymous, "base-tcp"));
-    const int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in sa{};
-    sa.sin_family = AF_INET;
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof sa;
-    if (lfd < 0 || ::bind(lfd, reinterpret_cast<sockaddr*>(&sa), len) != 0 ||
-        ::listen(lfd, 1) != 0 || ::getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
-      if (lfd >= 0) ::close(lfd);
-      return Unavailable(std::string("tcp baseline listener: ") + std::strerror(errno));
-    }
+    sockaddr_in sa;
+    ASSIGN_OR_RETURN(const int lfd, listenOnLoopback(&sa));
     t->send_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (t->send_fd_ < 0 || ::connect(t->send_fd_, reinterpret_cast<sockaddr*>(&sa), len) != 0) {
+    if (t->send_fd_ < 0 ||
+        ::connect(t->send_fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
       ::close(lfd);
       return Unavailable(std::string("tcp baseline connect: ") + std::strerror(errno));
     }

@@ -186,6 +186,17 @@ uint32_t blocksPerRequest(const ModelSpec& m, uint32_t tokens) {
   return (tokens + m.tokens_per_block - 1) / m.tokens_per_block;
 }
 
+// One rank's cache: blocks and slots for --window requests in flight, plus two spare.
+StatusOr<std::unique_ptr<HybridCacheManager>> makeCache(const DemoOptions& o, const Resolved& r,
+                                                        const ParallelConfig& pc,
+                                                        StateLayout layout, uint32_t tp_rank,
+                                                        uint32_t pp_rank) {
+  const uint32_t per = blocksPerRequest(r.model, o.tokens);
+  return HybridCacheManager::create(r.model, pc, tp_rank, pp_rank, layout,
+                                    Capacity::counts((o.window + 2) * per, o.window + 2),
+                                    backingFor(r.backend));
+}
+
 StatusOr<std::unique_ptr<transport::Agent>> makeAgent(const Resolved& r, const char* label) {
   transport::AgentConfig ac;
   ac.backend = std::string(engine::backendName(r.backend));
@@ -207,10 +218,7 @@ void waitCacheEmpty(const HybridCacheManager& cache, Clock::time_point deadline)
 
 int contextChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, uint32_t pp_rank,
                  Channel& ch) {
-  const uint32_t per = blocksPerRequest(r.model, o.tokens);
-  auto cache = HybridCacheManager::create(r.model, r.ctx, tp_rank, pp_rank, r.ctx_layout,
-                                          Capacity::counts((o.window + 2) * per, o.window + 2),
-                                          backingFor(r.backend));
+  auto cache = makeCache(o, r, r.ctx, r.ctx_layout, tp_rank, pp_rank);
   if (!cache.isOk()) return ch.send("fail " + cache.status().toString()), 1;
   auto agent = makeAgent(r, "ctx");
   if (!agent.isOk()) return ch.send("fail " + agent.status().toString()), 1;
@@ -276,10 +284,7 @@ int generationChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, u
     if (!line || line->rfind("peer ", 0) != 0) return 1;
     peers.push_back(line->substr(5));
   }
-  const uint32_t per = blocksPerRequest(r.model, o.tokens);
-  auto cache = HybridCacheManager::create(r.model, r.gen, tp_rank, pp_rank, r.gen_layout,
-                                          Capacity::counts((o.window + 2) * per, o.window + 2),
-                                          backingFor(r.backend));
+  auto cache = makeCache(o, r, r.gen, r.gen_layout, tp_rank, pp_rank);
   if (!cache.isOk()) return ch.send("fail " + cache.status().toString()), 1;
   auto agent = makeAgent(r, "gen");
   if (!agent.isOk()) return ch.send("fail " + agent.status().toString()), 1;

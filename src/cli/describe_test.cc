@@ -1,39 +1,23 @@
 // Runs the built `hxfer` binary: `describe` and `models` end to end, output parsed as JSON.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <cstdio>
 #include <fstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "cli/cli_test_util.h"
+
 namespace {
 
 using Json = nlohmann::json;
 
-struct CmdResult {
-  int exit_code = -1;
-  std::string out;
-};
-
-// Runs `hxfer <args>`; stderr is merged into `out` when `merge_stderr`, else dropped.
-CmdResult hxfer(const std::string& args, bool merge_stderr = false) {
-  const std::string cmd =
-      std::string(HXFER_BINARY) + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
-  CmdResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using hxfer::cli::testing::CmdResult;
+using hxfer::cli::testing::runHxfer;
+using hxfer::cli::testing::Stderr;
 
 Json describeJson(const std::string& args) {
-  CmdResult r = hxfer("describe --json " + args);
+  CmdResult r = runHxfer("describe --json " + args);
   EXPECT_EQ(r.exit_code, 0) << args;
   Json j = Json::parse(r.out, nullptr, /*allow_exceptions=*/false);
   EXPECT_FALSE(j.is_discarded()) << r.out;
@@ -200,7 +184,7 @@ TEST(CliDescribe, DtypeOverridesChangeTheBytes) {
 }
 
 TEST(CliDescribe, IndivisibleTpExitsNonZeroWithOneLineNamingTpAndUnits) {
-  CmdResult r = hxfer("describe --model tiny-hybrid --tp 3", /*merge_stderr=*/true);
+  CmdResult r = runHxfer("describe --model tiny-hybrid --tp 3", Stderr::kMerge);
   EXPECT_NE(r.exit_code, 0);
   ASSERT_FALSE(r.out.empty());
   EXPECT_EQ(r.out.find('\n'), r.out.size() - 1) << r.out;  // exactly one line
@@ -211,12 +195,12 @@ TEST(CliDescribe, IndivisibleTpExitsNonZeroWithOneLineNamingTpAndUnits) {
 TEST(CliDescribe, BadInputExitsNonZeroWithOneLine) {
   for (const char* args : {"--pp 3", "--tp 0", "--kv-dtype int3", "--layout diagonal",
                            "--model no-such-preset", "--model /no/such/dir/config.json"}) {
-    CmdResult r = hxfer(std::string("describe ") + args, /*merge_stderr=*/true);
+    CmdResult r = runHxfer(std::string("describe ") + args, Stderr::kMerge);
     EXPECT_NE(r.exit_code, 0) << args;
     EXPECT_EQ(r.out.rfind("hxfer: ", 0), 0u) << args << ": " << r.out;
     EXPECT_EQ(r.out.find('\n'), r.out.size() - 1) << args << ": " << r.out;
   }
-  CmdResult missing = hxfer("describe --model /no/such/dir/config.json", true);
+  CmdResult missing = runHxfer("describe --model /no/such/dir/config.json", Stderr::kMerge);
   EXPECT_NE(missing.out.find("'/no/such/dir/config.json'"), std::string::npos) << missing.out;
 }
 
@@ -243,7 +227,7 @@ TEST(CliDescribe, ModelPathReadsAConfigJsonAndNamesTheModelAfterItsFolder) {
 }
 
 TEST(CliModels, ListsEveryPresetWithLayerCounts) {
-  CmdResult r = hxfer("models --json");
+  CmdResult r = runHxfer("models --json");
   ASSERT_EQ(r.exit_code, 0);
   Json j = Json::parse(r.out);
   EXPECT_EQ(j["default"], "tiny-hybrid");
@@ -260,7 +244,7 @@ TEST(CliModels, ListsEveryPresetWithLayerCounts) {
   EXPECT_TRUE(saw_nemotron);
   EXPECT_GE(j["models"].size(), 7u);
 
-  CmdResult human = hxfer("models");
+  CmdResult human = runHxfer("models");
   ASSERT_EQ(human.exit_code, 0);
   EXPECT_NE(human.out.find("tiny-hybrid *"), std::string::npos);
   EXPECT_NE(human.out.find("JambaForCausalLM"), std::string::npos);

@@ -1,47 +1,25 @@
 // Runs the built `hxfer` binary: `metadata` writes a rank's Hello frame, `inspect` reads it back
 // (JSON parsed), and corrupt input makes `inspect` exit 1 with one line naming the problem.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <cstdio>
 #include <fstream>
-#include <iterator>
 #include <string>
 
 #include <nlohmann/json.hpp>
+
+#include "cli/cli_test_util.h"
 
 namespace {
 
 using Json = nlohmann::json;
 
-struct CmdResult {
-  int exit_code = -1;
-  std::string out;
-};
+using hxfer::cli::testing::CmdResult;
+using hxfer::cli::testing::readAll;
+using hxfer::cli::testing::runHxfer;
+using hxfer::cli::testing::Stderr;
 
-CmdResult hxfer(const std::string& args, bool merge_stderr = false) {
-  const std::string cmd =
-      std::string(HXFER_BINARY) + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
-  CmdResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
-
-// A file name private to this test process.
 std::string tempFile(const std::string& name) {
-  return ::testing::TempDir() + "hxfer_metadata_" + std::to_string(getpid()) + "_" + name;
-}
-
-std::string readAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return hxfer::cli::testing::tempFile("hxfer_metadata", name);
 }
 
 void writeAll(const std::string& path, const std::string& bytes) {
@@ -49,7 +27,7 @@ void writeAll(const std::string& path, const std::string& bytes) {
 }
 
 Json inspectJson(const std::string& path) {
-  CmdResult r = hxfer("inspect --json " + path);
+  CmdResult r = runHxfer("inspect --json " + path);
   EXPECT_EQ(r.exit_code, 0) << r.out;
   Json j = Json::parse(r.out, nullptr, /*allow_exceptions=*/false);
   EXPECT_FALSE(j.is_discarded()) << r.out;
@@ -64,11 +42,11 @@ int lineCount(const std::string& s) {
 
 TEST(CliMetadata, WritesAHelloThatInspectDecodesWithTheRanksLayout) {
   const std::string f = tempFile("tp2_r1.bin");
-  CmdResult w = hxfer(
+  CmdResult w = runHxfer(
       "metadata --model tiny-hybrid --tp 2 --rank 1 --layout layer-major --role "
       "generation --out " +
           f,
-      true);
+      Stderr::kMerge);
   ASSERT_EQ(w.exit_code, 0) << w.out;
   Json j = inspectJson(f);
   EXPECT_EQ(j["type"], "hello");
@@ -91,7 +69,7 @@ TEST(CliMetadata, WritesAHelloThatInspectDecodesWithTheRanksLayout) {
   }
   EXPECT_TRUE(saw_conv);
   // The fingerprint is the model's, as `describe` reports it.
-  CmdResult d = hxfer("describe --json --model tiny-hybrid --tp 2");
+  CmdResult d = runHxfer("describe --json --model tiny-hybrid --tp 2");
   ASSERT_EQ(d.exit_code, 0);
   EXPECT_EQ(info["layout"]["model_fingerprint"], Json::parse(d.out)["fingerprint"]);
   std::remove(f.c_str());
@@ -99,7 +77,8 @@ TEST(CliMetadata, WritesAHelloThatInspectDecodesWithTheRanksLayout) {
 
 TEST(CliMetadata, GlobalRankSplitsIntoTpAndPpRank) {
   const std::string f = tempFile("tp2_pp2_r3.bin");
-  ASSERT_EQ(hxfer("metadata --model tiny-hybrid --tp 2 --pp 2 --rank 3 --out " + f).exit_code, 0);
+  ASSERT_EQ(runHxfer("metadata --model tiny-hybrid --tp 2 --pp 2 --rank 3 --out " + f).exit_code,
+            0);
   Json j = inspectJson(f);
   const Json& layout = j["rank_info"]["layout"];
   EXPECT_EQ(layout["tp_rank"], 1);
@@ -113,9 +92,9 @@ TEST(CliMetadata, GlobalRankSplitsIntoTpAndPpRank) {
 
 TEST(CliMetadata, ModelOptionsReachTheLayout) {
   const std::string f = tempFile("fp8.bin");
-  ASSERT_EQ(hxfer("metadata --model tiny-hybrid --kv-dtype fp8 --tokens-per-block 64 --blocks 3 "
-                  "--out " +
-                  f)
+  ASSERT_EQ(runHxfer("metadata --model tiny-hybrid --kv-dtype fp8 --tokens-per-block 64 --blocks 3 "
+                     "--out " +
+                     f)
                 .exit_code,
             0);
   const Json j = inspectJson(f);
@@ -128,8 +107,8 @@ TEST(CliMetadata, ModelOptionsReachTheLayout) {
 
 TEST(CliMetadata, HumanInspectListsRegionsAndViews) {
   const std::string f = tempFile("human.bin");
-  ASSERT_EQ(hxfer("metadata --model tiny-hybrid --token s3cret --out " + f).exit_code, 0);
-  CmdResult r = hxfer("inspect " + f);
+  ASSERT_EQ(runHxfer("metadata --model tiny-hybrid --token s3cret --out " + f).exit_code, 0);
+  CmdResult r = runHxfer("inspect " + f);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   EXPECT_NE(r.out.find("hello:"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("auth token present"), std::string::npos) << r.out;
@@ -140,7 +119,7 @@ TEST(CliMetadata, HumanInspectListsRegionsAndViews) {
 
 TEST(CliMetadata, InspectOfACorruptFileExitsOneWithOneLineNamingTheProblem) {
   const std::string good = tempFile("good.bin");
-  ASSERT_EQ(hxfer("metadata --model tiny-hybrid --out " + good).exit_code, 0);
+  ASSERT_EQ(runHxfer("metadata --model tiny-hybrid --out " + good).exit_code, 0);
   const std::string bytes = readAll(good);
   ASSERT_GT(bytes.size(), 40u);
 
@@ -148,21 +127,21 @@ TEST(CliMetadata, InspectOfACorruptFileExitsOneWithOneLineNamingTheProblem) {
   std::string bad = bytes;
   bad[bad.size() / 2] ^= 0x10;
   writeAll(flipped, bad);
-  CmdResult r = hxfer("inspect " + flipped, true);
+  CmdResult r = runHxfer("inspect " + flipped, Stderr::kMerge);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_EQ(lineCount(r.out), 1) << r.out;
   EXPECT_NE(r.out.find("crc32c"), std::string::npos) << r.out;
 
   const std::string truncated = tempFile("truncated.bin");
   writeAll(truncated, bytes.substr(0, bytes.size() - 1));
-  r = hxfer("inspect --json " + truncated, true);
+  r = runHxfer("inspect --json " + truncated, Stderr::kMerge);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_EQ(lineCount(r.out), 1) << r.out;
   EXPECT_NE(r.out.find("truncated"), std::string::npos) << r.out;
 
   const std::string junk = tempFile("junk.bin");
   writeAll(junk, "not a frame at all");
-  r = hxfer("inspect " + junk, true);
+  r = runHxfer("inspect " + junk, Stderr::kMerge);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.out.find("frame.magic"), std::string::npos) << r.out;
 
@@ -170,8 +149,8 @@ TEST(CliMetadata, InspectOfACorruptFileExitsOneWithOneLineNamingTheProblem) {
 }
 
 TEST(CliMetadata, RankOutsideTheInstanceIsRefused) {
-  CmdResult r =
-      hxfer("metadata --model tiny-hybrid --tp 2 --rank 2 --out " + tempFile("x.bin"), true);
+  CmdResult r = runHxfer("metadata --model tiny-hybrid --tp 2 --rank 2 --out " + tempFile("x.bin"),
+                         Stderr::kMerge);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.out.find("--rank 2 >= tp*pp=2"), std::string::npos) << r.out;
 }

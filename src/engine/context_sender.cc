@@ -70,6 +70,7 @@ StatusOr<std::unique_ptr<ContextSender>> ContextSender::create(
   }
   RETURN_IF_ERROR(wire::checkRankInfo(s->self_).withContext("own rank_info"));
   s->memory_ = cacheMemory(*cache);
+  s->waker_->agent = s->agent_.get();
   s->thread_ = std::thread([p = s.get()] { p->run(); });
   return s;
 }
@@ -342,6 +343,7 @@ void ContextSender::startAskLocked(Source& src, Ask& ask) {
     return;
   }
   metrics_.opsPosted(plan->ops.size());
+  t->notifyWhenTerminal([waker = waker_] { waker->wake(); });
   ask.transfer = *t;
   ask.bytes = plan->bytes;
   ask.state = Ask::State::kPosted;
@@ -372,8 +374,8 @@ void ContextSender::onCancelLocked(Peer& peer, const wire::Cancel& cancel) {
     // forgotten already). Answer anyway: the generation rank holds the request's pages in
     // flight until a Done arrives, and a duplicate Done is ignored there.
     sendLocked(peer.id, wire::TransferDone{cancel.request_id,
-                                           Cancelled("cancel of a request this rank never got"),
-                                           0, std::nullopt});
+                                           Cancelled("cancel of a request this rank never got"), 0,
+                                           std::nullopt});
     return;
   }
   Source& src = *it->second;
@@ -512,6 +514,8 @@ bool ContextSender::anyInFlightLocked() const {
 }
 
 void ContextSender::run() {
+  // A finishing write wakes pollEvent (Waker); the 1 ms bound while busy only matters for an
+  // agent that does not implement wakeEventWaiter.
   bool busy = false;
   while (true) {
     auto ev = agent_->pollEvent(busy ? std::chrono::milliseconds(1) : options_.idle_poll);
@@ -540,6 +544,10 @@ void ContextSender::shutdown() {
       stop_ = true;
     }
     if (thread_.joinable()) thread_.join();
+    {
+      std::lock_guard lock(waker_->mu);
+      waker_->agent = nullptr;
+    }
     std::lock_guard lock(mu_);
     const auto deadline = Clock::now() + std::chrono::seconds(10);
     for (auto& [rid, src] : sources_) {

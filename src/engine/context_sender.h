@@ -25,7 +25,8 @@
 // accepts the peer again when it reconnects.
 //
 // Thread-safety: every public method may be called from any thread. A progress thread owned by
-// the sender handles transport events, transfer completion and timers; the `on_request`
+// the sender handles transport events, transfer completion and timers (a finishing write wakes
+// it through Agent::wakeEventWaiter, so completion is not polled); the `on_request`
 // callback runs on it (without the sender's lock held) and must not block for long.
 #pragma once
 
@@ -129,6 +130,18 @@ class ContextSender {
   void refuseLocked(Peer& peer, const Status& why);
   bool anyInFlightLocked() const;
 
+  // Wakes the progress thread out of agent_->pollEvent when a posted write finishes, so a Done
+  // leaves as soon as its bytes landed. Shared with the transfers' completion callbacks, which
+  // may run after the sender is gone: shutdown() detaches the agent first.
+  struct Waker {
+    std::mutex mu;
+    transport::Agent* agent = nullptr;  // guarded by mu; null once shut down
+    void wake() {
+      std::lock_guard lock(mu);
+      if (agent != nullptr) agent->wakeEventWaiter();
+    }
+  };
+
   const Options options_;
   HybridCacheManager* const cache_;
   std::unique_ptr<transport::Agent> agent_;
@@ -141,6 +154,7 @@ class ContextSender {
   std::unordered_map<uint64_t, std::unique_ptr<Source>> sources_;       // guarded by mu_
   std::unordered_map<uint64_t, Tombstone> tombstones_;                  // guarded by mu_
   Metrics metrics_;
+  std::shared_ptr<Waker> waker_ = std::make_shared<Waker>();
   std::thread thread_;
   std::once_flag shutdown_once_;
 };

@@ -1,6 +1,11 @@
 #include "engine/generation_receiver.h"
 
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <thread>
 
 #include "common/logging.h"
 #include "engine/handshake.h"
@@ -85,6 +90,47 @@ StatusOr<std::unique_ptr<GenerationReceiver>> GenerationReceiver::create(
   return g;
 }
 
+namespace {
+// One eventfd per waiting thread, created on first use and closed when the thread ends.
+struct ThreadWakeFd {
+  int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  ~ThreadWakeFd() {
+    if (fd >= 0) close(fd);
+  }
+};
+}  // namespace
+
+bool GenerationReceiver::Waiters::waitUntil(std::unique_lock<std::mutex>& lock,
+                                            Clock::time_point deadline) {
+  thread_local ThreadWakeFd own;
+  auto left = deadline - Clock::now();
+  if (left <= Clock::duration::zero()) return false;
+  if (own.fd < 0) {  // no eventfd: nap briefly instead
+    lock.unlock();
+    std::this_thread::sleep_for(std::min<Clock::duration>(left, std::chrono::microseconds(50)));
+    lock.lock();
+    return Clock::now() < deadline;
+  }
+  // Registered before the lock is dropped, so a notifyAll after that makes the fd readable.
+  fds_.push_back(own.fd);
+  lock.unlock();
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+  timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+  pollfd pfd{own.fd, POLLIN, 0};
+  if (ppoll(&pfd, 1, &ts, nullptr) > 0 && (pfd.revents & POLLIN)) {
+    uint64_t count = 0;
+    (void)!read(own.fd, &count, sizeof(count));
+  }
+  lock.lock();
+  fds_.erase(std::find(fds_.begin(), fds_.end(), own.fd));
+  return Clock::now() < deadline;
+}
+
+void GenerationReceiver::Waiters::notifyAll() {
+  const uint64_t one = 1;
+  for (int fd : fds_) (void)!write(fd, &one, sizeof(one));
+}
+
 GenerationReceiver::GenerationReceiver(Options options, HybridCacheManager* cache,
                                        std::unique_ptr<transport::Agent> agent)
     : options_(std::move(options)), cache_(cache), agent_(std::move(agent)) {}
@@ -120,7 +166,7 @@ Status GenerationReceiver::waitForPeers(Clock::time_point deadline) {
       all &= p->state == CtxPeer::State::kReady;
     }
     if (all) return OkStatus();
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+    if (!waiters_.waitUntil(lock, deadline)) {
       std::string missing;
       for (const auto& p : peers_) {
         if (p->state != CtxPeer::State::kReady) {
@@ -240,7 +286,7 @@ void GenerationReceiver::failLocked(Sink& sink, const Status& status, FailureCau
     }
   }
   HXFER_LOG_INFO("generation: request {} failed: {}", sink.id, status.toString());
-  cv_.notify_all();
+  waiters_.notifyAll();
 }
 
 void GenerationReceiver::completeIfDoneLocked(Sink& sink) {
@@ -265,7 +311,7 @@ void GenerationReceiver::completeIfDoneLocked(Sink& sink) {
   sink.result.bytes = total;
   sink.result.latency = Clock::now() - sink.start;
   metrics_.requestOk(total, sink.result.latency);
-  cv_.notify_all();
+  waiters_.notifyAll();
 }
 
 Status GenerationReceiver::verifyChecksumLocked(const Sink& sink, const CtxPeer& peer,
@@ -347,7 +393,7 @@ void GenerationReceiver::peerDownLocked(CtxPeer& peer, const Status& why, bool f
     if (sink->released && !sink->anyInFlight()) forget.push_back(id);
   }
   for (uint64_t id : forget) sinks_.erase(id);
-  cv_.notify_all();
+  waiters_.notifyAll();
 }
 
 void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
@@ -407,7 +453,7 @@ void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
       }
     }
   }
-  cv_.notify_all();
+  waiters_.notifyAll();
 }
 
 void GenerationReceiver::handleEventLocked(transport::Event& ev) {
@@ -549,7 +595,7 @@ StatusOr<RequestResult> GenerationReceiver::wait(uint64_t request_id, Clock::tim
       return NotFound("request " + std::to_string(request_id) + " is not known");
     }
     if (it->second->result.terminal()) return it->second->result;
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+    if (!waiters_.waitUntil(lock, deadline)) {
       it = sinks_.find(request_id);
       if (it == sinks_.end()) return NotFound("request " + std::to_string(request_id));
       return it->second->result;
@@ -616,7 +662,7 @@ void GenerationReceiver::shutdown() {
         ++it;
       }
     }
-    cv_.notify_all();
+    waiters_.notifyAll();
   });
 }
 

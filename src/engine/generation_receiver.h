@@ -135,9 +135,23 @@ class GenerationReceiver {
   RankMemory memory_;                // fixed after create()
   std::vector<uint32_t> ctx_ranks_;  // fixed after create()
 
+  // Threads blocked in wait() / waitForPeers() under mu_. Each sleeps in ppoll on its own
+  // eventfd instead of on a condition variable, like the transport's event queue (measured
+  // faster on a loaded machine); every request's completion crosses this hand-off.
+  class Waiters {
+   public:
+    // Like condition_variable::wait_until: REQUIRES `lock` held; false once `deadline` passed.
+    // May return early (spuriously); callers re-check their condition.
+    bool waitUntil(std::unique_lock<std::mutex>& lock, Clock::time_point deadline);
+    void notifyAll();  // REQUIRES the owner's mutex held
+
+   private:
+    std::vector<int> fds_;  // guarded by the owner's mutex
+  };
+
   mutable std::mutex mu_;
-  std::condition_variable cv_;  // a request turned terminal, or a peer's state changed
-  bool stop_ = false;           // guarded by mu_
+  Waiters waiters_;    // a request turned terminal, or a peer's state changed
+  bool stop_ = false;  // guarded by mu_
   std::vector<std::unique_ptr<CtxPeer>> peers_;                // guarded by mu_
   std::unordered_map<uint64_t, std::unique_ptr<Sink>> sinks_;  // guarded by mu_
   Metrics metrics_;

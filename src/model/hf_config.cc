@@ -1,5 +1,6 @@
 #include "model/hf_config.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -154,12 +155,75 @@ LayerSpec mamba2Layer(const Mamba2Shape& m) {
   return l;
 }
 
+LayerSpec mamba1Layer(const Mamba1Shape& m) {
+  LayerSpec l;
+  l.recurrent = LayerKind::kMamba1;
+  l.mamba1 = m;
+  return l;
+}
+
+LayerSpec gdnLayer(const GdnShape& g) {
+  LayerSpec l;
+  l.recurrent = LayerKind::kGdn;
+  l.gdn = g;
+  return l;
+}
+
+// The Mamba2 shape spelled with mamba_ prefixes (GraniteMoeHybrid, FalconH1). mamba_d_head may be
+// "auto": the inner size split over the heads. The inner size is mamba_expand * hidden_size, or
+// FalconH1's mamba_d_ssm when `d_ssm_field` and it is set; errors name the field the model uses.
+StatusOr<Mamba2Shape> prefixedMamba2Shape(const Fields& f, bool d_ssm_field) {
+  Mamba2Shape m;
+  ASSIGN_OR_RETURN(m.n_heads, f.positive("mamba_n_heads"));
+  ASSIGN_OR_RETURN(m.n_groups, f.positive("mamba_n_groups"));
+  ASSIGN_OR_RETURN(m.d_state, f.positive("mamba_d_state"));
+  ASSIGN_OR_RETURN(m.d_conv, f.positive("mamba_d_conv"));
+  ASSIGN_OR_RETURN(std::optional<uint32_t> d_head, f.positiveOrAuto("mamba_d_head"));
+  if (d_head) {
+    m.head_dim = *d_head;
+    return m;
+  }
+  // Hugging Face: FalconH1's d_ssm = mamba_d_ssm, or mamba_expand * hidden_size when null.
+  uint32_t d_inner = 0;
+  if (d_ssm_field && f.has("mamba_d_ssm")) {
+    ASSIGN_OR_RETURN(d_inner, f.positive("mamba_d_ssm"));
+  } else {
+    ASSIGN_OR_RETURN(uint32_t expand, f.positive("mamba_expand"));
+    ASSIGN_OR_RETURN(uint32_t hidden, f.positive("hidden_size"));
+    ASSIGN_OR_RETURN(d_inner, product(f, expand, "mamba_expand", hidden, "hidden_size"));
+  }
+  ASSIGN_OR_RETURN(
+      m.head_dim,
+      exactQuotient(f, d_inner, d_ssm_field ? "mamba_d_ssm" : "mamba_expand*hidden_size", m.n_heads,
+                    "mamba_n_heads"));
+  return m;
+}
+
 Status checkLayerCount(const Fields& f, size_t count, std::string_view source) {
   if (!f.has("num_hidden_layers")) return OkStatus();
   ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
   if (n != count) {
     return f.error(std::string(source) + " has " + std::to_string(count) +
                    " layers but num_hidden_layers=" + std::to_string(n));
+  }
+  return OkStatus();
+}
+
+// Reads layer_types into `is_attention` (sized num_hidden_layers): a name in `attention` marks an
+// attention layer, `recurrent` a recurrent one, and any other name is an error that lists
+// `expected`.
+Status readLayerTypes(const Fields& f, std::initializer_list<std::string_view> attention,
+                      std::string_view recurrent, std::string_view expected,
+                      std::vector<bool>* is_attention) {
+  ASSIGN_OR_RETURN(std::vector<std::string> types, f.stringList("layer_types"));
+  RETURN_IF_ERROR(checkLayerCount(f, types.size(), "layer_types"));
+  for (size_t i = 0; i < types.size(); ++i) {
+    if (std::find(attention.begin(), attention.end(), types[i]) != attention.end()) {
+      (*is_attention)[i] = true;
+    } else if (types[i] != recurrent) {
+      return f.error("layer_types[" + std::to_string(i) + "]='" + types[i] + "' (expected " +
+                     std::string(expected) + ")");
+    }
   }
   return OkStatus();
 }
@@ -250,16 +314,8 @@ StatusOr<std::vector<LayerSpec>> importQwen3Next(const Fields& f) {
   ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
   std::vector<bool> is_attention(n);
   if (f.has("layer_types")) {
-    ASSIGN_OR_RETURN(std::vector<std::string> types, f.stringList("layer_types"));
-    RETURN_IF_ERROR(checkLayerCount(f, types.size(), "layer_types"));
-    for (size_t i = 0; i < types.size(); ++i) {
-      if (types[i] == "full_attention" || types[i] == "attention") {
-        is_attention[i] = true;
-      } else if (types[i] != "linear_attention") {
-        return f.error("layer_types[" + std::to_string(i) + "]='" + types[i] +
-                       "' (expected linear_attention or full_attention)");
-      }
-    }
+    RETURN_IF_ERROR(readLayerTypes(f, {"full_attention", "attention"}, "linear_attention",
+                                   "linear_attention or full_attention", &is_attention));
   } else {
     // Hugging Face's rule: layer i is full attention when (i + 1) % interval == 0.
     ASSIGN_OR_RETURN(uint32_t interval, f.positive("full_attention_interval"));
@@ -280,16 +336,7 @@ StatusOr<std::vector<LayerSpec>> importQwen3Next(const Fields& f) {
     ASSIGN_OR_RETURN(a, attentionShape(f));
   }
   std::vector<LayerSpec> layers;
-  for (bool attn : is_attention) {
-    if (attn) {
-      layers.push_back(attentionLayer(a));
-    } else {
-      LayerSpec l;
-      l.recurrent = LayerKind::kGdn;
-      l.gdn = g;
-      layers.push_back(l);
-    }
-  }
+  for (bool attn : is_attention) layers.push_back(attn ? attentionLayer(a) : gdnLayer(g));
   return layers;
 }
 
@@ -299,36 +346,13 @@ StatusOr<std::vector<LayerSpec>> importGraniteMoeHybrid(const Fields& f) {
   ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
   std::vector<bool> is_attention(n, false);  // Hugging Face: no layer_types means all mamba
   if (f.has("layer_types")) {
-    ASSIGN_OR_RETURN(std::vector<std::string> types, f.stringList("layer_types"));
-    RETURN_IF_ERROR(checkLayerCount(f, types.size(), "layer_types"));
-    for (size_t i = 0; i < types.size(); ++i) {
-      if (types[i] == "attention") {
-        is_attention[i] = true;
-      } else if (types[i] != "mamba") {
-        return f.error("layer_types[" + std::to_string(i) + "]='" + types[i] +
-                       "' (expected mamba or attention)");
-      }
-    }
+    RETURN_IF_ERROR(readLayerTypes(f, {"attention"}, "mamba", "mamba or attention", &is_attention));
   }
   bool any_mamba = false, any_attention = false;
   for (bool a : is_attention) (a ? any_attention : any_mamba) = true;
   Mamba2Shape m;
   if (any_mamba) {
-    ASSIGN_OR_RETURN(m.n_heads, f.positive("mamba_n_heads"));
-    ASSIGN_OR_RETURN(m.n_groups, f.positive("mamba_n_groups"));
-    ASSIGN_OR_RETURN(m.d_state, f.positive("mamba_d_state"));
-    ASSIGN_OR_RETURN(m.d_conv, f.positive("mamba_d_conv"));
-    ASSIGN_OR_RETURN(std::optional<uint32_t> d_head, f.positiveOrAuto("mamba_d_head"));
-    if (d_head) {
-      m.head_dim = *d_head;
-    } else {
-      ASSIGN_OR_RETURN(uint32_t expand, f.positive("mamba_expand"));
-      ASSIGN_OR_RETURN(uint32_t hidden, f.positive("hidden_size"));
-      ASSIGN_OR_RETURN(uint32_t d_inner, product(f, expand, "mamba_expand", hidden, "hidden_size"));
-      // Hugging Face's "auto": the mamba intermediate size split over the heads.
-      ASSIGN_OR_RETURN(m.head_dim, exactQuotient(f, d_inner, "mamba_expand*hidden_size", m.n_heads,
-                                                 "mamba_n_heads"));
-    }
+    ASSIGN_OR_RETURN(m, prefixedMamba2Shape(f, /*d_ssm_field=*/false));
   }
   AttentionShape a;
   if (any_attention) {
@@ -364,14 +388,7 @@ StatusOr<std::vector<LayerSpec>> importJamba(const Fields& f) {
   }
   std::vector<LayerSpec> layers;
   for (uint32_t i = 0; i < n; ++i) {
-    if (i % period == offset) {
-      layers.push_back(attentionLayer(a));
-    } else {
-      LayerSpec l;
-      l.recurrent = LayerKind::kMamba1;
-      l.mamba1 = m;
-      layers.push_back(l);
-    }
+    layers.push_back(i % period == offset ? attentionLayer(a) : mamba1Layer(m));
   }
   return layers;
 }
@@ -381,27 +398,7 @@ StatusOr<std::vector<LayerSpec>> importJamba(const Fields& f) {
 StatusOr<std::vector<LayerSpec>> importFalconH1(const Fields& f) {
   ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
   ASSIGN_OR_RETURN(AttentionShape a, attentionShape(f));
-  Mamba2Shape m;
-  ASSIGN_OR_RETURN(m.n_heads, f.positive("mamba_n_heads"));
-  ASSIGN_OR_RETURN(m.n_groups, f.positive("mamba_n_groups"));
-  ASSIGN_OR_RETURN(m.d_state, f.positive("mamba_d_state"));
-  ASSIGN_OR_RETURN(m.d_conv, f.positive("mamba_d_conv"));
-  ASSIGN_OR_RETURN(std::optional<uint32_t> d_head, f.positiveOrAuto("mamba_d_head"));
-  if (d_head) {
-    m.head_dim = *d_head;
-  } else {
-    // Hugging Face: d_ssm = mamba_d_ssm, or mamba_expand * hidden_size when null.
-    uint32_t d_ssm = 0;
-    if (f.has("mamba_d_ssm")) {
-      ASSIGN_OR_RETURN(d_ssm, f.positive("mamba_d_ssm"));
-    } else {
-      ASSIGN_OR_RETURN(uint32_t expand, f.positive("mamba_expand"));
-      ASSIGN_OR_RETURN(uint32_t hidden, f.positive("hidden_size"));
-      ASSIGN_OR_RETURN(d_ssm, product(f, expand, "mamba_expand", hidden, "hidden_size"));
-    }
-    ASSIGN_OR_RETURN(m.head_dim,
-                     exactQuotient(f, d_ssm, "mamba_d_ssm", m.n_heads, "mamba_n_heads"));
-  }
+  ASSIGN_OR_RETURN(Mamba2Shape m, prefixedMamba2Shape(f, /*d_ssm_field=*/true));
   LayerSpec l = mamba2Layer(m);  // parallel hybrid: both parts in every layer
   l.attention = a;
   return std::vector<LayerSpec>(n, l);

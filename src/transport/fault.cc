@@ -47,6 +47,7 @@ class FaultAgent final : public Agent {
   std::optional<Event> pollEvent(std::chrono::milliseconds timeout) override {
     return inner_->pollEvent(timeout);
   }
+  void wakeEventWaiter() override { inner_->wakeEventWaiter(); }
 
   StatusOr<Transfer> postWrite(PeerId peer, std::vector<WriteOp> ops) override {
     bool fail = false;

@@ -260,6 +260,7 @@ class InprocAgent final : public Agent {
   std::optional<Event> pollEvent(std::chrono::milliseconds timeout) override {
     return state_->events.pop(timeout);
   }
+  void wakeEventWaiter() override { state_->events.wake(); }
 
  private:
   Capabilities caps_;

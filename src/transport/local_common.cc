@@ -1,5 +1,9 @@
 #include "transport/local_common.h"
 
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -7,20 +11,66 @@
 
 namespace hxfer::transport::detail {
 
+EventQueue::EventQueue() : efd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+
+EventQueue::~EventQueue() {
+  if (efd_ >= 0) close(efd_);
+}
+
+void EventQueue::signal() {
+  if (efd_ < 0) return;
+  const uint64_t one = 1;
+  // EAGAIN (counter saturated) still leaves the fd readable, which is all that matters.
+  (void)!write(efd_, &one, sizeof(one));
+}
+
 void EventQueue::push(Event event) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     events_.push_back(std::move(event));
   }
-  cv_.notify_one();
+  signal();
+}
+
+void EventQueue::wake() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    woken_ = true;
+  }
+  signal();
 }
 
 std::optional<Event> EventQueue::pop(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
-  Event e = std::move(events_.front());
-  events_.pop_front();
-  return e;
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const bool woken = woken_;
+      woken_ = false;
+      if (!events_.empty()) {
+        Event e = std::move(events_.front());
+        events_.pop_front();
+        // Another popper may be asleep while events remain: keep the fd readable for it.
+        if (!events_.empty()) signal();
+        return e;
+      }
+      if (woken) return std::nullopt;
+    }
+    const auto left = deadline - Clock::now();
+    if (left <= Clock::duration::zero()) return std::nullopt;
+    if (efd_ < 0) {
+      std::this_thread::sleep_for(std::min<Clock::duration>(left, std::chrono::microseconds(50)));
+      continue;
+    }
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+    pollfd pfd{efd_, POLLIN, 0};
+    // A push between the check above and this call left the fd readable: no lost wake-up.
+    if (ppoll(&pfd, 1, &ts, nullptr) > 0 && (pfd.revents & POLLIN)) {
+      uint64_t count = 0;
+      (void)!read(efd_, &count, sizeof(count));
+    }
+  }
 }
 
 Status validateOp(size_t index, const WriteOp& op, uint64_t local_length, uint64_t remote_length) {

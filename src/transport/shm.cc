@@ -289,6 +289,7 @@ class ShmAgent final : public Agent {
   std::optional<Event> pollEvent(std::chrono::milliseconds timeout) override {
     return events_.pop(timeout);
   }
+  void wakeEventWaiter() override { events_.wake(); }
 
   static Status abstractAddress(const std::string& name, sockaddr_un* sa, socklen_t* len) {
     if (name.empty() || name.size() + 1 > sizeof(sa->sun_path)) {

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <vector>
 
 #include "transport/transport.h"
 
@@ -34,6 +35,9 @@ class TransferCore {
   // waiting thread (memcpy backends run a not-yet-started copy inline, saving two thread
   // wake-ups). Set at most once, before the handle escapes.
   void setWaitHelper(std::function<void()> helper) { wait_helper_ = std::move(helper); }
+  // Runs `fn` once when terminal (now, in this thread, if it already is); see
+  // Transfer::notifyWhenTerminal. Callbacks run after the state is published, outside the lock.
+  void notifyWhenTerminal(std::function<void()> fn);
 
   uint64_t bytes() const { return bytes_; }
   size_t opCount() const { return op_count_; }
@@ -49,6 +53,7 @@ class TransferCore {
   mutable std::condition_variable cv_;
   TransferState state_ = TransferState::kInProgress;  // guarded by mu_
   Status status_;                                     // guarded by mu_
+  std::vector<std::function<void()>> on_terminal_;    // guarded by mu_
 };
 
 // A transfer that is already terminal (empty batches, synchronous failures).

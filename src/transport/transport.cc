@@ -57,6 +57,7 @@ std::string_view eventKindName(Event::Kind kind) {
 namespace detail {
 
 bool TransferCore::complete(Status status) {
+  std::vector<std::function<void()>> callbacks;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (state_ != TransferState::kInProgress) return false;
@@ -68,9 +69,22 @@ bool TransferCore::complete(Status status) {
       state_ = TransferState::kFailed;
     }
     status_ = std::move(status);
+    callbacks.swap(on_terminal_);
   }
   cv_.notify_all();
+  for (auto& fn : callbacks) fn();
   return true;
+}
+
+void TransferCore::notifyWhenTerminal(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_ == TransferState::kInProgress) {
+      on_terminal_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn();
 }
 
 TransferState TransferCore::state() const {
@@ -104,6 +118,14 @@ void TransferCore::requestCancel() {
 }  // namespace detail
 
 TransferState Transfer::poll() const { return core_ ? core_->state() : TransferState::kFailed; }
+
+void Transfer::notifyWhenTerminal(std::function<void()> fn) const {
+  if (core_) {
+    core_->notifyWhenTerminal(std::move(fn));
+  } else {
+    fn();  // an empty handle is already terminal (kFailed)
+  }
+}
 
 Status Transfer::wait(Clock::time_point deadline) const {
   return core_ ? core_->wait(deadline) : Internal("wait on an empty Transfer handle");

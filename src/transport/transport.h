@@ -49,6 +49,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -125,6 +126,11 @@ class Transfer {
   Status wait(Clock::time_point deadline) const;
   Status waitFor(std::chrono::milliseconds timeout) const { return wait(Clock::now() + timeout); }
   void cancel() const;
+  // Runs `fn` once when the transfer reaches a terminal state: at once in this thread when it
+  // already has, else in the thread that finishes it (a backend thread; it must be quick, must
+  // not block and must not call back into this transfer). Lets a thread that waits in
+  // Agent::pollEvent be woken by a completion (Agent::wakeEventWaiter) instead of polling.
+  void notifyWhenTerminal(std::function<void()> fn) const;
   // Ok when kDone, Cancelled when kCancelled, the error when kFailed; Ok while in progress.
   Status status() const;
   uint64_t bytes() const;  // total bytes in the batch
@@ -189,6 +195,12 @@ class Agent {
 
   // Next event, waiting up to `timeout`; nullopt when none arrived in time.
   virtual std::optional<Event> pollEvent(std::chrono::milliseconds timeout) = 0;
+  // Makes the pollEvent that is blocked now, or else the next one, return at once (nullopt
+  // when no event is queued). Wake-ups do not pile up: many calls before one pollEvent wake it
+  // once. Lets one thread wait for messages and for other things (transfer completion) in a
+  // single place. The default does nothing: callers must still bound their waits (inproc,
+  // shm, ucx and fault implement it).
+  virtual void wakeEventWaiter() {}
 
  protected:
   Agent() = default;

@@ -253,10 +253,21 @@ class UcxAgent final : public Agent {
 
   std::optional<Event> pollEvent(std::chrono::milliseconds timeout) override {
     std::unique_lock<std::mutex> lock(ev_mu_);
-    if (!ev_cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
+    if (!ev_cv_.wait_for(lock, timeout, [&] { return !events_.empty() || ev_woken_; })) {
+      return std::nullopt;
+    }
+    ev_woken_ = false;
+    if (events_.empty()) return std::nullopt;  // woken by wakeEventWaiter
     Event e = std::move(events_.front());
     events_.pop_front();
     return e;
+  }
+  void wakeEventWaiter() override {
+    {
+      std::lock_guard<std::mutex> lock(ev_mu_);
+      ev_woken_ = true;
+    }
+    ev_cv_.notify_one();
   }
 
   // --- progress-thread callbacks (static trampolines call these) ---
@@ -352,6 +363,7 @@ class UcxAgent final : public Agent {
   std::mutex ev_mu_;
   std::condition_variable ev_cv_;
   std::deque<Event> events_;  // guarded by ev_mu_
+  bool ev_woken_ = false;     // guarded by ev_mu_; wakeEventWaiter not yet seen by pollEvent
 };
 
 // Context of one UCX request callback; owned by the callback (deleted there).
