@@ -13,10 +13,10 @@
 namespace hxfer::cli {
 
 struct ModelOptions {
-  std::string model;           // preset name or path to a config.json; empty = default preset
-  std::string kv_dtype;        // empty = the config's torch_dtype (bf16 if absent)
-  std::string conv_dtype;      // empty = the config's torch_dtype (bf16 if absent)
-  std::string ssm_dtype;       // empty = fp32
+  std::string model;       // preset name or path to a config.json; empty = default preset
+  std::string kv_dtype;    // empty = the config's torch_dtype (bf16 if absent)
+  std::string conv_dtype;  // empty = the config's torch_dtype (bf16 if absent)
+  std::string ssm_dtype;   // empty = fp32
   uint32_t tokens_per_block = 32;
 };
 
