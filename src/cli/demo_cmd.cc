@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -28,6 +29,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -57,6 +59,7 @@ struct DemoOptions {
   std::string backend = "auto";
   std::string ctx_layout = "auto", gen_layout = "auto";
   double cancel_fraction = 0.0;
+  std::string cancel_at = "any";  // any, or one CancelPoint name
   uint64_t seed = 1;
   uint32_t window = 8;  // requests in flight per rank
   bool checksum = false;
@@ -66,6 +69,20 @@ struct DemoOptions {
 
 // Where a request is cancelled (same decision in every process: a function of seed and id).
 enum class CancelPoint { kNone, kGenAfterStart, kGenAfterDone, kCtxBeforeReady, kCtxAfterReady };
+// Names for --cancel-at, in enum order from kGenAfterStart.
+constexpr std::array<std::string_view, 4> kCancelPointNames = {
+    "gen-after-start", "gen-after-done", "ctx-before-ready", "ctx-after-ready"};
+
+// 0 for "any" (a point drawn per request), else 1 + the index in kCancelPointNames.
+StatusOr<int> parseCancelAt(const std::string& name) {
+  if (name == "any") return 0;
+  for (size_t i = 0; i < kCancelPointNames.size(); ++i) {
+    if (name == kCancelPointNames[i]) return static_cast<int>(i) + 1;
+  }
+  return InvalidArgument("--cancel-at '" + name +
+                         "' is not any, gen-after-start, gen-after-done, ctx-before-ready or "
+                         "ctx-after-ready");
+}
 
 uint64_t splitmix(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -78,7 +95,9 @@ CancelPoint cancelPointFor(const DemoOptions& o, uint64_t id) {
   const uint64_t h = splitmix(o.seed * 1000003 + id);
   const double u = static_cast<double>(h >> 11) / static_cast<double>(1ull << 53);
   if (u >= o.cancel_fraction) return CancelPoint::kNone;
-  return static_cast<CancelPoint>(1 + splitmix(h) % 4);
+  const StatusOr<int> fixed = parseCancelAt(o.cancel_at);  // validated in resolveDemo
+  const int point = fixed.isOk() ? *fixed : 0;
+  return static_cast<CancelPoint>(point != 0 ? point : 1 + splitmix(h) % 4);
 }
 
 Bytes auxFor(uint64_t id) {  // stands in for the first sampled token
@@ -157,6 +176,7 @@ StatusOr<Resolved> resolveDemo(const DemoOptions& o) {
   RETURN_IF_ERROR(r.ctx.validate(r.model.numLayers()).withContext("context"));
   RETURN_IF_ERROR(r.gen.validate(r.model.numLayers()).withContext("generation"));
   ASSIGN_OR_RETURN(auto backend, engine::parseBackendRequest(o.backend));
+  RETURN_IF_ERROR(parseCancelAt(o.cancel_at).status());
   engine::RoutingEnvironment env = engine::probeRoutingEnvironment();
   env.peers_same_host = true;
   env.single_process = false;  // every rank is its own process
@@ -715,6 +735,10 @@ void addDemoCommand(CLI::App& app) {
                   "Fraction of requests cancelled at a random point on a random side")
       ->default_val(0.0)
       ->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--cancel-at", o->cancel_at,
+                  "Where cancelled requests are cancelled: any (drawn per request), "
+                  "gen-after-start, gen-after-done, ctx-before-ready, ctx-after-ready")
+      ->default_val("any");
   cmd->add_option("--seed", o->seed, "Seed of the cancellation choices")->default_val(1);
   cmd->add_option("--window", o->window, "Requests in flight per rank")->default_val(8);
   cmd->add_option("--timeout", o->timeout_s, "Per-request timeout in seconds")->default_val(60);

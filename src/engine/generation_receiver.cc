@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <future>
 #include <thread>
 
 #include "common/logging.h"
@@ -21,6 +22,11 @@ struct GenerationReceiver::CtxPeer {
   bool ever_ready = false;
   transport::PeerId id = 0;
   Clock::time_point next_attempt{}, handshake_deadline{};
+  // While kConnecting: the agent's connect() runs on its own thread, so that a peer that
+  // accepts the socket but never answers (hung, stopped, a black-holed address) cannot hold
+  // the progress thread for the agent's whole connect timeout.
+  std::future<StatusOr<transport::PeerId>> connecting;
+  State before_connect = State::kIdle;
   Status last_error;
   wire::RankInfo info;             // valid when ready
   std::optional<Planner> planner;  // that context rank -> this rank (checksums)
@@ -503,38 +509,47 @@ void GenerationReceiver::handleEventLocked(transport::Event& ev) {
   }
 }
 
-void GenerationReceiver::connectDueLocked(std::unique_lock<std::mutex>& lock) {
+void GenerationReceiver::connectDueLocked() {
   const auto now = Clock::now();
-  for (size_t i = 0; i < peers_.size(); ++i) {
-    CtxPeer* p = peers_[i].get();
+  for (auto& owned : peers_) {
+    CtxPeer* p = owned.get();
+    if (p->state == CtxPeer::State::kConnecting) {
+      if (p->connecting.wait_for(std::chrono::seconds(0)) != std::future_status::ready) continue;
+      finishConnectLocked(*p, p->connecting.get());
+      continue;
+    }
     if ((p->state != CtxPeer::State::kIdle && p->state != CtxPeer::State::kDown) ||
         now < p->next_attempt) {
       continue;
     }
-    const CtxPeer::State before = p->state;
+    p->before_connect = p->state;
     p->state = CtxPeer::State::kConnecting;
-    const std::string address = p->address;
-    lock.unlock();
-    auto id = agent_->connect(address);
-    lock.lock();
-    p = peers_[i].get();
-    if (!id.isOk()) {
-      p->state = before;
-      p->last_error = id.status();
-      p->next_attempt = Clock::now() + options_.reconnect_interval;
-      HXFER_LOG_DEBUG("generation: connect to context rank {} at {}: {}", p->rank, address,
-                      id.status().toString());
-      continue;
-    }
-    if (stop_) {
-      (void)agent_->disconnect(*id);
-      return;
-    }
-    p->id = *id;
-    p->state = CtxPeer::State::kHandshaking;
-    p->handshake_deadline = Clock::now() + options_.handshake_timeout;
-    sendLocked(p->id, wire::Hello{self_, options_.auth_token});
+    p->connecting = std::async(std::launch::async, [agent = agent_.get(), address = p->address] {
+      auto id = agent->connect(address);
+      agent->wakeEventWaiter();  // the progress thread picks the result up at once
+      return id;
+    });
   }
+}
+
+void GenerationReceiver::finishConnectLocked(CtxPeer& peer, StatusOr<transport::PeerId> id) {
+  if (!id.isOk()) {
+    peer.state = peer.before_connect;
+    peer.last_error = id.status();
+    peer.next_attempt = Clock::now() + options_.reconnect_interval;
+    HXFER_LOG_DEBUG("generation: connect to context rank {} at {}: {}", peer.rank, peer.address,
+                    id.status().toString());
+    return;
+  }
+  if (stop_) {
+    (void)agent_->disconnect(*id);
+    peer.state = CtxPeer::State::kDown;
+    return;
+  }
+  peer.id = *id;
+  peer.state = CtxPeer::State::kHandshaking;
+  peer.handshake_deadline = Clock::now() + options_.handshake_timeout;
+  sendLocked(peer.id, wire::Hello{self_, options_.auth_token});
 }
 
 void GenerationReceiver::timersLocked() {
@@ -560,10 +575,9 @@ void GenerationReceiver::timersLocked() {
 void GenerationReceiver::run() {
   while (true) {
     {
-      std::unique_lock lock(mu_);
+      std::lock_guard lock(mu_);
       if (stop_) break;
-      connectDueLocked(lock);
-      if (stop_) break;
+      connectDueLocked();
     }
     auto ev = agent_->pollEvent(options_.idle_poll);
     std::lock_guard lock(mu_);
@@ -643,6 +657,11 @@ void GenerationReceiver::shutdown() {
     }
     if (thread_.joinable()) thread_.join();
     std::lock_guard lock(mu_);
+    // A connect still running ends within the agent's connect timeout; what it opened is
+    // closed at once (stop_ is set).
+    for (auto& p : peers_) {
+      if (p->state == CtxPeer::State::kConnecting) finishConnectLocked(*p, p->connecting.get());
+    }
     for (auto& [id, sink] : sinks_) {
       failLocked(*sink, Cancelled("receiver shut down"), FailureCause::kCancelled);
     }

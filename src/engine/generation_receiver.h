@@ -22,7 +22,8 @@
 // A refused handshake (wrong token, incompatible layout) is final for that peer.
 //
 // Thread-safety: every public method may be called from any thread. A progress thread owned by
-// the receiver connects, handles transport events and timers.
+// the receiver handles transport events and timers; each connect attempt runs on a thread of its
+// own, so a context rank that accepts but never answers delays nobody else.
 #pragma once
 
 #include <chrono>
@@ -104,6 +105,7 @@ class GenerationReceiver {
   // Stops the progress thread, fails every request in progress, disconnects every peer (no
   // context rank can write any more, so quarantined pages are released) and frees the pages of
   // every request the receiver still owns. Succeeded, unreleased requests stay with the caller.
+  // A connect attempt still running is waited for (at most the agent's connect timeout).
   void shutdown();
 
  private:
@@ -114,7 +116,8 @@ class GenerationReceiver {
   GenerationReceiver(Options options, HybridCacheManager* cache,
                      std::unique_ptr<transport::Agent> agent);
   void run();
-  void connectDueLocked(std::unique_lock<std::mutex>& lock);
+  void connectDueLocked();
+  void finishConnectLocked(CtxPeer& peer, StatusOr<transport::PeerId> id);
   void handleEventLocked(transport::Event& event);
   void onHelloLocked(CtxPeer& peer, wire::Hello hello);
   void onDoneLocked(CtxPeer& peer, const wire::TransferDone& done);

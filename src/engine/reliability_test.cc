@@ -16,12 +16,16 @@
 #include <poll.h>
 #include <signal.h>
 #include <spdlog/sinks/base_sink.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -758,6 +762,55 @@ TEST(Faults, PeerDelayedPastTheTimeoutFailsItsRequestWhileOthersComplete) {
     expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
     expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
   }
+}
+
+// A context rank whose socket accepts but which never answers the hello (hung, stopped): the
+// generation rank's connect to it waits out the agent's whole connect timeout (10 s here). That
+// wait runs on its own thread, so the other context rank's handshake and this rank's request
+// timers go on; once the address serves again the rank connects and requests verify.
+TEST(Faults, ContextRankThatNeverAnswersTheHelloStallsNothingElse) {
+  const ModelSpec model = tinyModel();
+  const ParallelConfig kTp1{1, 1, {}};
+  const std::string ctx0 = uniqueName("ctx0"), ctx1 = uniqueName("ctx1");
+  int hole = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(hole, 0);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path + 1, ctx1.data(), ctx1.size());  // abstract name, as the shm agent
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + ctx1.size());
+  ASSERT_EQ(::bind(hole, reinterpret_cast<sockaddr*>(&sa), len), 0) << std::strerror(errno);
+  ASSERT_EQ(::listen(hole, 16), 0);  // never accepted: the connect waits for an answer
+
+  auto c0 = startContext(model, kTp2, 0, ctx0, StateLayout::kPaged, Capacity::counts(128, 32));
+  ASSERT_TRUE(c0.isOk()) << c0.status().toString();
+  auto g = startGeneration(model, kTp1, 0, StateLayout::kPaged, Capacity::counts(128, 32), kTp2,
+                           {shmAddress(ctx0), shmAddress(ctx1)}, milliseconds(300));
+  ASSERT_TRUE(g.isOk()) << g.status().toString();
+  // Context rank 0 finishes its handshake while the connect to rank 1 hangs.
+  Status peers = (*g)->rx->waitForPeers(Clock::now() + milliseconds(1500));
+  EXPECT_EQ(peers.code(), StatusCode::kTimeout) << peers.toString();
+  EXPECT_EQ(peers.message(), "context ranks not connected: 1") << peers.toString();
+  // A request waiting for rank 1 times out on time, not when the connect gives up.
+  const auto t0 = Clock::now();
+  ASSERT_TRUE((*g)->start(1, 50).isOk());
+  auto r = (*g)->rx->wait(1, Clock::now() + seconds(5));
+  const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->state, RequestResult::State::kFailed);
+  EXPECT_EQ(r->status.code(), StatusCode::kTimeout) << r->status.toString();
+  EXPECT_LT(waited.count(), 4000) << "the request timer waited for the hanging connect";
+  ASSERT_TRUE((*g)->rx->release(1).isOk());
+
+  // The address serves again: the hanging connect fails, the next attempt succeeds.
+  ::close(hole);
+  auto c1 = startContext(model, kTp2, 1, ctx1, StateLayout::kPaged, Capacity::counts(128, 32));
+  ASSERT_TRUE(c1.isOk()) << c1.status().toString();
+  ASSERT_TRUE((*g)->rx->waitForPeers(deadline()).isOk());
+  for (int i = 0; i < 3; ++i) runAndVerify({g->get()}, 10 + i, 40 + 30 * i);
+  expectPagesFree(*(*g)->cache, "gen");
+  expectPagesFree(*c0->cache, "ctx 0");
+  expectPagesFree(*c1->cache, "ctx 1");
+  expectNoStrayBytes(**g, "gen");
 }
 
 TEST(Faults, PeerRestartedWithAnotherLayoutIsRefusedNamingTheField) {

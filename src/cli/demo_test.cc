@@ -1,0 +1,352 @@
+// Multi-process tests of the whole job through the built binary. `hxfer demo` forks every
+// context and generation rank as its own process, so each case below moves state between
+// processes over a real backend (shm, ucx) and checks every byte on arrival; `hxfer serve` runs
+// one rank per process, which lets a test kill or mis-configure one side.
+//
+// Every demo case asserts the demo's own accounting: every request that was not cancelled
+// verified, and no rank ended with a page used or quarantined (`leaked_pages` is summed from
+// each rank's pool counters after the run).
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli/cli_test_util.h"
+
+namespace {
+
+using hxfer::cli::testing::CmdResult;
+using hxfer::cli::testing::readAll;
+using hxfer::cli::testing::runHxfer;
+using hxfer::cli::testing::Stderr;
+using hxfer::cli::testing::tempFile;
+using Clock = std::chrono::steady_clock;
+
+// Runs `hxfer demo <args> --json` and returns its summary; the exit code must match `pass`.
+nlohmann::json runDemo(const std::string& args) {
+  CmdResult r = runHxfer("demo --json " + args);
+  auto j = nlohmann::json::parse(r.out, nullptr, /*allow_exceptions=*/false);
+  EXPECT_FALSE(j.is_discarded()) << "demo " << args << " printed no JSON (exit " << r.exit_code
+                                 << "):\n"
+                                 << r.out;
+  if (j.is_discarded()) return nlohmann::json::object();
+  EXPECT_EQ(r.exit_code, j.value("pass", false) ? 0 : 1) << r.out;
+  return j;
+}
+
+// Nothing failed or leaked on any rank, and every rank reported its metrics.
+void expectClean(const nlohmann::json& j, const std::string& what) {
+  EXPECT_TRUE(j.value("pass", false)) << what << "\n" << j.dump(2);
+  EXPECT_EQ(j.value("failed", -1), 0) << what << "\n" << j["failures"].dump();
+  EXPECT_EQ(j.value("leaked_pages", -1), 0) << what;
+  EXPECT_EQ(j.value("aux_mismatches", -1), 0) << what;
+  EXPECT_TRUE(j["rank_failures"].empty()) << what << "\n" << j["rank_failures"].dump();
+  for (const auto& rank : j["ranks"]) {
+    EXPECT_EQ(rank.value("leaked_pages", -1), 0) << what << ": " << rank.dump();
+    EXPECT_TRUE(rank["metrics"].is_object()) << what << ": " << rank.dump();
+  }
+}
+
+struct LayoutCase {
+  const char* name;
+  const char* args;
+  int ctx_ranks, gen_ranks;
+};
+
+// Layout pairs of the tiny hybrid preset: every rank is a process.
+const LayoutCase kLayoutCases[] = {
+    {"SameTp", "--ctx-tp 2 --gen-tp 2", 2, 2},
+    {"TwoToOne", "--ctx-tp 2 --gen-tp 1", 2, 1},
+    {"OneToTwo", "--ctx-tp 1 --gen-tp 2", 1, 2},
+    {"FourToTwo", "--ctx-tp 4 --gen-tp 2", 4, 2},
+    {"ContextPpTwoToOne", "--ctx-tp 2 --gen-tp 1 --ctx-pp 2 --gen-pp 1", 4, 1},
+    {"GenerationPpOneToTwo", "--ctx-tp 1 --gen-tp 2 --ctx-pp 1 --gen-pp 2", 1, 4},
+    {"PagedToLayerMajor", "--ctx-tp 2 --gen-tp 1 --ctx-layout paged --gen-layout layer-major", 2,
+     1},
+    {"LayerMajorToPagedAcrossPp",
+     "--ctx-tp 1 --gen-tp 2 --ctx-pp 2 --gen-pp 1 --ctx-layout layer-major --gen-layout paged", 2,
+     2},
+    {"WithChecksum", "--ctx-tp 2 --gen-tp 1 --checksum", 2, 1},
+};
+
+class DemoLayouts : public ::testing::TestWithParam<std::tuple<const char*, LayoutCase>> {};
+
+TEST_P(DemoLayouts, EveryRequestVerifiesAndNoPageLeaks) {
+  const auto& [backend, c] = GetParam();
+  const std::string args =
+      std::string("--requests 6 --tokens 200 --backend ") + backend + " " + c.args;
+  nlohmann::json j = runDemo(args);
+  expectClean(j, args);
+  EXPECT_EQ(j.value("ok", -1), 6) << args;
+  EXPECT_EQ(j.value("cancelled", -1), 0) << args;
+  EXPECT_GT(j.value("bytes", 0ull), 0ull) << args;
+  EXPECT_EQ(j.value("backend", ""), backend);
+  EXPECT_EQ(j["ranks"].size(), static_cast<size_t>(c.ctx_ranks + c.gen_ranks)) << args;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, DemoLayouts,
+                         ::testing::Combine(::testing::Values("shm", "ucx"),
+                                            ::testing::ValuesIn(kLayoutCases)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param)) + "_" +
+                                  std::get<1>(info.param).name;
+                         });
+
+// Bytes that verified are the same whichever layouts the two sides keep: layouts change where
+// records live, not what moves.
+TEST(Demo, BytesMovedDoNotDependOnTheLayouts) {
+  uint64_t first = 0;
+  for (const char* layouts :
+       {"--ctx-layout paged --gen-layout paged", "--ctx-layout layer-major --gen-layout paged",
+        "--ctx-layout layer-major --gen-layout layer-major"}) {
+    nlohmann::json j = runDemo(std::string("--requests 3 --tokens 150 --ctx-tp 2 --gen-tp 1 ") +
+                               "--backend shm " + layouts);
+    expectClean(j, layouts);
+    const uint64_t bytes = j.value("bytes", 0ull);
+    if (first == 0) first = bytes;
+    EXPECT_EQ(bytes, first) << layouts;
+  }
+  EXPECT_GT(first, 0u);
+}
+
+// Cancellation at a fixed point, every request, each side, both backends.
+struct CancelCase {
+  const char* point;
+  int min_cancelled, max_cancelled;  // of 8 requests
+};
+
+const CancelCase kCancelCases[] = {
+    {"gen-after-start", 8, 8},   // the generation side gives up before the state arrives
+    {"gen-after-done", 0, 0},    // a cancel after completion changes nothing
+    {"ctx-before-ready", 8, 8},  // the context side drops the request before prefill ends
+    {"ctx-after-ready", 0, 8},   // races the transfer: either outcome, never a failure
+};
+
+class DemoCancel : public ::testing::TestWithParam<std::tuple<const char*, CancelCase>> {};
+
+TEST_P(DemoCancel, CancelledRequestsFreeEveryPageOnBothSides) {
+  const auto& [backend, c] = GetParam();
+  const std::string args = std::string("--requests 8 --tokens 300 --ctx-tp 2 --gen-tp 1 ") +
+                           "--cancel-fraction 1 --cancel-at " + c.point + " --backend " + backend;
+  nlohmann::json j = runDemo(args);
+  expectClean(j, args);
+  const int cancelled = j.value("cancelled", -1);
+  EXPECT_GE(cancelled, c.min_cancelled) << args;
+  EXPECT_LE(cancelled, c.max_cancelled) << args;
+  EXPECT_EQ(j.value("ok", -1) + cancelled, 8) << args;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, DemoCancel,
+                         ::testing::Combine(::testing::Values("shm", "ucx"),
+                                            ::testing::ValuesIn(kCancelCases)),
+                         [](const auto& info) {
+                           std::string point = std::get<1>(info.param).point;
+                           std::erase(point, '-');
+                           return std::string(std::get<0>(info.param)) + "_" + point;
+                         });
+
+TEST(Demo, RandomCancelsAcrossBothSidesLoseNothingElse) {
+  nlohmann::json j = runDemo(
+      "--requests 24 --tokens 120 --ctx-tp 2 --gen-tp 2 --ctx-pp 2 --gen-pp 1 --window 6 "
+      "--cancel-fraction 0.5 --seed 7 --backend shm");
+  expectClean(j, "random cancels");
+  EXPECT_GT(j.value("cancelled", 0), 0);
+  EXPECT_GT(j.value("ok", 0), 0);
+  EXPECT_EQ(j.value("ok", 0) + j.value("cancelled", 0), 24);
+}
+
+TEST(Demo, BadOptionsAreRefusedNamingTheOption) {
+  CmdResult r = runHxfer("demo --cancel-at sometimes", Stderr::kMerge);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("--cancel-at 'sometimes'"), std::string::npos) << r.out;
+  r = runHxfer("demo --backend inproc", Stderr::kMerge);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("inproc"), std::string::npos) << r.out;
+  r = runHxfer("demo --ctx-tp 3", Stderr::kMerge);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("context"), std::string::npos) << r.out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// `hxfer serve`: one rank per process.
+
+// `hxfer <args>` running in the background, stdout and stderr into a file.
+class Background {
+ public:
+  explicit Background(const std::vector<std::string>& args)
+      : log_(tempFile("serve", std::to_string(counter_++) + ".log")) {
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      if (fd < 0) ::_exit(126);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      std::vector<char*> argv;
+      argv.push_back(const_cast<char*>(HXFER_BINARY));
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execv(HXFER_BINARY, argv.data());
+      ::_exit(127);
+    }
+  }
+  ~Background() {
+    if (pid_ > 0 && !exited_) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    ::unlink(log_.c_str());
+  }
+  Background(const Background&) = delete;
+  Background& operator=(const Background&) = delete;
+
+  std::string output() const { return readAll(log_); }
+  // The first match of `re`'s group 1 in the output, or "" after `timeout`.
+  std::string waitFor(const std::regex& re, std::chrono::milliseconds timeout) const {
+    const auto end = Clock::now() + timeout;
+    std::smatch m;
+    while (Clock::now() < end) {
+      const std::string out = output();
+      if (std::regex_search(out, m, re)) return m[1];
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return "";
+  }
+  void signal(int sig) const { ::kill(pid_, sig); }
+  // Exit code, or -1 when it was killed by a signal or is still running after `timeout`.
+  int wait(std::chrono::milliseconds timeout) {
+    const auto end = Clock::now() + timeout;
+    while (Clock::now() < end) {
+      int st = 0;
+      if (::waitpid(pid_, &st, WNOHANG) == pid_) {
+        exited_ = true;
+        return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
+  pid_t pid() const { return pid_; }
+
+ private:
+  static inline int counter_ = 0;
+  std::string log_;
+  pid_t pid_ = -1;
+  bool exited_ = false;
+};
+
+const std::regex kListening(R"(listening on (\S+))");
+constexpr auto kStart = std::chrono::milliseconds(30000);
+
+// A context rank started with `extra` options; its address, or a failed assertion.
+std::string startContext(Background& ctx) {
+  const std::string address = ctx.waitFor(kListening, kStart);
+  EXPECT_FALSE(address.empty()) << "the context rank did not start:\n" << ctx.output();
+  return address;
+}
+
+std::vector<std::string> contextArgs(const std::vector<std::string>& extra) {
+  std::vector<std::string> a = {"serve", "--role", "context", "--blocks", "256", "--slots", "16"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+TEST(Serve, GenerationRankVerifiesStateFromAContextRankInAnotherProcess) {
+  Background ctx(contextArgs({}));
+  const std::string address = startContext(ctx);
+  ASSERT_FALSE(address.empty());
+  CmdResult gen = runHxfer(
+      "serve --role generation --blocks 256 --slots 16 --requests 5 "
+      "--tokens 300 --checksum --peers " +
+          address,
+      Stderr::kMerge);
+  EXPECT_EQ(gen.exit_code, 0) << gen.out;
+  EXPECT_NE(gen.out.find("5 of 5 requests verified"), std::string::npos) << gen.out;
+  ctx.signal(SIGTERM);
+  EXPECT_EQ(ctx.wait(kStart), 0) << ctx.output();
+  // The context rank prints its metrics on the way out.
+  const std::string out = ctx.output();
+  auto j = nlohmann::json::parse(out.substr(out.find('{')), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  EXPECT_EQ(j.value("requests_ok", -1), 5) << j.dump();
+}
+
+TEST(Serve, WrongTokenIsRefusedAndTheContextRankServesTheRightOne) {
+  Background ctx(contextArgs({"--token", "right"}));
+  const std::string address = startContext(ctx);
+  ASSERT_FALSE(address.empty());
+  CmdResult bad = runHxfer(
+      "serve --role generation --blocks 256 --slots 16 --requests 1 "
+      "--timeout 10 --token wrong --peers " +
+          address,
+      Stderr::kMerge);
+  EXPECT_NE(bad.exit_code, 0) << bad.out;
+  EXPECT_NE(bad.out.find("token"), std::string::npos) << bad.out;
+  CmdResult good = runHxfer(
+      "serve --role generation --blocks 256 --slots 16 --requests 2 "
+      "--tokens 64 --token right --peers " +
+          address,
+      Stderr::kMerge);
+  EXPECT_EQ(good.exit_code, 0) << good.out;
+  EXPECT_NE(good.out.find("2 of 2 requests verified"), std::string::npos) << good.out;
+}
+
+TEST(Serve, IncompatiblePeerIsRefusedNamingTheField) {
+  Background ctx(contextArgs({"--conv-dtype", "bf16"}));
+  const std::string address = startContext(ctx);
+  ASSERT_FALSE(address.empty());
+  CmdResult gen = runHxfer(
+      "serve --role generation --blocks 256 --slots 16 --requests 1 "
+      "--timeout 10 --conv-dtype fp32 --peers " +
+          address,
+      Stderr::kMerge);
+  EXPECT_NE(gen.exit_code, 0) << gen.out;
+  EXPECT_NE(gen.out.find("conv dtype"), std::string::npos) << gen.out;
+}
+
+// Kills one side while requests run; the other side reports it (or keeps serving) and exits
+// cleanly.
+TEST(Serve, ContextKilledMidRunFailsTheGenerationRankWithAClearError) {
+  Background ctx(contextArgs({}));
+  const std::string address = startContext(ctx);
+  ASSERT_FALSE(address.empty());
+  Background gen({"serve", "--role", "generation", "--blocks", "256", "--slots", "16", "--requests",
+                  "1000000", "--tokens", "500", "--timeout", "10", "--peers", address});
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ctx.signal(SIGKILL);
+  const int rc = gen.wait(kStart);
+  EXPECT_EQ(rc, 1) << gen.output();
+  EXPECT_NE(gen.output().find("context rank"), std::string::npos) << gen.output();
+}
+
+TEST(Serve, GenerationKilledMidRunLeavesTheContextRankServing) {
+  Background ctx(contextArgs({}));
+  const std::string address = startContext(ctx);
+  ASSERT_FALSE(address.empty());
+  {
+    Background gen({"serve", "--role", "generation", "--blocks", "256", "--slots", "16",
+                    "--requests", "1000000", "--tokens", "500", "--peers", address});
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    gen.signal(SIGKILL);
+    EXPECT_EQ(gen.wait(kStart), -1);
+  }
+  CmdResult next = runHxfer(
+      "serve --role generation --blocks 256 --slots 16 --requests 4 "
+      "--tokens 400 --peers " +
+          address,
+      Stderr::kMerge);
+  EXPECT_EQ(next.exit_code, 0) << next.out;
+  EXPECT_NE(next.out.find("4 of 4 requests verified"), std::string::npos) << next.out;
+  ctx.signal(SIGTERM);
+  EXPECT_EQ(ctx.wait(kStart), 0) << ctx.output();
+}
+
+}  // namespace
