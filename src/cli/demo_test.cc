@@ -259,15 +259,25 @@ std::vector<std::string> contextArgs(const std::vector<std::string>& extra) {
   return a;
 }
 
+// A generation rank run to its end against the context rank at `address`; `args` adds options.
+CmdResult runGeneration(const std::string& address, const std::string& args) {
+  return runHxfer("serve --role generation --blocks 256 --slots 16 --peers " + address + " " + args,
+                  Stderr::kMerge);
+}
+
+// `hxfer serve --role generation` for the background, with a run of requests long enough to be
+// killed in the middle of.
+std::vector<std::string> longGenerationArgs(const std::string& address) {
+  return {"serve",   "--role",     "generation", "--blocks", "256",
+          "--slots", "16",         "--tokens",   "500",      "--timeout",
+          "10",      "--requests", "1000000",    "--peers",  address};
+}
+
 TEST(Serve, GenerationRankVerifiesStateFromAContextRankInAnotherProcess) {
   Background ctx(contextArgs({}));
   const std::string address = startContext(ctx);
   ASSERT_FALSE(address.empty());
-  CmdResult gen = runHxfer(
-      "serve --role generation --blocks 256 --slots 16 --requests 5 "
-      "--tokens 300 --checksum --peers " +
-          address,
-      Stderr::kMerge);
+  CmdResult gen = runGeneration(address, "--requests 5 --tokens 300 --checksum");
   EXPECT_EQ(gen.exit_code, 0) << gen.out;
   EXPECT_NE(gen.out.find("5 of 5 requests verified"), std::string::npos) << gen.out;
   ctx.signal(SIGTERM);
@@ -283,18 +293,10 @@ TEST(Serve, WrongTokenIsRefusedAndTheContextRankServesTheRightOne) {
   Background ctx(contextArgs({"--token", "right"}));
   const std::string address = startContext(ctx);
   ASSERT_FALSE(address.empty());
-  CmdResult bad = runHxfer(
-      "serve --role generation --blocks 256 --slots 16 --requests 1 "
-      "--timeout 10 --token wrong --peers " +
-          address,
-      Stderr::kMerge);
+  CmdResult bad = runGeneration(address, "--requests 1 --timeout 10 --token wrong");
   EXPECT_NE(bad.exit_code, 0) << bad.out;
   EXPECT_NE(bad.out.find("token"), std::string::npos) << bad.out;
-  CmdResult good = runHxfer(
-      "serve --role generation --blocks 256 --slots 16 --requests 2 "
-      "--tokens 64 --token right --peers " +
-          address,
-      Stderr::kMerge);
+  CmdResult good = runGeneration(address, "--requests 2 --tokens 64 --token right");
   EXPECT_EQ(good.exit_code, 0) << good.out;
   EXPECT_NE(good.out.find("2 of 2 requests verified"), std::string::npos) << good.out;
 }
@@ -303,11 +305,7 @@ TEST(Serve, IncompatiblePeerIsRefusedNamingTheField) {
   Background ctx(contextArgs({"--conv-dtype", "bf16"}));
   const std::string address = startContext(ctx);
   ASSERT_FALSE(address.empty());
-  CmdResult gen = runHxfer(
-      "serve --role generation --blocks 256 --slots 16 --requests 1 "
-      "--timeout 10 --conv-dtype fp32 --peers " +
-          address,
-      Stderr::kMerge);
+  CmdResult gen = runGeneration(address, "--requests 1 --timeout 10 --conv-dtype fp32");
   EXPECT_NE(gen.exit_code, 0) << gen.out;
   EXPECT_NE(gen.out.find("conv dtype"), std::string::npos) << gen.out;
 }
@@ -318,8 +316,7 @@ TEST(Serve, ContextKilledMidRunFailsTheGenerationRankWithAClearError) {
   Background ctx(contextArgs({}));
   const std::string address = startContext(ctx);
   ASSERT_FALSE(address.empty());
-  Background gen({"serve", "--role", "generation", "--blocks", "256", "--slots", "16", "--requests",
-                  "1000000", "--tokens", "500", "--timeout", "10", "--peers", address});
+  Background gen(longGenerationArgs(address));
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   ctx.signal(SIGKILL);
   const int rc = gen.wait(kStart);
@@ -332,17 +329,12 @@ TEST(Serve, GenerationKilledMidRunLeavesTheContextRankServing) {
   const std::string address = startContext(ctx);
   ASSERT_FALSE(address.empty());
   {
-    Background gen({"serve", "--role", "generation", "--blocks", "256", "--slots", "16",
-                    "--requests", "1000000", "--tokens", "500", "--peers", address});
+    Background gen(longGenerationArgs(address));
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     gen.signal(SIGKILL);
     EXPECT_EQ(gen.wait(kStart), -1);
   }
-  CmdResult next = runHxfer(
-      "serve --role generation --blocks 256 --slots 16 --requests 4 "
-      "--tokens 400 --peers " +
-          address,
-      Stderr::kMerge);
+  CmdResult next = runGeneration(address, "--requests 4 --tokens 400");
   EXPECT_EQ(next.exit_code, 0) << next.out;
   EXPECT_NE(next.out.find("4 of 4 requests verified"), std::string::npos) << next.out;
   ctx.signal(SIGTERM);

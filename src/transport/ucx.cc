@@ -252,23 +252,9 @@ class UcxAgent final : public Agent {
   }
 
   std::optional<Event> pollEvent(std::chrono::milliseconds timeout) override {
-    std::unique_lock<std::mutex> lock(ev_mu_);
-    if (!ev_cv_.wait_for(lock, timeout, [&] { return !events_.empty() || ev_woken_; })) {
-      return std::nullopt;
-    }
-    ev_woken_ = false;
-    if (events_.empty()) return std::nullopt;  // woken by wakeEventWaiter
-    Event e = std::move(events_.front());
-    events_.pop_front();
-    return e;
+    return events_.pop(timeout);
   }
-  void wakeEventWaiter() override {
-    {
-      std::lock_guard<std::mutex> lock(ev_mu_);
-      ev_woken_ = true;
-    }
-    ev_cv_.notify_one();
-  }
+  void wakeEventWaiter() override { events_.wake(); }
 
   // --- progress-thread callbacks (static trampolines call these) ---
   void onConnRequest(ucp_conn_request_h req);
@@ -286,13 +272,7 @@ class UcxAgent final : public Agent {
     return it == peers_.end() ? nullptr : it->second;
   }
 
-  void pushEvent(Event e) {
-    {
-      std::lock_guard<std::mutex> lock(ev_mu_);
-      events_.push_back(std::move(e));
-    }
-    ev_cv_.notify_one();
-  }
+  void pushEvent(Event e) { events_.push(std::move(e)); }
 
   void post(std::function<void()> fn) {
     {
@@ -360,10 +340,9 @@ class UcxAgent final : public Agent {
   // Lost peers whose writes still wait for UCX to hand back requests; forced after a deadline.
   std::vector<std::pair<std::shared_ptr<UcxPeer>, Clock::time_point>> draining_;  // progress
 
-  std::mutex ev_mu_;
-  std::condition_variable ev_cv_;
-  std::deque<Event> events_;  // guarded by ev_mu_
-  bool ev_woken_ = false;     // guarded by ev_mu_; wakeEventWaiter not yet seen by pollEvent
+  // Sleeps on an eventfd, like the local transports' queues: a condition-variable hand-off
+  // measured about 300 us per control round trip on a loaded machine.
+  detail::EventQueue events_;
 };
 
 // Context of one UCX request callback; owned by the callback (deleted there).
