@@ -85,6 +85,11 @@ struct CacheCounters {
   uint64_t inflight_transfers = 0;    // sum of the in-flight counts
   // Lifetime totals.
   uint64_t allocations = 0, frees = 0, exhausted = 0, quarantine_releases = 0;
+
+  // Pages used or quarantined: zero on a rank whose requests have all ended (a leak otherwise).
+  uint64_t pagesHeld() const {
+    return uint64_t{used_blocks} + used_slots + quarantined_blocks + quarantined_slots;
+  }
   bool operator==(const CacheCounters&) const = default;
 };
 

@@ -224,10 +224,7 @@ StatusOr<std::unique_ptr<transport::Agent>> makeAgent(const Resolved& r, const c
   return transport::createAgent(ac);
 }
 
-uint64_t leakedPages(const HybridCacheManager& cache) {
-  const CacheCounters c = cache.counters();
-  return c.used_blocks + c.used_slots + c.quarantined_blocks + c.quarantined_slots;
-}
+uint64_t leakedPages(const HybridCacheManager& cache) { return cache.counters().pagesHeld(); }
 
 // Waits until the cache holds nothing (or the deadline passes).
 void waitCacheEmpty(const HybridCacheManager& cache, Clock::time_point deadline) {

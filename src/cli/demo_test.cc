@@ -259,6 +259,21 @@ std::vector<std::string> contextArgs(const std::vector<std::string>& extra) {
   return a;
 }
 
+// Stops a context rank with SIGTERM; it must exit 0 having printed its metrics with no page
+// left used or quarantined. Returns the metrics.
+nlohmann::json stopContext(Background& ctx) {
+  ctx.signal(SIGTERM);
+  EXPECT_EQ(ctx.wait(kStart), 0) << ctx.output();
+  const std::string out = ctx.output();
+  const size_t brace = out.rfind("\n{");
+  auto j = nlohmann::json::parse(brace == std::string::npos ? "" : out.substr(brace + 1), nullptr,
+                                 false);
+  EXPECT_TRUE(j.is_object()) << out;
+  if (!j.is_object()) return nlohmann::json::object();
+  EXPECT_EQ(j.value("leaked_pages", -1), 0) << j.dump();
+  return j;
+}
+
 // A generation rank run to its end against the context rank at `address`; `args` adds options.
 CmdResult runGeneration(const std::string& address, const std::string& args) {
   return runHxfer("serve --role generation --blocks 256 --slots 16 --peers " + address + " " + args,
@@ -280,12 +295,8 @@ TEST(Serve, GenerationRankVerifiesStateFromAContextRankInAnotherProcess) {
   CmdResult gen = runGeneration(address, "--requests 5 --tokens 300 --checksum");
   EXPECT_EQ(gen.exit_code, 0) << gen.out;
   EXPECT_NE(gen.out.find("5 of 5 requests verified"), std::string::npos) << gen.out;
-  ctx.signal(SIGTERM);
-  EXPECT_EQ(ctx.wait(kStart), 0) << ctx.output();
-  // The context rank prints its metrics on the way out.
-  const std::string out = ctx.output();
-  auto j = nlohmann::json::parse(out.substr(out.find('{')), nullptr, false);
-  ASSERT_FALSE(j.is_discarded()) << out;
+  EXPECT_NE(gen.out.find("leaked pages 0"), std::string::npos) << gen.out;
+  nlohmann::json j = stopContext(ctx);
   EXPECT_EQ(j.value("requests_ok", -1), 5) << j.dump();
 }
 
@@ -299,6 +310,8 @@ TEST(Serve, WrongTokenIsRefusedAndTheContextRankServesTheRightOne) {
   CmdResult good = runGeneration(address, "--requests 2 --tokens 64 --token right");
   EXPECT_EQ(good.exit_code, 0) << good.out;
   EXPECT_NE(good.out.find("2 of 2 requests verified"), std::string::npos) << good.out;
+  nlohmann::json j = stopContext(ctx);
+  EXPECT_EQ(j.value("handshakes_refused", -1), 1) << j.dump();
 }
 
 TEST(Serve, IncompatiblePeerIsRefusedNamingTheField) {
@@ -308,6 +321,7 @@ TEST(Serve, IncompatiblePeerIsRefusedNamingTheField) {
   CmdResult gen = runGeneration(address, "--requests 1 --timeout 10 --conv-dtype fp32");
   EXPECT_NE(gen.exit_code, 0) << gen.out;
   EXPECT_NE(gen.out.find("conv dtype"), std::string::npos) << gen.out;
+  stopContext(ctx);
 }
 
 // Kills one side while requests run; the other side reports it (or keeps serving) and exits
@@ -337,8 +351,8 @@ TEST(Serve, GenerationKilledMidRunLeavesTheContextRankServing) {
   CmdResult next = runGeneration(address, "--requests 4 --tokens 400");
   EXPECT_EQ(next.exit_code, 0) << next.out;
   EXPECT_NE(next.out.find("4 of 4 requests verified"), std::string::npos) << next.out;
-  ctx.signal(SIGTERM);
-  EXPECT_EQ(ctx.wait(kStart), 0) << ctx.output();
+  nlohmann::json j = stopContext(ctx);
+  EXPECT_GE(j.value("peers_lost", 0), 1) << j.dump();
 }
 
 }  // namespace

@@ -7,6 +7,8 @@
 //                      oracle, prints a summary and exits 0 when all verified.
 #include <signal.h>
 
+#include <nlohmann/json.hpp>
+
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -121,8 +123,12 @@ int runServe(const ServeOptions& o) {
     std::fflush(stdout);
     while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     (*sender)->shutdown();
-    std::printf("%s\n", (*sender)->metrics().toJson().c_str());
-    return 0;
+    // Every page a request took is back once the sender let go of it: the accounting check.
+    auto j = nlohmann::json::parse((*sender)->metrics().toJson());
+    const uint64_t leaked = pool.counters().pagesHeld();
+    j["leaked_pages"] = leaked;
+    std::printf("%s\n", j.dump().c_str());
+    return leaked == 0 ? 0 : 1;
   }
 
   engine::GenerationReceiver::Options ro;
@@ -164,9 +170,11 @@ int runServe(const ServeOptions& o) {
   }
   const auto m = (*rx)->metrics();
   (*rx)->shutdown();
-  std::printf("%u of %u requests verified, %llu bytes, p50 %.1f us\n", ok, o.requests,
-              static_cast<unsigned long long>(m.bytes), m.latency.quantile(0.5).count() / 1e3);
-  return ok == o.requests ? 0 : 1;
+  const uint64_t leaked = pool.counters().pagesHeld();
+  std::printf("%u of %u requests verified, %llu bytes, p50 %.1f us, leaked pages %llu\n", ok,
+              o.requests, static_cast<unsigned long long>(m.bytes),
+              m.latency.quantile(0.5).count() / 1e3, static_cast<unsigned long long>(leaked));
+  return ok == o.requests && leaked == 0 ? 0 : 1;
 }
 
 }  // namespace
