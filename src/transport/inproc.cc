@@ -212,42 +212,20 @@ class InprocAgent final : public Agent {
       job.segments.reserve(ops.size());
       for (size_t i = 0; i < ops.size(); ++i) {
         const WriteOp& op = ops[i];
-        auto l = state_->regions.find(op.local_region);
-        if (l == state_->regions.end()) {
-          return NotFound("op " + std::to_string(i) + ": local region id=" +
-                          std::to_string(op.local_region) + " is not registered");
-        }
-        auto r = p->remote_regions.find(op.remote_region);
-        if (r == p->remote_regions.end()) {
-          return NotFound("op " + std::to_string(i) +
-                          ": remote region id=" + std::to_string(op.remote_region) + " of peer " +
-                          std::to_string(peer) + " was not added");
-        }
-        RETURN_IF_ERROR(detail::validateOp(i, op, l->second->length, r->second->length));
+        ASSIGN_OR_RETURN(auto regions,
+                         detail::findOpRegions(i, op, peer, state_->regions, p->remote_regions));
+        const auto& [local, remote] = regions;
+        RETURN_IF_ERROR(detail::validateOp(i, op, (*local)->length, (*remote)->length));
         job.segments.push_back(
-            CopySegment{l->second->base + op.local_offset, r->second, op.remote_offset, op.bytes});
+            CopySegment{(*local)->base + op.local_offset, *remote, op.remote_offset, op.bytes});
         total += op.bytes;
       }
     }
-    if (ops.empty()) return detail::finishedTransfer(OkStatus());
-    job.core = std::make_shared<TransferCore>(total, ops.size());
-    std::weak_ptr<InprocPeer> weak = p;
-    job.check = [weak, peer]() -> Status {
-      auto q = weak.lock();
-      if (!q || q->lost) return Unavailable("peer " + std::to_string(peer) + " was lost");
-      return OkStatus();
-    };
-    Transfer t(job.core);
-    copy_.submit(std::move(job));
-    return t;
+    return detail::submitCopy(copy_, std::move(job), total, ops.size(), p, peer);
   }
 
   Status sendMessage(PeerId peer, std::span<const uint8_t> payload) override {
-    if (payload.size() > kMaxMessageBytes) {
-      return InvalidArgument(
-          "message of " + std::to_string(payload.size()) +
-          " bytes exceeds max_message_bytes=" + std::to_string(kMaxMessageBytes));
-    }
+    RETURN_IF_ERROR(detail::checkMessageSize(payload.size(), kMaxMessageBytes));
     auto p = state_->peer(peer);
     if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
     auto remote = p->remote.lock();

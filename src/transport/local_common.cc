@@ -91,6 +91,12 @@ Status validateOp(size_t index, const WriteOp& op, uint64_t local_length, uint64
   return OkStatus();
 }
 
+Status checkMessageSize(size_t bytes, uint64_t max_bytes) {
+  if (bytes <= max_bytes) return OkStatus();
+  return InvalidArgument("message of " + std::to_string(bytes) +
+                         " bytes exceeds max_message_bytes=" + std::to_string(max_bytes));
+}
+
 CopyWorker::CopyWorker() : q_(std::make_shared<Queue>()), thread_([this] { run(); }) {}
 
 CopyWorker::~CopyWorker() {

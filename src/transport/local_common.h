@@ -14,7 +14,9 @@
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "transport/transfer_core.h"
@@ -71,6 +73,28 @@ struct RegionGuard {
 // Checks one op against the local and remote lengths; the message names the op and field.
 Status validateOp(size_t index, const WriteOp& op, uint64_t local_length, uint64_t remote_length);
 
+// The two regions op `index` of a batch to `peer` names: its local region in `locals` (this
+// agent's registrations, by id) and its remote region in `remotes` (what `peer` declared, by
+// id). NotFound names the op and the unknown region. Pointers into the maps: valid while the
+// caller holds the lock that guards them.
+template <typename Locals, typename Remotes>
+StatusOr<std::pair<const typename Locals::mapped_type*, const typename Remotes::mapped_type*>>
+findOpRegions(size_t index, const WriteOp& op, PeerId peer, const Locals& locals,
+              const Remotes& remotes) {
+  auto l = locals.find(op.local_region);
+  if (l == locals.end()) {
+    return NotFound("op " + std::to_string(index) +
+                    ": local region id=" + std::to_string(op.local_region) + " is not registered");
+  }
+  auto r = remotes.find(op.remote_region);
+  if (r == remotes.end()) {
+    return NotFound("op " + std::to_string(index) +
+                    ": remote region id=" + std::to_string(op.remote_region) + " of peer " +
+                    std::to_string(peer) + " was not added");
+  }
+  return std::make_pair(&l->second, &r->second);
+}
+
 struct CopySegment {
   const uint8_t* src = nullptr;
   std::shared_ptr<RegionGuard> dst;
@@ -113,5 +137,26 @@ class CopyWorker {
   std::shared_ptr<Queue> q_;  // shared with wait helpers, which may outlive the worker
   std::thread thread_;
 };
+
+// Starts `job` (its segments filled, `total` bytes over `op_count` ops) on `worker` and returns
+// its transfer; the copy stops Unavailable once `peer` (id `id`) is lost. An empty batch is
+// done at once.
+template <typename Peer>
+Transfer submitCopy(CopyWorker& worker, CopyJob job, uint64_t total, size_t op_count,
+                    const std::shared_ptr<Peer>& peer, PeerId id) {
+  if (op_count == 0) return finishedTransfer(OkStatus());
+  job.core = std::make_shared<TransferCore>(total, op_count);
+  job.check = [weak = std::weak_ptr<Peer>(peer), id]() -> Status {
+    auto q = weak.lock();
+    if (!q || q->lost) return Unavailable("peer " + std::to_string(id) + " was lost");
+    return OkStatus();
+  };
+  Transfer t(job.core);
+  worker.submit(std::move(job));
+  return t;
+}
+
+// InvalidArgument naming both sizes when a message is larger than `max_bytes`.
+Status checkMessageSize(size_t bytes, uint64_t max_bytes);
 
 }  // namespace hxfer::transport::detail

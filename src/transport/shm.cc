@@ -242,42 +242,19 @@ class ShmAgent final : public Agent {
       job.segments.reserve(ops.size());
       for (size_t i = 0; i < ops.size(); ++i) {
         const WriteOp& op = ops[i];
-        auto l = regions_.find(op.local_region);
-        if (l == regions_.end()) {
-          return NotFound("op " + std::to_string(i) + ": local region id=" +
-                          std::to_string(op.local_region) + " is not registered");
-        }
-        auto r = p->declared.find(op.remote_region);
-        if (r == p->declared.end()) {
-          return NotFound("op " + std::to_string(i) +
-                          ": remote region id=" + std::to_string(op.remote_region) + " of peer " +
-                          std::to_string(peer) + " was not added");
-        }
-        RETURN_IF_ERROR(detail::validateOp(i, op, l->second.region->length(), r->second->length));
-        job.segments.push_back(CopySegment{l->second.region->data() + op.local_offset, r->second,
+        ASSIGN_OR_RETURN(auto regions, detail::findOpRegions(i, op, peer, regions_, p->declared));
+        const auto& [local, remote] = regions;
+        RETURN_IF_ERROR(detail::validateOp(i, op, local->region->length(), (*remote)->length));
+        job.segments.push_back(CopySegment{local->region->data() + op.local_offset, *remote,
                                            op.remote_offset, op.bytes});
         total += op.bytes;
       }
     }
-    if (ops.empty()) return detail::finishedTransfer(OkStatus());
-    job.core = std::make_shared<TransferCore>(total, ops.size());
-    std::weak_ptr<ShmPeer> weak = p;
-    job.check = [weak, peer]() -> Status {
-      auto q = weak.lock();
-      if (!q || q->lost) return Unavailable("peer " + std::to_string(peer) + " was lost");
-      return OkStatus();
-    };
-    Transfer t(job.core);
-    copy_.submit(std::move(job));
-    return t;
+    return detail::submitCopy(copy_, std::move(job), total, ops.size(), p, peer);
   }
 
   Status sendMessage(PeerId peer, std::span<const uint8_t> payload) override {
-    if (payload.size() > kMaxMessageBytes) {
-      return InvalidArgument(
-          "message of " + std::to_string(payload.size()) +
-          " bytes exceeds max_message_bytes=" + std::to_string(kMaxMessageBytes));
-    }
+    RETURN_IF_ERROR(detail::checkMessageSize(payload.size(), kMaxMessageBytes));
     auto p = findPeer(peer);
     if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
     if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");

@@ -232,11 +232,7 @@ class UcxAgent final : public Agent {
   StatusOr<Transfer> postWrite(PeerId peer, std::vector<WriteOp> ops) override;
 
   Status sendMessage(PeerId peer, std::span<const uint8_t> payload) override {
-    if (payload.size() > kMaxMessageBytes) {
-      return InvalidArgument(
-          "message of " + std::to_string(payload.size()) +
-          " bytes exceeds max_message_bytes=" + std::to_string(kMaxMessageBytes));
-    }
+    RETURN_IF_ERROR(detail::checkMessageSize(payload.size(), kMaxMessageBytes));
     auto p = findPeer(peer);
     if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
     if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
@@ -657,18 +653,10 @@ StatusOr<Transfer> UcxAgent::postWrite(PeerId peer, std::vector<WriteOp> ops) {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < ops.size(); ++i) {
       const WriteOp& op = ops[i];
-      auto l = regions_.find(op.local_region);
-      if (l == regions_.end()) {
-        return NotFound("op " + std::to_string(i) + ": local region id=" +
-                        std::to_string(op.local_region) + " is not registered");
-      }
-      auto r = p->remote_regions.find(op.remote_region);
-      if (r == p->remote_regions.end()) {
-        return NotFound("op " + std::to_string(i) +
-                        ": remote region id=" + std::to_string(op.remote_region) + " of peer " +
-                        std::to_string(peer) + " was not added");
-      }
-      RETURN_IF_ERROR(detail::validateOp(i, op, l->second.region->length(), r->second.length));
+      ASSIGN_OR_RETURN(auto regions,
+                       detail::findOpRegions(i, op, peer, regions_, p->remote_regions));
+      const auto& [local, remote] = regions;
+      RETURN_IF_ERROR(detail::validateOp(i, op, local->region->length(), remote->length));
       total += op.bytes;
     }
   }
