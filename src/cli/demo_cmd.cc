@@ -684,8 +684,8 @@ int runDemo(const DemoOptions& o) {
     std::printf("requests: %llu ok, %llu failed, %llu cancelled (of %u)\n",
                 static_cast<unsigned long long>(ok), static_cast<unsigned long long>(failed),
                 static_cast<unsigned long long>(cancelled), o.requests);
-    std::printf("bytes: %llu in %.3f s = %.3f GB/s\n", static_cast<unsigned long long>(bytes), secs,
-                gbps);
+    std::printf("bytes: %llu in %.3f s = %.3f GB/s (fill, transfer and check together)\n",
+                static_cast<unsigned long long>(bytes), secs, gbps);
     std::printf("latency: p50 %.1f us, p99 %.1f us\n", pct(0.5), pct(0.99));
     uint64_t expired = 0, quarantined = 0;
     for (const auto& c : children) {
