@@ -100,11 +100,16 @@ CancelPoint cancelPointFor(const DemoOptions& o, uint64_t id) {
   return static_cast<CancelPoint>(point != 0 ? point : 1 + splitmix(h) % 4);
 }
 
-Bytes auxFor(uint64_t id) {  // stands in for the first sampled token
+// Aux payloads, a function of the request id in every process: generation -> context with the
+// TransferRequest (request metadata) and context -> generation with the Done (stands in for
+// the first token sampled by prefill).
+Bytes auxFor(uint64_t id, uint8_t salt) {
   Bytes b(8);
-  for (int i = 0; i < 8; ++i) b[i] = static_cast<uint8_t>(id >> (8 * i));
+  for (int i = 0; i < 8; ++i) b[i] = static_cast<uint8_t>(id >> (8 * i)) ^ salt;
   return b;
 }
+Bytes requestAuxFor(uint64_t id) { return auxFor(id, 0); }
+Bytes firstTokenFor(uint64_t id) { return auxFor(id, 0x5a); }
 
 // One text line per message over a pair of pipe ends.
 class Channel {
@@ -249,7 +254,7 @@ int contextChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, uint
   so.checksum = o.checksum;
   so.lease_timeout = std::chrono::seconds(2 * o.timeout_s);
   so.on_request = [&aux_mismatches](uint64_t id, uint64_t, const Bytes& aux) {
-    if (aux != auxFor(id)) ++aux_mismatches;
+    if (aux != requestAuxFor(id)) ++aux_mismatches;
   };
   auto sender = engine::ContextSender::create(so, cache->get(), std::move(*agent));
   if (!sender.isOk()) return ch.send("fail " + sender.status().toString()), 1;
@@ -271,7 +276,7 @@ int contextChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, uint
         return ch.send("fail " + s.toString()), 1;
       }
       if (cp == CancelPoint::kCtxBeforeReady) (void)(*sender)->cancel(next);
-      Status s = (*sender)->markReady(next);
+      Status s = (*sender)->markReady(next, firstTokenFor(next));
       if (!s.isOk() &&
           !(cp == CancelPoint::kCtxBeforeReady && s.code() == StatusCode::kCancelled)) {
         return ch.send("fail mark ready " + std::to_string(next) + ": " + s.toString()), 1;
@@ -344,7 +349,7 @@ int generationChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, u
   };
   while (reported < o.requests) {
     while (active.size() < o.window && next <= o.requests) {
-      auto a = (*rx)->startRequest(next, o.tokens, 0, auxFor(next));
+      auto a = (*rx)->startRequest(next, o.tokens, 0, requestAuxFor(next));
       if (!a.isOk()) {
         if (a.status().code() == StatusCode::kResourceExhausted && !active.empty()) break;
         report(next, a.status(), 0, 0, false, a.status().toString());
@@ -372,6 +377,11 @@ int generationChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, u
                       it->id, BlockRange{0, static_cast<uint32_t>(it->alloc.blocks.size())});
         verified = check.isOk() && check->ok();
         if (!verified) msg = check.isOk() ? check->toString() : check.status().toString();
+        if (verified && res->aux != firstTokenFor(it->id)) {
+          verified = false;
+          msg = "the context side's aux (" + std::to_string(res->aux.size()) +
+                " bytes) is not the one markReady was given";
+        }
         if (it->cp == CancelPoint::kGenAfterDone) (void)(*rx)->cancel(it->id);
       }
       report(it->id, res->status, res->bytes, res->latency.count(), verified, msg);

@@ -127,6 +127,7 @@ Json bodyJson(const wire::TransferDone& m) {
   j["status"] = statusJson(m.status);
   j["bytes"] = m.bytes;
   j["checksum"] = m.checksum ? Json(hex64(*m.checksum)) : Json(nullptr);
+  j["aux"] = hex(m.aux);
   return j;
 }
 

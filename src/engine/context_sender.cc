@@ -42,6 +42,7 @@ struct ContextSender::Source {
   std::vector<Ask> asks;
   std::optional<std::vector<uint32_t>> expected;  // gen global ranks that will ask
   std::set<uint32_t> finished;                    // gen ranks answered or gone
+  Bytes aux;                                      // from markReady, sent with every ok Done
   size_t postedCount() const {
     return std::count_if(asks.begin(), asks.end(),
                          [](const Ask& a) { return a.state == Ask::State::kPosted; });
@@ -97,7 +98,12 @@ size_t ContextSender::connectedPeers() const {
                        [](const auto& kv) { return kv.second->ready; });
 }
 
-Status ContextSender::markReady(uint64_t request_id) {
+Status ContextSender::markReady(uint64_t request_id, Bytes aux) {
+  if (aux.size() > wire::kMaxAuxBytes) {
+    return InvalidArgument("request " + std::to_string(request_id) + ": aux is " +
+                           std::to_string(aux.size()) + " bytes, limit " +
+                           std::to_string(wire::kMaxAuxBytes));
+  }
   RETURN_IF_ERROR(cache_->find(request_id).status());
   std::lock_guard lock(mu_);
   if (auto t = tombstones_.find(request_id); t != tombstones_.end()) {
@@ -120,6 +126,7 @@ Status ContextSender::markReady(uint64_t request_id) {
   src.ready = true;
   src.owned = true;
   src.ready_at = Clock::now();
+  src.aux = std::move(aux);
   tryStartLocked(src);
   maybeFinishLocked(request_id);
   return OkStatus();
@@ -360,8 +367,12 @@ void ContextSender::answerLocked(Source& src, Ask& ask, const Status& status, ui
     metrics_.requestFailed(causeOf(status));
   }
   if (ask.peer_gone) return;
-  sendLocked(ask.peer,
-             wire::TransferDone{src.id, status, bytes, status.isOk() ? checksum : std::nullopt});
+  wire::TransferDone done{src.id, status, bytes, std::nullopt, {}};
+  if (status.isOk()) {
+    done.checksum = checksum;
+    done.aux = src.aux;
+  }
+  sendLocked(ask.peer, done);
 }
 
 void ContextSender::onCancelLocked(Peer& peer, const wire::Cancel& cancel) {

@@ -78,10 +78,12 @@ class ContextSender {
   std::string address() const;
 
   // The prefill state of `request_id` is in its pages: the sender takes ownership of the
-  // allocation. NotFound when the cache manager does not know `request_id`; InvalidArgument
-  // when it was already marked; Cancelled (and the pages are freed) when it was cancelled
-  // before.
-  Status markReady(uint64_t request_id);
+  // allocation. `aux` (opaque, at most wire::kMaxAuxBytes; e.g. the first sampled token)
+  // travels to every generation rank with its TransferDone and surfaces as RequestResult::aux.
+  // NotFound when the cache manager does not know `request_id`; InvalidArgument when it was
+  // already marked or `aux` is too large (nothing changes); Cancelled (and the pages are
+  // freed) when it was cancelled before.
+  Status markReady(uint64_t request_id, Bytes aux = {});
 
   // Cancels `request_id` at any point (before markReady too: a later markReady then frees the
   // pages and returns Cancelled). Always ok; idempotent.

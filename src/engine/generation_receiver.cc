@@ -45,12 +45,13 @@ struct GenerationReceiver::Sink {
   uint64_t id = 0;
   Allocation alloc;
   uint32_t first_block = 0;
-  Bytes aux;
+  Bytes aux;  // sent with the TransferRequest
   Clock::time_point start, deadline;
   std::vector<Part> parts;
   RequestResult result;
-  bool pages_freed = false;  // by the receiver (failure) or release()
-  bool released = false;     // forgotten by the caller; kept while parts are in flight
+  std::optional<uint32_t> aux_rank;  // the context rank result.aux came from
+  bool pages_freed = false;          // by the receiver (failure) or release()
+  bool released = false;             // forgotten by the caller; kept while parts are in flight
   bool anyInFlight() const {
     return std::any_of(parts.begin(), parts.end(), [](const Part& p) { return p.in_flight; });
   }
@@ -367,6 +368,10 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
       failLocked(sink, s, FailureCause::kChecksum);
       return;
     }
+  }
+  if (!done.aux.empty() && (!sink.aux_rank || peer.rank < *sink.aux_rank)) {
+    sink.result.aux = done.aux;
+    sink.aux_rank = peer.rank;
   }
   completeIfDoneLocked(sink);
 }

@@ -53,6 +53,9 @@ struct RequestResult {
   Status status;                        // ok when kDone; why when kFailed
   uint64_t bytes = 0;                   // bytes received (kDone)
   std::chrono::nanoseconds latency{0};  // start to completion
+  // What the context side gave markReady (kDone): of the context ranks this request read from,
+  // the lowest global rank that sent a non-empty one; empty when none did.
+  Bytes aux;
   bool terminal() const { return state != State::kInProgress; }
 };
 

@@ -9,6 +9,7 @@
 #include "engine/cluster.h"
 #include "model/presets.h"
 #include "transport/transport.h"
+#include "wire/codec.h"
 
 namespace hxfer::engine {
 namespace {
@@ -150,6 +151,42 @@ TEST_P(Transceiver, ChecksumVerifiesOnArrival) {
   ASSERT_NE(c, nullptr);
   transferAndVerify(*c, 1, 2, 64);
   EXPECT_EQ(c->genMetrics().failuresBy(FailureCause::kChecksum), 0u);
+  expectPagesFree(*c);
+}
+
+// The context side's aux (e.g. the first sampled token) reaches the generation side with the
+// Done: from the lowest context rank that gave one. An oversize aux is refused and changes
+// nothing.
+TEST_P(Transceiver, ContextAuxArrivesWithTheRequest) {
+  auto c = make(baseOptions(GetParam(), {2, 1, {}}, {1, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  auto& senders = c->senders();
+  ASSERT_EQ(senders.size(), 2u);
+  ASSERT_TRUE(c->prepareContext(1, 80, /*mark_ready=*/false).isOk());
+  ASSERT_TRUE(c->prepareContext(2, 80, /*mark_ready=*/false).isOk());
+  ASSERT_TRUE(c->prepareContext(3, 80, /*mark_ready=*/false).isOk());
+  const Bytes too_big(wire::kMaxAuxBytes + 1, 9);
+  Status refused = senders[0]->markReady(1, too_big);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.toString();
+  EXPECT_NE(refused.message().find("aux is 16385 bytes"), std::string::npos) << refused.toString();
+  // Request 1: only rank 1 has the token. Request 2: both; rank 0's wins. Request 3: none.
+  ASSERT_TRUE(senders[0]->markReady(1).isOk());
+  ASSERT_TRUE(senders[1]->markReady(1, Bytes{7, 0, 0, 0}).isOk());
+  ASSERT_TRUE(senders[0]->markReady(2, Bytes{1}).isOk());
+  ASSERT_TRUE(senders[1]->markReady(2, Bytes{2, 2}).isOk());
+  ASSERT_TRUE(c->markReady(3).isOk());
+  const Bytes want[] = {Bytes{7, 0, 0, 0}, Bytes{1}, Bytes{}};
+  for (uint64_t id = 1; id <= 3; ++id) {
+    ASSERT_TRUE(c->startGeneration(id, 80).isOk());
+    auto r = c->receivers()[0]->wait(id, deadline());
+    ASSERT_TRUE(r.isOk());
+    ASSERT_EQ(r->state, RequestResult::State::kDone) << r->status.toString();
+    EXPECT_EQ(r->aux, want[id - 1]) << "request " << id;
+    auto report = c->check(id);
+    ASSERT_TRUE(report.isOk());
+    EXPECT_TRUE(report->ok()) << report->toString();
+    ASSERT_TRUE(c->release(id).isOk());
+  }
   expectPagesFree(*c);
 }
 

@@ -24,7 +24,7 @@ namespace hxfer::wire {
 // Protocol version spoken by this build. A reader accepts every minor of its major (see
 // docs/wire-format.md "Versions"); another major is refused.
 inline constexpr uint16_t kWireVersionMajor = 1;
-inline constexpr uint16_t kWireVersionMinor = 0;
+inline constexpr uint16_t kWireVersionMinor = 1;  // 1: transfer_done.aux
 
 // Limits (all inclusive). Changing one is a format change: document it.
 inline constexpr uint64_t kMaxFrameBodyBytes = 16u << 20;  // one message body
@@ -34,7 +34,7 @@ inline constexpr uint64_t kMaxAddressBytes = 64u << 10;    // transport address
 inline constexpr uint64_t kMaxKeyBytes = 64u << 10;        // one region's transport key
 inline constexpr uint64_t kMaxTokenBytes = 4096;           // Hello auth token
 inline constexpr uint64_t kMaxMessageBytes = 64u << 10;    // status/reason/error text
-inline constexpr uint64_t kMaxAuxBytes = 16u << 10;        // TransferRequest aux payload
+inline constexpr uint64_t kMaxAuxBytes = 16u << 10;        // aux payload, either direction
 inline constexpr uint64_t kMaxTp = 4096;
 inline constexpr uint64_t kMaxPp = 4096;
 inline constexpr uint64_t kMaxLayers = 1u << 16;  // global layers of a model, and layer ids

@@ -111,7 +111,8 @@ std::vector<std::pair<std::string, Message>> messages() {
   plain.num_tokens = 17;
   out.emplace_back("transfer_request_no_slot", plain);
 
-  out.emplace_back("transfer_done", TransferDone{7, OkStatus(), 123456, 0x0123456789abcdefull});
+  out.emplace_back("transfer_done", TransferDone{7, OkStatus(), 123456, 0x0123456789abcdefull,
+                                                 Bytes{0x2a, 0, 0, 0}});
   out.emplace_back("transfer_done_failed",
                    TransferDone{8, Unavailable("context rank 1 is gone"), 0, std::nullopt});
   out.emplace_back("cancel", Cancel{9, "client disconnected"});

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <type_traits>
 
 #include "common/crc32c.h"
 
@@ -51,6 +52,7 @@ void encodeBody(const TransferDone& m, Bytes& out) {
   putVarint64(out, m.bytes);
   putFixed8(out, m.checksum.has_value() ? 1 : 0);
   if (m.checksum) putFixed64(out, *m.checksum);
+  putBytes(out, m.aux);
 }
 
 void encodeBody(const Cancel& m, Bytes& out) {
@@ -104,6 +106,9 @@ Status check(const TransferRequest& m) {
 }
 
 Status check(const TransferDone& m) {
+  if (m.aux.size() > kMaxAuxBytes) {
+    return over("transfer_done.aux.length", m.aux.size(), kMaxAuxBytes);
+  }
   return checkStatus(m.status, "transfer_done.status.", /*allow_ok=*/true);
 }
 
@@ -158,7 +163,8 @@ Status readBody(WireReader& r, TransferRequest* m) {
   return r.bytes("aux", kMaxAuxBytes, &m->aux);
 }
 
-Status readBody(WireReader& r, TransferDone* m) {
+// `minor`: the frame's. transfer_done.aux was appended in minor 1.
+Status readBody(WireReader& r, TransferDone* m, uint16_t minor) {
   RETURN_IF_ERROR(r.u64Fixed("request_id", &m->request_id));
   RETURN_IF_ERROR(readStatus(r, /*allow_ok=*/true, &m->status));
   RETURN_IF_ERROR(r.varint("bytes", UINT64_MAX, &m->bytes));
@@ -169,7 +175,8 @@ Status readBody(WireReader& r, TransferDone* m) {
     RETURN_IF_ERROR(r.u64Fixed("checksum", &c));
     m->checksum = c;
   }
-  return OkStatus();
+  if (minor < 1) return OkStatus();
+  return r.bytes("aux", kMaxAuxBytes, &m->aux);
 }
 
 Status readBody(WireReader& r, Cancel* m) {
@@ -180,12 +187,16 @@ Status readBody(WireReader& r, Cancel* m) {
 Status readBody(WireReader& r, Error* m) { return readStatus(r, /*allow_ok=*/false, &m->status); }
 
 template <typename T>
-StatusOr<Message> decodeBody(std::span<const uint8_t> body, std::string path, bool newer_minor) {
+StatusOr<Message> decodeBody(std::span<const uint8_t> body, std::string path, uint16_t minor) {
   WireReader r(body, std::move(path));
   T m;
-  RETURN_IF_ERROR(readBody(r, &m));
+  if constexpr (std::is_same_v<T, TransferDone>) {
+    RETURN_IF_ERROR(readBody(r, &m, minor));
+  } else {
+    RETURN_IF_ERROR(readBody(r, &m));
+  }
   // Fields a newer minor appended are skipped; otherwise the body must end here.
-  if (!newer_minor) RETURN_IF_ERROR(r.expectEnd("end"));
+  if (minor <= kWireVersionMinor) RETURN_IF_ERROR(r.expectEnd("end"));
   RETURN_IF_ERROR(check(m));
   return Message(std::move(m));
 }
@@ -295,19 +306,19 @@ StatusOr<Message> decodeMessage(std::span<const uint8_t> frame) {
                   computed);
     return Corruption(text);
   }
-  const bool newer = h.minor > kWireVersionMinor;
   const auto body = frame.subspan(kFrameHeaderBytes, h.body_length);
+  const uint16_t minor = h.minor;
   switch (static_cast<MessageType>(h.type)) {
     case MessageType::kHello:
-      return decodeBody<Hello>(body, "hello.", newer);
+      return decodeBody<Hello>(body, "hello.", minor);
     case MessageType::kTransferRequest:
-      return decodeBody<TransferRequest>(body, "transfer_request.", newer);
+      return decodeBody<TransferRequest>(body, "transfer_request.", minor);
     case MessageType::kTransferDone:
-      return decodeBody<TransferDone>(body, "transfer_done.", newer);
+      return decodeBody<TransferDone>(body, "transfer_done.", minor);
     case MessageType::kCancel:
-      return decodeBody<Cancel>(body, "cancel.", newer);
+      return decodeBody<Cancel>(body, "cancel.", minor);
     case MessageType::kError:
-      return decodeBody<Error>(body, "error.", newer);
+      return decodeBody<Error>(body, "error.", minor);
   }
   return Corruption("frame.type: unknown message type " + std::to_string(h.type) +
                     " in a frame of version " + versionText(h.major, h.minor) +
@@ -397,7 +408,7 @@ std::string summary(const TransferDone& m) {
                   static_cast<unsigned long long>(*m.checksum));
     s += text;
   }
-  return s;
+  return s + " aux=" + std::to_string(m.aux.size()) + "B";
 }
 
 std::string summary(const Cancel& m) {

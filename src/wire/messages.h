@@ -78,6 +78,9 @@ struct TransferDone {
   Status status;                     // ok, or why this rank's part failed
   uint64_t bytes = 0;                // bytes this rank wrote for the request
   std::optional<uint64_t> checksum;  // end-to-end checksum of those bytes, when enabled
+  // Opaque to hxfer, context -> generation (e.g. the first token sampled by prefill): what the
+  // serving code gave ContextSender::markReady. Empty unless status is ok. <= kMaxAuxBytes.
+  Bytes aux;
   bool operator==(const TransferDone&) const = default;
 };
 

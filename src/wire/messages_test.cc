@@ -215,6 +215,29 @@ TEST(Messages, AuxPayloadOverItsLimitIsRefused) {
                 "transfer_request.aux.length=16385 exceeds the limit 16384");
 }
 
+TEST(Messages, TransferDoneAuxOverItsLimitIsRefused) {
+  TransferDone done{7, OkStatus(), 10, std::nullopt, Bytes(kMaxAuxBytes, 1)};
+  EXPECT_TRUE(decodeMessage(encodeMessage(done)).isOk());
+  done.aux.push_back(1);
+  EXPECT_EQ(checkMessage(done).code(), StatusCode::kCorruption);
+  expectRefused(encodeMessage(done), StatusCode::kCorruption,
+                "transfer_done.aux.length=16385 exceeds the limit 16384");
+}
+
+// Minor 1 appended transfer_done.aux: a minor-0 body, which ends after the checksum, still reads
+// (aux empty), and a minor-0 frame is accepted by this build.
+TEST(Messages, MinorZeroTransferDoneWithoutAuxStillReads) {
+  const TransferDone done{9, OkStatus(), 4096, 0x55ull, Bytes{}};
+  Bytes frame = encodeMessage(done);
+  ASSERT_EQ(frame[frame.size() - kFrameTrailerBytes - 1], 0);  // the empty aux's length
+  frame.erase(frame.end() - kFrameTrailerBytes - 1);
+  frame[6] = 0;  // minor 0
+  reseal(frame);
+  auto got = decodeMessage(frame);
+  ASSERT_TRUE(got.isOk()) << got.status().toString();
+  EXPECT_EQ(std::get<TransferDone>(*got), done);
+}
+
 TEST(Messages, ErrorMustCarryAFailureAndAKnownCode) {
   Bytes frame = encodeMessage(Error{Internal("x")});
   Bytes ok = frame;
