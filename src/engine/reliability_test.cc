@@ -823,6 +823,12 @@ TEST(Faults, PeerRestartedWithAnotherLayoutIsRefusedNamingTheField) {
   // Context rank 1 goes away and comes back at the same address with fp32 conv state.
   p.ctx[1].sender->shutdown();
   p.ctx[1].sender.reset();
+  // The loss is seen asynchronously; a restart that beats it would find the old session alive.
+  const auto noticed = deadline();
+  while (p.gen[1]->rx->metrics().peers_lost == 0 && Clock::now() < noticed) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  ASSERT_EQ(p.gen[1]->rx->metrics().peers_lost, 1u) << "the generation rank never saw it leave";
   expectPagesFree(*p.gen[1]->cache, "gen 1 after the context rank left");
   ModelSpec other = model;
   other.conv_dtype = DType::kFp32;
