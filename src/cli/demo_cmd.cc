@@ -211,14 +211,17 @@ uint32_t blocksPerRequest(const ModelSpec& m, uint32_t tokens) {
   return (tokens + m.tokens_per_block - 1) / m.tokens_per_block;
 }
 
-// One rank's cache: blocks and slots for --window requests in flight, plus two spare.
+// One rank's cache: blocks and slots for the requests that can be in flight (--window, or
+// fewer when the run has fewer requests), plus two spare. Pools are pre-faulted, so sizing
+// them for requests that never come would only cost memory and start-up time.
 StatusOr<std::unique_ptr<HybridCacheManager>> makeCache(const DemoOptions& o, const Resolved& r,
                                                         const ParallelConfig& pc,
                                                         StateLayout layout, uint32_t tp_rank,
                                                         uint32_t pp_rank) {
   const uint32_t per = blocksPerRequest(r.model, o.tokens);
+  const uint32_t slots = std::min(o.window, o.requests) + 2;
   return HybridCacheManager::create(r.model, pc, tp_rank, pp_rank, layout,
-                                    Capacity::counts((o.window + 2) * per, o.window + 2),
+                                    Capacity::counts(slots * per, slots),
                                     backingFor(r.backend));
 }
 
