@@ -14,6 +14,9 @@ struct ContextSender::Peer {
   bool refused = false;            // refused; messages are ignored until it goes away
   wire::RankInfo info;             // valid when ready
   std::optional<Planner> planner;  // this rank -> that generation rank
+  // Requests whose TransferDone went to this peer, until when a Cancel crossing that Done is
+  // recognised as such (and not answered a second time: the id may already be reused there).
+  std::unordered_map<uint64_t, Clock::time_point> answered;
   uint32_t globalRank() const { return info.globalRank(); }
 };
 
@@ -106,12 +109,14 @@ Status ContextSender::markReady(uint64_t request_id, Bytes aux) {
   }
   RETURN_IF_ERROR(cache_->find(request_id).status());
   std::lock_guard lock(mu_);
+  if (stop_) return Unavailable("context sender is shut down");
   if (auto t = tombstones_.find(request_id); t != tombstones_.end()) {
-    if (t->second.status.code() == StatusCode::kCancelled) {
-      // The tombstone stays: a TransferRequest still on its way must hear "cancelled" too.
-      (void)cache_->free(request_id);
-      return Cancelled("request " + std::to_string(request_id) + " was cancelled before ready");
-    }
+    // Cancelled, or every rank that asked was already told it timed out: nobody will take the
+    // state. The tombstone stays, so a TransferRequest still on its way hears the same.
+    (void)cache_->free(request_id);
+    return Status(t->second.status.code(),
+                  "request " + std::to_string(request_id) + " is dead before ready: " +
+                      t->second.status.message());
   }
   auto& slot = sources_[request_id];
   if (!slot) {
@@ -252,8 +257,7 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
   ask.asked_at = Clock::now();
   metrics_.requestStarted();
   if (auto t = tombstones_.find(id); t != tombstones_.end()) {
-    wire::TransferDone done{id, t->second.status, 0, std::nullopt};
-    sendLocked(peer.id, done);
+    sendDoneLocked(peer.id, wire::TransferDone{id, t->second.status, 0, std::nullopt, {}});
     metrics_.requestFailed(causeOf(t->second.status));
     return;
   }
@@ -372,7 +376,14 @@ void ContextSender::answerLocked(Source& src, Ask& ask, const Status& status, ui
     done.checksum = checksum;
     done.aux = src.aux;
   }
-  sendLocked(ask.peer, done);
+  sendDoneLocked(ask.peer, done);
+}
+
+void ContextSender::sendDoneLocked(transport::PeerId peer, const wire::TransferDone& done) {
+  if (auto pit = peers_.find(peer); pit != peers_.end()) {
+    pit->second->answered[done.request_id] = Clock::now() + 2 * options_.lease_timeout;
+  }
+  sendLocked(peer, done);
 }
 
 void ContextSender::onCancelLocked(Peer& peer, const wire::Cancel& cancel) {
@@ -381,12 +392,14 @@ void ContextSender::onCancelLocked(Peer& peer, const wire::Cancel& cancel) {
       it != sources_.end() && std::any_of(it->second->asks.begin(), it->second->asks.end(),
                                           [&](const Ask& a) { return a.peer == peer.id; });
   if (!asked) {
-    // Messages from one peer arrive in order, so its TransferRequest was lost (or answered and
-    // forgotten already). Answer anyway: the generation rank holds the request's pages in
-    // flight until a Done arrives, and a duplicate Done is ignored there.
+    // Messages from one peer arrive in order, so its TransferRequest was answered and forgotten
+    // already, or it was lost. Answered: that Done is on its way and ends the generation
+    // rank's hold; a second one could end the hold of a later request reusing the id.
+    if (peer.answered.erase(cancel.request_id) > 0) return;
+    // Lost: the generation rank holds the request's pages in flight until a Done arrives.
     sendLocked(peer.id, wire::TransferDone{cancel.request_id,
                                            Cancelled("cancel of a request this rank never got"), 0,
-                                           std::nullopt});
+                                           std::nullopt, {}});
     return;
   }
   Source& src = *it->second;
@@ -508,12 +521,17 @@ void ContextSender::timersLocked() {
         if (a.state == Ask::State::kWaiting) answerLocked(*src, a, why, 0, std::nullopt);
       }
       src->cancelled = why;
+      // Ranks asking later, and a late markReady, hear the same instead of starting over.
+      tombstones_[rid] = {why, now + 2 * options_.lease_timeout};
       touched.push_back(rid);
     }
   }
   for (uint64_t rid : touched) maybeFinishLocked(rid);
   for (auto it = tombstones_.begin(); it != tombstones_.end();) {
     it = now > it->second.until ? tombstones_.erase(it) : std::next(it);
+  }
+  for (auto& [id, peer] : peers_) {
+    std::erase_if(peer->answered, [&](const auto& kv) { return now > kv.second; });
   }
 }
 
@@ -560,20 +578,34 @@ void ContextSender::shutdown() {
       waker_->agent = nullptr;
     }
     std::lock_guard lock(mu_);
-    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    // Cancel every write, then drop the peers (which fails what the backend still has queued
+    // for them), then wait. A write still running at the deadline keeps its hold and its
+    // pages: they are never reused while something may still read them.
     for (auto& [rid, src] : sources_) {
       for (Ask& a : src->asks) {
+        if (a.state == Ask::State::kPosted) a.transfer.cancel();
+      }
+    }
+    for (auto& [id, peer] : peers_) (void)agent_->disconnect(id);
+    peers_.clear();
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    for (auto& [rid, src] : sources_) {
+      bool stuck = false;
+      for (Ask& a : src->asks) {
         if (a.state != Ask::State::kPosted) continue;
-        a.transfer.cancel();
         (void)a.transfer.wait(deadline);
+        if (a.transfer.poll() == transport::TransferState::kInProgress) {
+          HXFER_LOG_ERROR("context: shutdown: a write of request {} did not stop; its pages stay "
+                          "held", rid);
+          stuck = true;
+          continue;
+        }
         (void)cache_->endTransfer(rid);
         a.state = Ask::State::kAnswered;
       }
-      freePagesLocked(*src);
+      if (!stuck) freePagesLocked(*src);
     }
     sources_.clear();
-    for (auto& [id, peer] : peers_) (void)agent_->disconnect(id);
-    peers_.clear();
   });
 }
 

@@ -81,8 +81,9 @@ class ContextSender {
   // allocation. `aux` (opaque, at most wire::kMaxAuxBytes; e.g. the first sampled token)
   // travels to every generation rank with its TransferDone and surfaces as RequestResult::aux.
   // NotFound when the cache manager does not know `request_id`; InvalidArgument when it was
-  // already marked or `aux` is too large (nothing changes); Cancelled (and the pages are
-  // freed) when it was cancelled before.
+  // already marked or `aux` is too large, Unavailable after shutdown() (nothing changes: the
+  // pages stay the caller's); Cancelled when it was cancelled before, Timeout when every
+  // generation rank that asked for it gave up waiting (in both cases the pages are freed).
   Status markReady(uint64_t request_id, Bytes aux = {});
 
   // Cancels `request_id` at any point (before markReady too: a later markReady then frees the
@@ -129,6 +130,7 @@ class ContextSender {
   // Frees the pages once every expected rank is answered, and forgets a finished source.
   void maybeFinishLocked(uint64_t request_id);
   void sendLocked(transport::PeerId peer, const wire::Message& m);
+  void sendDoneLocked(transport::PeerId peer, const wire::TransferDone& done);
   void refuseLocked(Peer& peer, const Status& why);
   bool anyInFlightLocked() const;
 

@@ -232,6 +232,15 @@ StatusOr<Allocation> GenerationReceiver::startRequest(uint64_t request_id, uint3
     CtxPeer& peer = *peers_[part.peer];
     if (peer.state == CtxPeer::State::kReady && !s.result.terminal()) sendPartLocked(s, part, peer);
   }
+  if (s.result.terminal()) {
+    // A send failed (the peer went away before its loss was seen): the pages are freed or
+    // quarantined already, so the caller must not get them. The id is forgotten once no part
+    // is in flight.
+    Status failed = s.result.status;
+    s.released = true;
+    if (!s.anyInFlight()) sinks_.erase(request_id);
+    return failed;
+  }
   completeIfDoneLocked(s);
   return *alloc;
 }

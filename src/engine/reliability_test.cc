@@ -139,6 +139,14 @@ class HoldAgent final : public Agent {
     for (auto& [peer, bytes] : queue_) (void)inner_->sendMessage(peer, bytes);
     queue_.clear();
   }
+  // Sends the oldest held message and keeps holding the rest.
+  bool releaseOne() {
+    std::lock_guard lock(mu_);
+    if (queue_.empty()) return false;
+    (void)inner_->sendMessage(queue_.front().first, queue_.front().second);
+    queue_.pop_front();
+    return true;
+  }
   size_t heldMessages() const {
     std::lock_guard lock(mu_);
     return queue_.size();
@@ -720,6 +728,103 @@ TEST(Faults, LostTransferRequestTimesOutAloneAndItsPagesComeBack) {
   expectPagesFree(*p.gen[1]->cache, "gen 1 after the lost request");
   for (int i = 0; i < 3; ++i) runAndVerify({p.gen[1].get()}, 20 + i, 60);
   EXPECT_EQ(p.gen[1]->rx->metrics().failuresBy(FailureCause::kTimeout), 1u);
+  for (int i = 0; i < 2; ++i) {
+    expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
+    expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
+    expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
+  }
+}
+
+// The context rank closed just before the request went out, and its loss is not seen yet: the
+// send fails inside startRequest. The caller gets the error and no pages (they are back in the
+// pool, not handed out twice), the id is free again, and the rank serves on.
+TEST(Faults, RequestWhoseSendFailsReturnsTheErrorAndHoldsNoPages) {
+  const ModelSpec model = tinyModel();
+  Pairs p;
+  // Generation rank 1's messages: #1 Hello, #2 the first request, #3 the second: fails.
+  transport::FaultPolicy policy;
+  policy.fail_nth_message = 3;
+  startPairs(
+      p, model, nullptr,
+      [&](std::unique_ptr<Agent> a) { return transport::wrapWithFaults(std::move(a), policy); },
+      milliseconds(3000));
+  if (HasFatalFailure()) return;
+  runAndVerify({p.gen[1].get()}, 1, 40);
+  auto a = p.gen[1]->rx->startRequest(2, 40);
+  ASSERT_FALSE(a.isOk()) << "startRequest handed out pages it had already freed";
+  EXPECT_EQ(a.status().code(), StatusCode::kUnavailable) << a.status().toString();
+  EXPECT_NE(a.status().message().find("context rank 1"), std::string::npos)
+      << a.status().toString();
+  EXPECT_EQ(transport::faultStats(*p.gen[1]->agent).messages_failed, 1u);
+  EXPECT_EQ(p.gen[1]->rx->poll(2).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(p.gen[1]->rx->activeRequests(), 0u);
+  expectPagesFree(*p.gen[1]->cache, "gen 1 after the failed start");
+  runAndVerify({p.gen[1].get()}, 2, 40);
+  for (int i = 0; i < 2; ++i) {
+    expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
+    expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
+    expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
+  }
+}
+
+// The generation rank cancels a request whose Done is already on its way, releases it once the
+// Done arrived and reuses the id. The Cancel reaches the context rank after it forgot the
+// request; it must not answer it a second time, or that answer would end the in-flight hold
+// (and fail) the new request with the same id while its bytes are still being written.
+TEST(Faults, CancelCrossingTheDoneLeavesALaterRequestWithTheSameIdAlone) {
+  const ModelSpec model = tinyModel();
+  Pairs p;
+  HoldAgent* hold = nullptr;
+  startPairs(
+      p, model,
+      [&](std::unique_ptr<Agent> a) {
+        auto h = std::make_unique<HoldAgent>(std::move(a));
+        hold = h.get();
+        return h;
+      },
+      nullptr, milliseconds(60000));
+  if (HasFatalFailure()) return;
+  ASSERT_NE(hold, nullptr);
+  runAndVerify({p.gen[1].get()}, 1, 40);
+  auto waitFor = [&](auto cond, const char* what) {
+    const auto end = deadline();
+    bool met = cond();
+    while (!met && Clock::now() < end) {
+      std::this_thread::sleep_for(milliseconds(2));
+      met = cond();
+    }
+    ASSERT_TRUE(met) << what;
+  };
+  hold->hold();
+  ASSERT_TRUE(p.gen[1]->start(2, 40).isOk());
+  waitFor([&] { return hold->heldMessages() == 1; }, "the Done of request 2 was never sent");
+  ASSERT_TRUE(p.gen[1]->rx->cancel(2).isOk());  // crosses the held Done
+  ASSERT_TRUE(p.gen[1]->rx->release(2).isOk());
+  // Request 3 goes out after the Cancel; once its Done is queued the Cancel was handled.
+  ASSERT_TRUE(p.gen[1]->start(3, 40).isOk());
+  waitFor([&] { return p.ctx[1].sender->metrics().requests_ok >= 3; },
+          "request 3 was never served");
+  EXPECT_EQ(hold->heldMessages(), 2u) << "the Cancel was answered a second time";
+  ASSERT_TRUE(hold->releaseOne());  // the Done of the first request 2: its hold ends, and
+                                    // the id can be used again
+  StatusOr<Allocation> again = InvalidArgument("not started");
+  waitFor(
+      [&] {
+        again = p.gen[1]->start(2, 50);
+        return again.isOk();
+      },
+      "the id 2 never became free again");
+  hold->release();
+  for (uint64_t id : {2u, 3u}) {
+    auto r = p.gen[1]->rx->wait(id, deadline());
+    ASSERT_TRUE(r.isOk());
+    ASSERT_EQ(r->state, RequestResult::State::kDone)
+        << "request " << id << ": " << r->status.toString();
+    auto report = p.gen[1]->verify(id);
+    ASSERT_TRUE(report.isOk()) << report.status().toString();
+    EXPECT_TRUE(report->ok()) << report->toString();
+    ASSERT_TRUE(p.gen[1]->rx->release(id).isOk());
+  }
   for (int i = 0; i < 2; ++i) {
     expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
     expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
@@ -1427,12 +1532,12 @@ TEST(HostilePeer, ContextPeerWithWrongModelOrTokenOrAnswersIsRefused) {
   h->send(wire::Hello{rankInfoOf(*h->cache, *h->agent, wire::InstanceRole::kContext), ""});
   ASSERT_TRUE((*g)->rx->waitForPeers(deadline()).isOk());
   // A Done for a request nobody asked for is ignored.
-  h->send(wire::TransferDone{777, OkStatus(), 1 << 20, std::nullopt});
+  h->send(wire::TransferDone{777, OkStatus(), 1 << 20, std::nullopt, {}});
   // A Done claiming success with the wrong byte count fails the request instead of lying.
   ASSERT_TRUE((*g)->start(5, 40).isOk());
   auto ask = h->next();
   ASSERT_TRUE(ask && std::holds_alternative<wire::TransferRequest>(*ask));
-  h->send(wire::TransferDone{5, OkStatus(), 12345, std::nullopt});
+  h->send(wire::TransferDone{5, OkStatus(), 12345, std::nullopt, {}});
   auto r = (*g)->rx->wait(5, deadline());
   ASSERT_TRUE(r.isOk());
   EXPECT_EQ(r->state, RequestResult::State::kFailed);

@@ -321,6 +321,39 @@ TEST_P(Transceiver, DeadContextRankFailsItsRequests) {
   expectPagesFree(*c);
 }
 
+TEST_P(Transceiver, MarkReadyAfterShutdownLeavesThePagesWithTheCaller) {
+  auto c = make(baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  c->senders()[0]->shutdown();
+  ASSERT_TRUE(c->prepareContext(1, 60, /*mark_ready=*/false).isOk());
+  Status s = c->senders()[0]->markReady(1);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.toString();
+  // Nobody took them: the sender holds nothing, the caller still owns the allocation.
+  EXPECT_EQ(c->senders()[0]->heldRequests(), 0u);
+  ASSERT_TRUE(c->ctxCaches()[0]->free(1).isOk());
+  expectPagesFree(*c);
+}
+
+TEST_P(Transceiver, MarkReadyAfterTheAskTimedOutFreesThePagesAndSaysSo) {
+  auto o = baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}});
+  o.lease_timeout = milliseconds(300);
+  auto c = make(o);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->prepareContext(5, 60, /*mark_ready=*/false).isOk());
+  ASSERT_TRUE(c->startGeneration(5, 60).isOk());
+  auto r = c->receivers()[0]->wait(5, deadline());
+  ASSERT_TRUE(r.isOk());
+  ASSERT_EQ(r->status.code(), StatusCode::kTimeout) << r->status.toString();
+  // The generation side gave up: marking it ready now must not pin the pages for a lease.
+  Status m = c->senders()[0]->markReady(5);
+  EXPECT_EQ(m.code(), StatusCode::kTimeout) << m.toString();
+  EXPECT_NE(m.message().find("not marked ready"), std::string::npos) << m.toString();
+  EXPECT_EQ(c->senders()[0]->heldRequests(), 0u);
+  ASSERT_TRUE(c->release(5).isOk());
+  expectPagesFree(*c);
+  EXPECT_EQ(c->ctxMetrics().leases_expired, 0u);
+}
+
 std::vector<std::string> backends() { return transport::availableBackends(); }
 
 INSTANTIATE_TEST_SUITE_P(Backends, Transceiver, ::testing::ValuesIn(backends()),

@@ -95,6 +95,10 @@ class FaultAgent final : public Agent {
       std::lock_guard<std::mutex> lock(mu_);
       const uint64_t n = ++messages_;
       const double draw = uniform_(rng_);
+      if (n == policy_.fail_nth_message) {
+        ++stats_.messages_failed;
+        return Unavailable("injected fault: peer " + std::to_string(peer) + " is gone");
+      }
       drop = n == policy_.drop_nth_message || draw < policy_.drop_message_probability;
       if (drop) ++stats_.messages_dropped;
       if (!drop && policy_.message_delay.count() > 0) ++stats_.messages_delayed;

@@ -28,6 +28,9 @@ struct FaultPolicy {
   // 0 disables.
   uint64_t drop_nth_message = 0;
   double drop_message_probability = 0.0;
+  // The Nth message is not sent and sendMessage returns Unavailable, as a send to a peer that
+  // closed before its loss was seen; 0 disables.
+  uint64_t fail_nth_message = 0;
   // Every message is sent this much later (order per peer is kept).
   std::chrono::milliseconds message_delay{0};
   // After this many writes to one peer, the peer is disconnected abruptly (the write that
@@ -40,6 +43,7 @@ struct FaultStats {
   uint64_t writes_failed = 0;
   uint64_t writes_delayed = 0;
   uint64_t messages_dropped = 0;
+  uint64_t messages_failed = 0;
   uint64_t messages_delayed = 0;
   uint64_t peers_closed = 0;
 };

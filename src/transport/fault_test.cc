@@ -131,6 +131,25 @@ TEST(FaultAgent, DropsTheNthMessageAndKeepsTheOthersInOrder) {
   EXPECT_EQ(faultStats(*p.writer).messages_delayed, 4u);
 }
 
+TEST(FaultAgent, FailsTheNthMessageAsIfThePeerWereGone) {
+  FaultPolicy policy;
+  policy.fail_nth_message = 2;
+  Pair p = makePair(policy);
+  for (uint32_t i = 0; i < 3; ++i) {
+    Bytes m;
+    putFixed32(m, i);
+    Status s = p.writer->sendMessage(p.to_receiver, m);
+    EXPECT_EQ(s.code(), i == 1 ? StatusCode::kUnavailable : StatusCode::kOk) << s.toString();
+  }
+  for (uint32_t want : {0u, 2u}) {
+    auto e = p.receiver->pollEvent(kDeadline);
+    ASSERT_TRUE(e.has_value());
+    ASSERT_EQ(e->kind, Event::Kind::kMessage);
+    EXPECT_EQ(loadFixed32(e->payload.data()), want);
+  }
+  EXPECT_EQ(faultStats(*p.writer).messages_failed, 1u);
+}
+
 TEST(FaultAgent, ClosesThePeerAbruptlyAfterNWrites) {
   FaultPolicy policy;
   policy.close_peer_after_writes = 2;
