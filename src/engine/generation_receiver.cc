@@ -483,6 +483,11 @@ void GenerationReceiver::handleEventLocked(transport::Event& ev) {
     if (ev.kind == Kind::kPeerConnected) {
       HXFER_LOG_WARN("generation: unexpected incoming peer {}; closing", ev.peer);
       (void)agent_->disconnect(ev.peer);
+    } else if (ev.kind == Kind::kPeerLost &&
+               std::any_of(peers_.begin(), peers_.end(), [](const auto& p) {
+                 return p->state == CtxPeer::State::kConnecting;
+               })) {
+      lost_while_connecting_.insert(ev.peer);
     }
     return;
   }
@@ -547,6 +552,15 @@ void GenerationReceiver::connectDueLocked() {
 }
 
 void GenerationReceiver::finishConnectLocked(CtxPeer& peer, StatusOr<transport::PeerId> id) {
+  if (id.isOk() && lost_while_connecting_.erase(*id) > 0) {
+    id = Unavailable("context rank " + std::to_string(peer.rank) +
+                     " closed the connection right after accepting it");
+  }
+  if (std::none_of(peers_.begin(), peers_.end(), [&](const auto& p) {
+        return p.get() != &peer && p->state == CtxPeer::State::kConnecting;
+      })) {
+    lost_while_connecting_.clear();
+  }
   if (!id.isOk()) {
     peer.state = peer.before_connect;
     peer.last_error = id.status();

@@ -34,6 +34,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "cache/cache_manager.h"
@@ -160,6 +161,10 @@ class GenerationReceiver {
   bool stop_ = false;  // guarded by mu_
   std::vector<std::unique_ptr<CtxPeer>> peers_;                // guarded by mu_
   std::unordered_map<uint64_t, std::unique_ptr<Sink>> sinks_;  // guarded by mu_
+  // Peers lost before the connect() that made them had returned to the progress thread (its
+  // kPeerLost can come first); finishConnectLocked treats such a connect as failed. Only kept
+  // while a connect is running.
+  std::unordered_set<transport::PeerId> lost_while_connecting_;  // guarded by mu_
   Metrics metrics_;
   std::thread thread_;
   std::once_flag shutdown_once_;

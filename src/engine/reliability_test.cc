@@ -918,6 +918,34 @@ TEST(Faults, ContextRankThatNeverAnswersTheHelloStallsNothingElse) {
   expectNoStrayBytes(**g, "gen");
 }
 
+// A context rank that accepts the connection and is gone at once (crashing while it starts):
+// the loss can reach the progress thread before the connect's result does. The rank must treat
+// that connect as failed and retry after reconnect_interval, not wait out the whole handshake
+// timeout (10 s) on a dead connection.
+TEST(Faults, ContextRankGoneRightAfterAcceptingIsRetriedAtOnce) {
+  const ModelSpec model = tinyModel();
+  const std::string ctx0 = uniqueName("ctx0"), ctx1 = uniqueName("ctx1");
+  auto c0 = startContext(model, kTp2, 0, ctx0, StateLayout::kPaged, Capacity::counts(128, 32));
+  ASSERT_TRUE(c0.isOk()) << c0.status().toString();
+  auto c1 = startContext(model, kTp2, 1, ctx1, StateLayout::kPaged, Capacity::counts(128, 32));
+  ASSERT_TRUE(c1.isOk()) << c1.status().toString();
+  transport::FaultPolicy policy;
+  policy.close_nth_connect = 1;  // generation rank 1 talks to context rank 1 only
+  auto g = startGeneration(
+      model, kTp2, 1, StateLayout::kPaged, Capacity::counts(128, 32), kTp2,
+      {shmAddress(ctx0), shmAddress(ctx1)}, milliseconds(60000),
+      [&](std::unique_ptr<Agent> a) { return transport::wrapWithFaults(std::move(a), policy); });
+  ASSERT_TRUE(g.isOk()) << g.status().toString();
+  Status s = (*g)->rx->waitForPeers(Clock::now() + seconds(5));
+  EXPECT_TRUE(s.isOk()) << s.toString() << " (the dead connection waited for its handshake)";
+  EXPECT_EQ(transport::faultStats(*(*g)->agent).peers_closed, 1u);
+  ASSERT_TRUE((*g)->rx->waitForPeers(deadline()).isOk());
+  for (int i = 0; i < 3; ++i) runAndVerify({g->get()}, 1 + i, 40 + 20 * i);
+  expectPagesFree(*(*g)->cache, "gen");
+  expectPagesFree(*c1->cache, "ctx 1");
+  expectNoStrayBytes(**g, "gen");
+}
+
 TEST(Faults, PeerRestartedWithAnotherLayoutIsRefusedNamingTheField) {
   LogCapture logs;
   const ModelSpec model = tinyModel();

@@ -38,7 +38,18 @@ class FaultAgent final : public Agent {
     return inner_->registerRegion(region);
   }
   Status deregisterRegion(uint32_t id) override { return inner_->deregisterRegion(id); }
-  StatusOr<PeerId> connect(const std::string& address) override { return inner_->connect(address); }
+  StatusOr<PeerId> connect(const std::string& address) override {
+    auto peer = inner_->connect(address);
+    if (!peer.isOk()) return peer;
+    bool close = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      close = ++connects_ == policy_.close_nth_connect;
+      if (close) ++stats_.peers_closed;
+    }
+    if (close) (void)inner_->disconnect(*peer);
+    return peer;
+  }
   Status disconnect(PeerId peer) override { return inner_->disconnect(peer); }
   Status addRemoteRegion(PeerId peer, uint32_t id, uint64_t length,
                          std::span<const uint8_t> key) override {
@@ -174,6 +185,7 @@ class FaultAgent final : public Agent {
   std::uniform_real_distribution<double> uniform_;  // guarded by mu_
   uint64_t writes_ = 0;                             // guarded by mu_
   uint64_t messages_ = 0;                           // guarded by mu_
+  uint64_t connects_ = 0;                           // guarded by mu_
   std::map<PeerId, uint64_t> writes_per_peer_;      // guarded by mu_
   FaultStats stats_;                                // guarded by mu_
 

@@ -36,6 +36,9 @@ struct FaultPolicy {
   // After this many writes to one peer, the peer is disconnected abruptly (the write that
   // reaches the count is posted, then the peer closed); 0 disables.
   uint64_t close_peer_after_writes = 0;
+  // connect() calls are numbered from 1 per agent. The Nth one connects, closes the connection
+  // and returns the (dead) peer id: a peer that went away right after accepting. 0 disables.
+  uint64_t close_nth_connect = 0;
 };
 
 // Counters of what the decorator did, for test assertions.
@@ -45,7 +48,7 @@ struct FaultStats {
   uint64_t messages_dropped = 0;
   uint64_t messages_failed = 0;
   uint64_t messages_delayed = 0;
-  uint64_t peers_closed = 0;
+  uint64_t peers_closed = 0;  // by close_peer_after_writes or close_nth_connect
 };
 
 // Wraps `inner`. The returned agent owns it.

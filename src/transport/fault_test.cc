@@ -163,5 +163,35 @@ TEST(FaultAgent, ClosesThePeerAbruptlyAfterNWrites) {
   EXPECT_EQ(faultStats(*p.writer).peers_closed, 1u);
 }
 
+TEST(FaultAgent, ClosesTheNthConnectionRightAfterItWasAccepted) {
+  FaultPolicy policy;
+  policy.close_nth_connect = 1;
+  AgentConfig config;
+  config.backend = "inproc";
+  auto writer = wrapWithFaults(std::move(createAgent(config)).value(), policy);
+  auto receiver = std::move(createAgent(config)).value();
+  // The connect returns a peer that is already gone: a kPeerLost for it is queued.
+  auto dead = writer->connect(receiver->localAddress());
+  ASSERT_TRUE(dead.isOk()) << dead.status().toString();
+  auto lost = writer->pollEvent(kDeadline);
+  ASSERT_TRUE(lost.has_value());
+  EXPECT_EQ(lost->kind, Event::Kind::kPeerLost);
+  EXPECT_EQ(lost->peer, *dead);
+  EXPECT_EQ(writer->sendMessage(*dead, Bytes{1}).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(faultStats(*writer).peers_closed, 1u);
+  // The next connect is a normal one.
+  auto again = writer->connect(receiver->localAddress());
+  ASSERT_TRUE(again.isOk()) << again.status().toString();
+  EXPECT_NE(*again, *dead);
+  ASSERT_TRUE(writer->sendMessage(*again, Bytes{2}).isOk());
+  for (;;) {
+    auto e = receiver->pollEvent(kDeadline);
+    ASSERT_TRUE(e.has_value());
+    if (e->kind != Event::Kind::kMessage) continue;
+    EXPECT_EQ(e->payload, Bytes{2});
+    break;
+  }
+}
+
 }  // namespace
 }  // namespace hxfer::transport
