@@ -299,6 +299,8 @@ void ContextSender::startAskLocked(Source& src, Ask& ask) {
   auto pit = peers_.find(ask.peer);
   if (pit == peers_.end() || !pit->second->ready) {
     ask.peer_gone = true;
+    ask.state = Ask::State::kAnswered;
+    metrics_.requestFailed(FailureCause::kPeerLost);
     src.finished.insert(ask.gen_rank);
     return;
   }
