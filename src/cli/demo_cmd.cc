@@ -221,8 +221,7 @@ StatusOr<std::unique_ptr<HybridCacheManager>> makeCache(const DemoOptions& o, co
   const uint32_t per = blocksPerRequest(r.model, o.tokens);
   const uint32_t slots = std::min(o.window, o.requests) + 2;
   return HybridCacheManager::create(r.model, pc, tp_rank, pp_rank, layout,
-                                    Capacity::counts(slots * per, slots),
-                                    backingFor(r.backend));
+                                    Capacity::counts(slots * per, slots), backingFor(r.backend));
 }
 
 StatusOr<std::unique_ptr<transport::Agent>> makeAgent(const Resolved& r, const char* label) {

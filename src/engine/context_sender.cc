@@ -115,8 +115,8 @@ Status ContextSender::markReady(uint64_t request_id, Bytes aux) {
     // state. The tombstone stays, so a TransferRequest still on its way hears the same.
     (void)cache_->free(request_id);
     return Status(t->second.status.code(),
-                  "request " + std::to_string(request_id) + " is dead before ready: " +
-                      t->second.status.message());
+                  "request " + std::to_string(request_id) +
+                      " is dead before ready: " + t->second.status.message());
   }
   auto& slot = sources_[request_id];
   if (!slot) {
@@ -142,7 +142,7 @@ Status ContextSender::cancel(uint64_t request_id) {
   const Status why = Cancelled("request " + std::to_string(request_id) + " cancelled by context");
   auto it = sources_.find(request_id);
   if (it == sources_.end()) {
-    tombstones_[request_id] = {why, Clock::now() + 2 * options_.lease_timeout};
+    tombstones_[request_id] = {why, rememberUntil()};
     return OkStatus();
   }
   cancelLocked(*it->second, why);
@@ -161,7 +161,7 @@ void ContextSender::cancelLocked(Source& src, const Status& why) {
     }
   }
   freePagesLocked(src);
-  tombstones_[src.id] = {why, Clock::now() + 2 * options_.lease_timeout};
+  tombstones_[src.id] = {why, rememberUntil()};
 }
 
 void ContextSender::freePagesLocked(Source& src) {
@@ -383,7 +383,7 @@ void ContextSender::answerLocked(Source& src, Ask& ask, const Status& status, ui
 
 void ContextSender::sendDoneLocked(transport::PeerId peer, const wire::TransferDone& done) {
   if (auto pit = peers_.find(peer); pit != peers_.end()) {
-    pit->second->answered[done.request_id] = Clock::now() + 2 * options_.lease_timeout;
+    pit->second->answered[done.request_id] = rememberUntil();
   }
   sendLocked(peer, done);
 }
@@ -399,9 +399,8 @@ void ContextSender::onCancelLocked(Peer& peer, const wire::Cancel& cancel) {
     // rank's hold; a second one could end the hold of a later request reusing the id.
     if (peer.answered.erase(cancel.request_id) > 0) return;
     // Lost: the generation rank holds the request's pages in flight until a Done arrives.
-    sendLocked(peer.id, wire::TransferDone{cancel.request_id,
-                                           Cancelled("cancel of a request this rank never got"), 0,
-                                           std::nullopt, {}});
+    const Status why = Cancelled("cancel of a request this rank never got");
+    sendLocked(peer.id, wire::TransferDone{cancel.request_id, why, 0, std::nullopt, {}});
     return;
   }
   Source& src = *it->second;
@@ -514,7 +513,7 @@ void ContextSender::timersLocked() {
       metrics_.leaseExpired();
       freePagesLocked(*src);
       tombstones_[rid] = {Timeout("lease of request " + std::to_string(rid) + " expired"),
-                          now + 2 * options_.lease_timeout};
+                          rememberUntil()};
       touched.push_back(rid);
     } else if (!src->ready && !src->cancelled && now - src->created_at > options_.lease_timeout) {
       const Status why = Timeout("request " + std::to_string(rid) +
@@ -524,7 +523,7 @@ void ContextSender::timersLocked() {
       }
       src->cancelled = why;
       // Ranks asking later, and a late markReady, hear the same instead of starting over.
-      tombstones_[rid] = {why, now + 2 * options_.lease_timeout};
+      tombstones_[rid] = {why, rememberUntil()};
       touched.push_back(rid);
     }
   }
@@ -597,8 +596,7 @@ void ContextSender::shutdown() {
         if (a.state != Ask::State::kPosted) continue;
         (void)a.transfer.wait(deadline);
         if (a.transfer.poll() == transport::TransferState::kInProgress) {
-          HXFER_LOG_ERROR("context: shutdown: a write of request {} did not stop; its pages stay "
-                          "held", rid);
+          HXFER_LOG_ERROR("context: shutdown: a write of request {} did not stop; pages kept", rid);
           stuck = true;
           continue;
         }

@@ -133,6 +133,9 @@ class ContextSender {
   void sendDoneLocked(transport::PeerId peer, const wire::TransferDone& done);
   void refuseLocked(Peer& peer, const Status& why);
   bool anyInFlightLocked() const;
+  // How long a tombstone or an answered-request record is kept: two leases, past any message
+  // of the request still on its way.
+  Clock::time_point rememberUntil() const { return Clock::now() + 2 * options_.lease_timeout; }
 
   // Wakes the progress thread out of agent_->pollEvent when a posted write finishes, so a Done
   // leaves as soon as its bytes landed. Shared with the transfers' completion callbacks, which

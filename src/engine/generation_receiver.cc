@@ -152,6 +152,12 @@ size_t GenerationReceiver::activeRequests() const {
                        [](const auto& kv) { return !kv.second->result.terminal(); });
 }
 
+bool GenerationReceiver::anyConnectingLocked(const CtxPeer* except) const {
+  return std::any_of(peers_.begin(), peers_.end(), [&](const auto& p) {
+    return p.get() != except && p->state == CtxPeer::State::kConnecting;
+  });
+}
+
 GenerationReceiver::CtxPeer* GenerationReceiver::peerById(transport::PeerId id) {
   for (auto& p : peers_) {
     if (p->id == id &&
@@ -483,10 +489,7 @@ void GenerationReceiver::handleEventLocked(transport::Event& ev) {
     if (ev.kind == Kind::kPeerConnected) {
       HXFER_LOG_WARN("generation: unexpected incoming peer {}; closing", ev.peer);
       (void)agent_->disconnect(ev.peer);
-    } else if (ev.kind == Kind::kPeerLost &&
-               std::any_of(peers_.begin(), peers_.end(), [](const auto& p) {
-                 return p->state == CtxPeer::State::kConnecting;
-               })) {
+    } else if (ev.kind == Kind::kPeerLost && anyConnectingLocked(nullptr)) {
       lost_while_connecting_.insert(ev.peer);
     }
     return;
@@ -556,11 +559,7 @@ void GenerationReceiver::finishConnectLocked(CtxPeer& peer, StatusOr<transport::
     id = Unavailable("context rank " + std::to_string(peer.rank) +
                      " closed the connection right after accepting it");
   }
-  if (std::none_of(peers_.begin(), peers_.end(), [&](const auto& p) {
-        return p.get() != &peer && p->state == CtxPeer::State::kConnecting;
-      })) {
-    lost_while_connecting_.clear();
-  }
+  if (!anyConnectingLocked(&peer)) lost_while_connecting_.clear();
   if (!id.isOk()) {
     peer.state = peer.before_connect;
     peer.last_error = id.status();

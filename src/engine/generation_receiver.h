@@ -134,6 +134,8 @@ class GenerationReceiver {
   Status verifyChecksumLocked(const Sink& sink, const CtxPeer& peer, uint64_t expected) const;
   void sendLocked(transport::PeerId peer, const wire::Message& m);
   CtxPeer* peerById(transport::PeerId id);
+  // Whether a connect() other than `except`'s is running.
+  bool anyConnectingLocked(const CtxPeer* except) const;
 
   const Options options_;
   HybridCacheManager* const cache_;

@@ -340,6 +340,19 @@ StatusOr<std::unique_ptr<GenRank>> startGeneration(
   return g;
 }
 
+// Polls `cond` until it holds or the test deadline passes; returns its last value (`cond` is
+// not called again once it held: it may have side effects).
+template <class Cond>
+bool waitUntil(Cond cond) {
+  const auto end = deadline();
+  bool met = cond();
+  while (!met && Clock::now() < end) {
+    std::this_thread::sleep_for(milliseconds(2));
+    met = cond();
+  }
+  return met;
+}
+
 // No used, quarantined or in-flight page: the rank's pool accounting is back at its start.
 bool pagesFree(const HybridCacheManager& cache, std::string* why) {
   const CacheCounters c = cache.counters();
@@ -356,10 +369,7 @@ bool pagesFree(const HybridCacheManager& cache, std::string* why) {
 }
 void expectPagesFree(const HybridCacheManager& cache, const std::string& who) {
   std::string why;
-  const auto end = deadline();
-  while (!pagesFree(cache, &why) && Clock::now() < end)
-    std::this_thread::sleep_for(milliseconds(2));
-  EXPECT_TRUE(pagesFree(cache, &why)) << who << ": " << why;
+  EXPECT_TRUE(waitUntil([&] { return pagesFree(cache, &why); })) << who << ": " << why;
 }
 
 // Runs one request on `gens` (same id on each), waits, verifies every byte and releases it.
@@ -636,10 +646,7 @@ TEST(Faults, GenerationProcessKilledMidTransferFreesTheContextSideAndServesTheNe
 
   ASSERT_TRUE(doomed->send(kGo));
   ASSERT_TRUE(doomed->expect(kStarted));
-  const auto end = deadline();
-  while (transport::faultStats(*c1->agent).writes_delayed < kInFlight && Clock::now() < end) {
-    std::this_thread::sleep_for(milliseconds(2));
-  }
+  waitUntil([&] { return transport::faultStats(*c1->agent).writes_delayed >= kInFlight; });
   ASSERT_GE(transport::faultStats(*c1->agent).writes_delayed, uint64_t{kInFlight});
   runAndVerify({g0->get()}, 1, 60);
   doomed->kill();
@@ -648,10 +655,7 @@ TEST(Faults, GenerationProcessKilledMidTransferFreesTheContextSideAndServesTheNe
   // The context rank frees the dead reader's source pages once the writes reach a terminal
   // state; nothing waits for an answer nobody can receive.
   expectPagesFree(*c1->cache, "ctx 1 after the generation rank died");
-  const auto end2 = deadline();
-  while (c1->sender->connectedPeers() != 0 && Clock::now() < end2) {
-    std::this_thread::sleep_for(milliseconds(2));
-  }
+  waitUntil([&] { return c1->sender->connectedPeers() == 0; });
   EXPECT_EQ(c1->sender->heldRequests(), 0u);
   EXPECT_GE(c1->sender->metrics().peers_lost, 1u);
 
@@ -682,6 +686,15 @@ struct Pairs {
 };
 
 using Wrap = std::function<std::unique_ptr<Agent>(std::unique_ptr<Agent>)>;
+
+// Every rank of the pairs has its pool accounting back at the start; no stray byte anywhere.
+void expectPairsClean(Pairs& p) {
+  for (int i = 0; i < 2; ++i) {
+    expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
+    expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
+    expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
+  }
+}
 
 void startPairs(Pairs& p, const ModelSpec& model, Wrap ctx1_wrap, Wrap gen1_wrap,
                 milliseconds gen1_timeout) {
@@ -728,11 +741,7 @@ TEST(Faults, LostTransferRequestTimesOutAloneAndItsPagesComeBack) {
   expectPagesFree(*p.gen[1]->cache, "gen 1 after the lost request");
   for (int i = 0; i < 3; ++i) runAndVerify({p.gen[1].get()}, 20 + i, 60);
   EXPECT_EQ(p.gen[1]->rx->metrics().failuresBy(FailureCause::kTimeout), 1u);
-  for (int i = 0; i < 2; ++i) {
-    expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
-    expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
-    expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
-  }
+  expectPairsClean(p);
 }
 
 // The context rank closed just before the request went out, and its loss is not seen yet: the
@@ -760,11 +769,7 @@ TEST(Faults, RequestWhoseSendFailsReturnsTheErrorAndHoldsNoPages) {
   EXPECT_EQ(p.gen[1]->rx->activeRequests(), 0u);
   expectPagesFree(*p.gen[1]->cache, "gen 1 after the failed start");
   runAndVerify({p.gen[1].get()}, 2, 40);
-  for (int i = 0; i < 2; ++i) {
-    expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
-    expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
-    expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
-  }
+  expectPairsClean(p);
 }
 
 // The generation rank cancels a request whose Done is already on its way, releases it once the
@@ -786,34 +791,25 @@ TEST(Faults, CancelCrossingTheDoneLeavesALaterRequestWithTheSameIdAlone) {
   if (HasFatalFailure()) return;
   ASSERT_NE(hold, nullptr);
   runAndVerify({p.gen[1].get()}, 1, 40);
-  auto waitFor = [&](auto cond, const char* what) {
-    const auto end = deadline();
-    bool met = cond();
-    while (!met && Clock::now() < end) {
-      std::this_thread::sleep_for(milliseconds(2));
-      met = cond();
-    }
-    ASSERT_TRUE(met) << what;
-  };
   hold->hold();
   ASSERT_TRUE(p.gen[1]->start(2, 40).isOk());
-  waitFor([&] { return hold->heldMessages() == 1; }, "the Done of request 2 was never sent");
+  ASSERT_TRUE(waitUntil([&] { return hold->heldMessages() == 1; }))
+      << "the Done of request 2 was never sent";
   ASSERT_TRUE(p.gen[1]->rx->cancel(2).isOk());  // crosses the held Done
   ASSERT_TRUE(p.gen[1]->rx->release(2).isOk());
   // Request 3 goes out after the Cancel; once its Done is queued the Cancel was handled.
   ASSERT_TRUE(p.gen[1]->start(3, 40).isOk());
-  waitFor([&] { return p.ctx[1].sender->metrics().requests_ok >= 3; },
-          "request 3 was never served");
+  ASSERT_TRUE(waitUntil([&] { return p.ctx[1].sender->metrics().requests_ok >= 3; }))
+      << "request 3 was never served";
   EXPECT_EQ(hold->heldMessages(), 2u) << "the Cancel was answered a second time";
   ASSERT_TRUE(hold->releaseOne());  // the Done of the first request 2: its hold ends, and
                                     // the id can be used again
   StatusOr<Allocation> again = InvalidArgument("not started");
-  waitFor(
-      [&] {
-        again = p.gen[1]->start(2, 50);
-        return again.isOk();
-      },
-      "the id 2 never became free again");
+  ASSERT_TRUE(waitUntil([&] {
+    again = p.gen[1]->start(2, 50);
+    return again.isOk();
+  })) << "the id 2 never became free again: "
+      << again.status().toString();
   hold->release();
   for (uint64_t id : {2u, 3u}) {
     auto r = p.gen[1]->rx->wait(id, deadline());
@@ -825,11 +821,7 @@ TEST(Faults, CancelCrossingTheDoneLeavesALaterRequestWithTheSameIdAlone) {
     EXPECT_TRUE(report->ok()) << report->toString();
     ASSERT_TRUE(p.gen[1]->rx->release(id).isOk());
   }
-  for (int i = 0; i < 2; ++i) {
-    expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
-    expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
-    expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
-  }
+  expectPairsClean(p);
 }
 
 TEST(Faults, PeerDelayedPastTheTimeoutFailsItsRequestWhileOthersComplete) {
@@ -862,11 +854,7 @@ TEST(Faults, PeerDelayedPastTheTimeoutFailsItsRequestWhileOthersComplete) {
   expectPagesFree(*p.gen[1]->cache, "gen 1 after the late Done");
   for (int i = 0; i < 3; ++i) runAndVerify({p.gen[1].get()}, 20 + i, 60);
   EXPECT_GE(p.gen[1]->rx->metrics().quarantined_requests, 1u);
-  for (int i = 0; i < 2; ++i) {
-    expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
-    expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
-    expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
-  }
+  expectPairsClean(p);
 }
 
 // A context rank whose socket accepts but which never answers the hello (hung, stopped): the
@@ -957,11 +945,8 @@ TEST(Faults, PeerRestartedWithAnotherLayoutIsRefusedNamingTheField) {
   p.ctx[1].sender->shutdown();
   p.ctx[1].sender.reset();
   // The loss is seen asynchronously; a restart that beats it would find the old session alive.
-  const auto noticed = deadline();
-  while (p.gen[1]->rx->metrics().peers_lost == 0 && Clock::now() < noticed) {
-    std::this_thread::sleep_for(milliseconds(5));
-  }
-  ASSERT_EQ(p.gen[1]->rx->metrics().peers_lost, 1u) << "the generation rank never saw it leave";
+  ASSERT_TRUE(waitUntil([&] { return p.gen[1]->rx->metrics().peers_lost == 1; }))
+      << "the generation rank never saw it leave";
   expectPagesFree(*p.gen[1]->cache, "gen 1 after the context rank left");
   ModelSpec other = model;
   other.conv_dtype = DType::kFp32;
@@ -978,11 +963,7 @@ TEST(Faults, PeerRestartedWithAnotherLayoutIsRefusedNamingTheField) {
   EXPECT_NE(a.status().message().find("conv dtype"), std::string::npos);
   EXPECT_TRUE(logs.has({"refusing", "conv dtype"})) << logs.all();
   for (int i = 0; i < 3; ++i) runAndVerify({p.gen[0].get()}, 10 + i, 50);
-  for (int i = 0; i < 2; ++i) {
-    expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
-    expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
-    expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
-  }
+  expectPairsClean(p);
 }
 
 // ---------------------------------------------------------------------------------------------
