@@ -7,7 +7,7 @@ packages=(
   cmake ninja-build g++ pkg-config
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libxxhash-dev
-  libucx-dev
+  libucx-dev libssl-dev
 )
 if [[ "${HXFER_WITH_CLANG:-0}" == 1 ]]; then
   packages+=(clang libclang-rt-14-dev)

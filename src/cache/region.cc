@@ -46,7 +46,7 @@ StatusOr<std::unique_ptr<Region>> Region::allocate(uint32_t id, uint64_t length,
   int fd = -1;
   void* p = MAP_FAILED;
   if (backing == Backing::kMemfd) {
-    fd = memfd_create(std::string(name).c_str(), MFD_CLOEXEC);
+    fd = memfd_create(std::string(name).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) return ResourceExhausted(errnoText("memfd_create", length));
     // fallocate reserves the shmem pages now: a full tmpfs fails here with ENOSPC instead of
     // raising SIGBUS on the first touch below.
@@ -54,6 +54,13 @@ StatusOr<std::unique_ptr<Region>> Region::allocate(uint32_t id, uint64_t length,
     if (ftruncate(fd, static_cast<off_t>(mapped)) != 0 ||
         (fallocate(fd, 0, 0, static_cast<off_t>(mapped)) != 0 && errno != EOPNOTSUPP)) {
       Status s = ResourceExhausted(errnoText("sizing the memfd", length));
+      close(fd);
+      return s;
+    }
+    // Sealed at its size: a peer that maps it can neither shrink it (its writes would then
+    // raise SIGBUS here) nor grow it, and nobody can remove the seals (mapFd checks them).
+    if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+      Status s = Internal(errnoText("sealing the memfd", length));
       close(fd);
       return s;
     }
@@ -73,30 +80,41 @@ StatusOr<std::unique_ptr<Region>> Region::allocate(uint32_t id, uint64_t length,
 }
 
 StatusOr<std::unique_ptr<Region>> Region::mapFd(uint32_t id, int fd, uint64_t length) {
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    Status s = InvalidArgument(errnoText("fstat of region fd", length));
+  auto refuse = [&](Status s) {
     close(fd);
     return s;
+  };
+  const std::string what = "region " + std::to_string(id) + " fd";
+  // Only a memfd sealed against shrinking can be written without the risk of SIGBUS: a peer
+  // that truncates its file under our copies would otherwise kill this process.
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0) {
+    return refuse(PermissionDenied(
+        what + " is not a sealable memfd (F_GET_SEALS: " + std::strerror(errno) + ")"));
   }
+  if ((seals & F_SEAL_SHRINK) == 0 || (seals & F_SEAL_GROW) == 0) {
+    return refuse(PermissionDenied(what + " is not sealed against shrinking and growing (seals=" +
+                                   std::to_string(seals) + ")"));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) return refuse(InvalidArgument(errnoText("fstat of region fd", length)));
   if (static_cast<uint64_t>(st.st_size) < length) {
-    close(fd);
-    return InvalidArgument("region " + std::to_string(id) + " fd holds " +
-                           std::to_string(st.st_size) + " bytes, peer announced " +
-                           std::to_string(length));
+    return refuse(InvalidArgument(what + " holds " + std::to_string(st.st_size) +
+                                  " bytes, peer announced " + std::to_string(length)));
   }
   uint64_t mapped = 0;
   if (!roundToPage(length, &mapped)) {
-    close(fd);
-    return InvalidArgument("region " + std::to_string(id) + " length " + std::to_string(length) +
-                           " is larger than any mapping");
+    return refuse(InvalidArgument(what + " length " + std::to_string(length) +
+                                  " is larger than any mapping"));
   }
-  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  if (p == MAP_FAILED) {
-    Status s = ResourceExhausted(errnoText("mmap of peer region", length));
-    close(fd);
-    return s;
-  }
+  // Pre-fault only a file whose pages all exist already (our allocator fallocates and touches
+  // every page): populating then maps existing pages and costs no memory. A sparse file (a
+  // hostile peer announcing a huge region) is mapped lazily, so it charges us nothing until a
+  // write of ours touches a page.
+  const bool allocated = static_cast<uint64_t>(st.st_blocks) * 512 >= mapped;
+  const int flags = MAP_SHARED | (allocated ? MAP_POPULATE : 0);
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, flags, fd, 0);
+  if (p == MAP_FAILED) return refuse(ResourceExhausted(errnoText("mmap of peer region", length)));
   return std::unique_ptr<Region>(new Region(id, static_cast<uint8_t*>(p), length, mapped, fd));
 }
 

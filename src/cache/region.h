@@ -22,12 +22,14 @@ class Region {
   enum class Backing { kAnonymous, kMemfd };
 
   // Maps `length` bytes (rounded up to the page size; length 0 maps one page) and pre-faults
-  // them. `name` labels the memfd (visible in /proc/PID/fd). ResourceExhausted when the
-  // memory (or, for a memfd, the shmem space) cannot be had.
+  // them. `name` labels the memfd (visible in /proc/PID/fd); a memfd is sealed at its size.
+  // ResourceExhausted when the memory (or, for a memfd, the shmem space) cannot be had.
   static StatusOr<std::unique_ptr<Region>> allocate(uint32_t id, uint64_t length, Backing backing,
                                                     std::string_view name);
   // Maps a memfd received from a peer, shared and read-write. Takes ownership of `fd` (closed
-  // on error too). Fails with InvalidArgument when the file is shorter than `length`.
+  // on error too). PermissionDenied when the fd is not a memfd sealed against shrinking and
+  // growing (allocate() seals its memfds); InvalidArgument when the file is shorter than
+  // `length`. A sparse file is mapped without pre-faulting (it charges nothing until written).
   static StatusOr<std::unique_ptr<Region>> mapFd(uint32_t id, int fd, uint64_t length);
 
   ~Region();

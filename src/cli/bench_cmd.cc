@@ -29,6 +29,7 @@
 #include "cli/socket_util.h"
 #include "common/coding.h"
 #include "common/crc32c.h"
+#include "transport/auth.h"
 #include "transport/transport.h"
 
 namespace hxfer::cli {
@@ -137,7 +138,7 @@ int runReceiver(const AgentConfig& config, uint64_t size, int address_fd) {
   if (!agent.isOk()) return 2;
   auto region = allocate(2, size, "bench-dst");
   if (!region) return 3;
-  auto key = (*agent)->registerRegion(*region);
+  auto key = (*agent)->registerRegion(*region, transport::RegionAccess::kRemoteWritable);
   if (!key.isOk()) return 4;
   const std::string addr = (*agent)->localAddress();
   if (write(address_fd, addr.data(), addr.size()) != static_cast<ssize_t>(addr.size())) return 5;
@@ -221,7 +222,7 @@ Status measure(const AgentConfig& config, const Region& src, const std::vector<W
     auto agent = transport::createAgent(config);
     if (!agent.isOk()) return finish(agent.status());
     Agent& a = **agent;
-    auto key = a.registerRegion(src);
+    auto key = a.registerRegion(src, transport::RegionAccess::kLocalSource);
     auto peer = key.isOk() ? a.connect(addr) : StatusOr<PeerId>(key.status());
     if (!peer.isOk()) return finish(peer.status());
     auto msg = nextMessage(a);
@@ -288,6 +289,9 @@ int run(const BenchOptions& o) {
   config.backend = o.backend;
   config.label = "bench";
   config.ucx_mode = *mode;
+  auto token = transport::auth::randomToken();  // the forked receiver inherits it
+  if (!token.isOk()) return reportError(token.status());
+  config.auth_token = *token;
   if (!o.ucx_tls.empty()) config.ucx_options = {{"TLS", o.ucx_tls}};
 
   auto src = allocate(1, o.size, "bench-src");

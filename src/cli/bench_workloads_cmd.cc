@@ -59,6 +59,7 @@
 #include "engine/handshake.h"
 #include "plan/oracle.h"
 #include "plan/planner.h"
+#include "transport/auth.h"
 #include "transport/transport.h"
 
 namespace hxfer::cli {
@@ -456,6 +457,8 @@ StatusOr<std::unique_ptr<LocalCluster>> makeCluster(const ModelSpec& model, uint
   o.blocks = std::max<uint32_t>(blocks, 1);
   o.slots = std::max<uint32_t>(slots, 1);
   o.ucx_options = ucxOptionsFor(backend);
+  ASSIGN_OR_RETURN(o.ctx_token, transport::auth::randomToken());
+  o.gen_token = o.ctx_token;
   o.request_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(kRequestDeadline);
   o.lease_timeout = o.request_timeout;
   ASSIGN_OR_RETURN(auto c, LocalCluster::create(std::move(o)));

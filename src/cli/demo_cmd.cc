@@ -43,6 +43,7 @@
 #include "engine/handshake.h"
 #include "engine/routing.h"
 #include "plan/oracle.h"
+#include "transport/auth.h"
 #include "transport/transport.h"
 
 namespace hxfer::cli {
@@ -171,11 +172,14 @@ struct Resolved {
   engine::BackendKind backend;
   StateLayout ctx_layout, gen_layout;
   std::vector<std::string> decisions;  // for --json and the header line
+  std::string token;  // fresh per run, inherited by the forked ranks, never printed
 };
 
 StatusOr<Resolved> resolveDemo(const DemoOptions& o) {
   Resolved r;
   ASSIGN_OR_RETURN(r.model, resolveModel(o.model));
+  // Every rank of this run proves the same fresh secret, so no other process can join it.
+  ASSIGN_OR_RETURN(r.token, transport::auth::randomToken());
   r.ctx = ParallelConfig{o.ctx_tp, o.ctx_pp, {}};
   r.gen = ParallelConfig{o.gen_tp, o.gen_pp, {}};
   RETURN_IF_ERROR(r.ctx.validate(r.model.numLayers()).withContext("context"));
@@ -228,6 +232,7 @@ StatusOr<std::unique_ptr<transport::Agent>> makeAgent(const Resolved& r, const c
   transport::AgentConfig ac;
   ac.backend = std::string(engine::backendName(r.backend));
   ac.label = label;
+  ac.auth_token = r.token;
   return transport::createAgent(ac);
 }
 

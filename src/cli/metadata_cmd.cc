@@ -27,7 +27,6 @@ struct MetadataOptions {
   std::string role = "context";
   std::string instance_id;  // empty: "<role>-<model>"
   std::string address;
-  std::string token;
   std::string out;
 };
 
@@ -64,8 +63,8 @@ Status run(const MetadataOptions& o) {
   info.role = *role;
   info.address.assign(o.address.begin(), o.address.end());
   info.layout = cache->layout();
-  // Shared-memory regions need no transport key; a UCX build adds one per region here.
-  hello.auth_token = o.token;
+  // Shared-memory regions need no transport key; a UCX build adds one per region here. The
+  // auth token is never in a Hello: transports prove it (docs/reliability.md).
   RETURN_IF_ERROR(wire::checkMessage(hello));
 
   const Bytes frame = wire::encodeMessage(hello);
@@ -94,7 +93,6 @@ void addMetadataCommand(CLI::App& app) {
       ->default_val("context");
   cmd->add_option("--instance-id", o->instance_id, "Instance id (default: <role>-<model>)");
   cmd->add_option("--address", o->address, "Transport address to publish");
-  cmd->add_option("--token", o->token, "Shared auth token to put in the Hello");
   cmd->add_option("--out", o->out, "File to write")->required();
   cmd->callback([o] {
     Status s = run(*o);

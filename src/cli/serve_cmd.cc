@@ -92,6 +92,7 @@ int runServe(const ServeOptions& o) {
   ac.backend = std::string(engine::backendName(routing->backend));
   ac.listen = o.listen;
   ac.label = o.role;
+  ac.auth_token = o.token;
   auto agent = transport::createAgent(ac);
   if (!agent.isOk()) return reportError(agent.status());
   HybridCacheManager& pool = **cache;
@@ -106,7 +107,6 @@ int runServe(const ServeOptions& o) {
     so.parallel = pc;
     so.tp_rank = tp_rank;
     so.pp_rank = pp_rank;
-    so.auth_token = o.token;
     so.checksum = o.checksum;
     engine::ContextSender* sender_ptr = nullptr;
     so.on_request = [&](uint64_t id, uint64_t tokens, const Bytes&) {
@@ -137,7 +137,6 @@ int runServe(const ServeOptions& o) {
   ro.parallel = pc;
   ro.tp_rank = tp_rank;
   ro.pp_rank = pp_rank;
-  ro.auth_token = o.token;
   ro.checksum = o.checksum;
   ro.ctx_parallel = ParallelConfig{o.peer_tp, o.peer_pp, {}};
   ro.ctx_addresses = splitComma(o.peers);
@@ -197,7 +196,9 @@ void addServeCommand(CLI::App& app) {
   cmd->add_option("--backend", o->backend, "shm or ucx")->default_val("shm");
   cmd->add_option("--layout", o->layout, "State layout: auto, paged, layer-major")
       ->default_val("auto");
-  cmd->add_option("--token", o->token, "Shared secret both sides must present");
+  cmd->add_option(
+      "--token", o->token,
+      "Shared secret both sides prove they hold (never sent); empty: none, with a warning");
   cmd->add_flag("--checksum", o->checksum, "End-to-end xxh3 checksum per request part");
   cmd->add_option("--blocks", o->blocks, "KV blocks in this rank's pool")->default_val(1024);
   cmd->add_option("--slots", o->slots, "State slots in this rank's pool")->default_val(64);

@@ -7,16 +7,28 @@ namespace hxfer {
 
 std::string_view statusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInvalidArgument: return "InvalidArgument";
-    case StatusCode::kCorruption: return "Corruption";
-    case StatusCode::kIncompatible: return "Incompatible";
-    case StatusCode::kUnavailable: return "Unavailable";
-    case StatusCode::kTimeout: return "Timeout";
-    case StatusCode::kCancelled: return "Cancelled";
-    case StatusCode::kResourceExhausted: return "ResourceExhausted";
-    case StatusCode::kNotFound: return "NotFound";
-    case StatusCode::kInternal: return "Internal";
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kInvalidArgument:
+      return "InvalidArgument";
+    case StatusCode::kCorruption:
+      return "Corruption";
+    case StatusCode::kIncompatible:
+      return "Incompatible";
+    case StatusCode::kUnavailable:
+      return "Unavailable";
+    case StatusCode::kTimeout:
+      return "Timeout";
+    case StatusCode::kCancelled:
+      return "Cancelled";
+    case StatusCode::kResourceExhausted:
+      return "ResourceExhausted";
+    case StatusCode::kNotFound:
+      return "NotFound";
+    case StatusCode::kInternal:
+      return "Internal";
+    case StatusCode::kPermissionDenied:
+      return "PermissionDenied";
   }
   return "Unknown";
 }

@@ -11,6 +11,8 @@
 //   kResourceExhausted  a pool, queue or budget is full.
 //   kNotFound           an id (request, region, peer) is not known.
 //   kInternal           a broken invariant inside hxfer: a bug.
+//   kPermissionDenied   a peer failed authentication (token, uid) or is not allowed to do what
+//                       it asked; final for that connection, retrying does not help.
 //
 // Messages name the field and the values: "peer tp=3 does not divide n_groups=8".
 // Thread-safety: values; safe to copy between threads.
@@ -35,6 +37,7 @@ enum class StatusCode : int {
   kResourceExhausted = 7,
   kNotFound = 8,
   kInternal = 9,
+  kPermissionDenied = 10,
 };
 
 std::string_view statusCodeName(StatusCode code);
@@ -63,7 +66,9 @@ class [[nodiscard]] Status {
 };
 
 inline Status OkStatus() { return Status(); }
-inline Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+inline Status InvalidArgument(std::string m) {
+  return {StatusCode::kInvalidArgument, std::move(m)};
+}
 inline Status Corruption(std::string m) { return {StatusCode::kCorruption, std::move(m)}; }
 inline Status Incompatible(std::string m) { return {StatusCode::kIncompatible, std::move(m)}; }
 inline Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
@@ -74,6 +79,9 @@ inline Status ResourceExhausted(std::string m) {
 }
 inline Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+inline Status PermissionDenied(std::string m) {
+  return {StatusCode::kPermissionDenied, std::move(m)};
+}
 
 // StatusOr<T>: a value or a non-ok Status. Accessing value() of an error aborts with the
 // status printed (a bug in the caller, never reachable from bad input).
@@ -85,9 +93,9 @@ class [[nodiscard]] StatusOr {
   StatusOr(const T& value) : value_(value) {}
   StatusOr(T&& value) : value_(std::move(value)) {}
   template <typename U>
-    requires(std::is_constructible_v<T, U &&> && !std::is_same_v<std::decay_t<U>, T> &&
-             !std::is_same_v<std::decay_t<U>, Status>)
-  StatusOr(U&& value) : value_(T(std::forward<U>(value))) {}
+  requires(std::is_constructible_v<T, U&&> && !std::is_same_v<std::decay_t<U>, T> &&
+           !std::is_same_v<std::decay_t<U>, Status>) StatusOr(U&& value)
+      : value_(T(std::forward<U>(value))) {}
 
   bool isOk() const { return status_.isOk(); }
   const Status& status() const { return status_; }
@@ -136,10 +144,10 @@ void StatusOr<T>::checkOk() const {
 #define HXFER_CONCAT_(a, b) HXFER_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function if `expr` (a Status) is not ok.
-#define RETURN_IF_ERROR(expr)                             \
-  do {                                                    \
-    ::hxfer::Status hxfer_status_ = (expr);               \
-    if (!hxfer_status_.isOk()) return hxfer_status_;      \
+#define RETURN_IF_ERROR(expr)                        \
+  do {                                               \
+    ::hxfer::Status hxfer_status_ = (expr);          \
+    if (!hxfer_status_.isOk()) return hxfer_status_; \
   } while (0)
 
 // ASSIGN_OR_RETURN(auto x, F()): declares/assigns from a StatusOr or returns its error.

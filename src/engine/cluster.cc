@@ -10,10 +10,11 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(ClusterOptions o) {
   std::unique_ptr<LocalCluster> c(new LocalCluster(std::move(o)));
   const ClusterOptions& opt = c->options_;
   const auto backing = opt.backend == "shm" ? Region::Backing::kMemfd : Region::Backing::kAnonymous;
-  auto makeAgent = [&](const std::string& label) {
+  auto makeAgent = [&](const std::string& label, const std::string& token) {
     transport::AgentConfig ac;
     ac.backend = opt.backend;
     ac.label = label;
+    ac.auth_token = token;
     ac.ucx_options = opt.ucx_options;
     return transport::createAgent(ac);
   };
@@ -23,14 +24,13 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(ClusterOptions o) {
       ASSIGN_OR_RETURN(
           auto cache, HybridCacheManager::create(opt.model, opt.ctx, t, p, opt.ctx_layout,
                                                  Capacity::counts(opt.blocks, opt.slots), backing));
-      ASSIGN_OR_RETURN(auto agent, makeAgent("ctx"));
+      ASSIGN_OR_RETURN(auto agent, makeAgent("ctx", opt.ctx_token));
       ContextSender::Options so;
       so.instance_id = "ctx";
       so.model = opt.model;
       so.parallel = opt.ctx;
       so.tp_rank = t;
       so.pp_rank = p;
-      so.auth_token = opt.ctx_token;
       so.checksum = opt.checksum;
       so.lease_timeout = opt.lease_timeout;
       ASSIGN_OR_RETURN(auto sender, ContextSender::create(so, cache.get(), std::move(agent)));
@@ -44,14 +44,13 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(ClusterOptions o) {
       ASSIGN_OR_RETURN(
           auto cache, HybridCacheManager::create(opt.model, opt.gen, t, p, opt.gen_layout,
                                                  Capacity::counts(opt.blocks, opt.slots), backing));
-      ASSIGN_OR_RETURN(auto agent, makeAgent("gen"));
+      ASSIGN_OR_RETURN(auto agent, makeAgent("gen", opt.gen_token));
       GenerationReceiver::Options ro;
       ro.instance_id = "gen";
       ro.model = opt.model;
       ro.parallel = opt.gen;
       ro.tp_rank = t;
       ro.pp_rank = p;
-      ro.auth_token = opt.gen_token;
       ro.checksum = opt.checksum;
       ro.ctx_parallel = opt.ctx;
       ro.ctx_addresses = addresses;

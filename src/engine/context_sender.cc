@@ -69,7 +69,8 @@ StatusOr<std::unique_ptr<ContextSender>> ContextSender::create(
   s->self_.address.assign(addr.begin(), addr.end());
   s->self_.layout = layout;
   for (const auto& region : cache->regions()) {
-    ASSIGN_OR_RETURN(Bytes key, s->agent_->registerRegion(*region));
+    ASSIGN_OR_RETURN(Bytes key,
+                     s->agent_->registerRegion(*region, transport::RegionAccess::kLocalSource));
     if (!key.empty()) s->self_.region_keys.push_back({region->id(), std::move(key)});
   }
   RETURN_IF_ERROR(wire::checkRankInfo(s->self_).withContext("own rank_info"));
@@ -87,7 +88,7 @@ ContextSender::~ContextSender() { shutdown(); }
 
 std::string ContextSender::address() const { return agent_->localAddress(); }
 
-MetricsSnapshot ContextSender::metrics() const { return metrics_.snapshot(); }
+MetricsSnapshot ContextSender::metrics() const { return metrics_.snapshot(agent_->agentStats()); }
 
 size_t ContextSender::heldRequests() const {
   std::lock_guard lock(mu_);
@@ -215,10 +216,6 @@ void ContextSender::onHelloLocked(Peer& peer, wire::Hello hello) {
     refuseLocked(peer, InvalidArgument("second hello on one connection"));
     return;
   }
-  if (hello.auth_token != options_.auth_token) {
-    refuseLocked(peer, Incompatible("auth token mismatch"));
-    return;
-  }
   if (hello.rank_info.role != wire::InstanceRole::kGeneration) {
     refuseLocked(peer, Incompatible("peer role " +
                                     std::string(wire::instanceRoleName(hello.rank_info.role)) +
@@ -245,7 +242,7 @@ void ContextSender::onHelloLocked(Peer& peer, wire::Hello hello) {
   metrics_.handshake(true);
   HXFER_LOG_INFO("context rank {}: generation rank {} of '{}' connected", rankName(self_.layout),
                  rankName(peer.info.layout), peer.info.instance_id);
-  sendLocked(peer.id, wire::Hello{self_, options_.auth_token});
+  sendLocked(peer.id, wire::Hello{self_, {}});  // the token was proved by the transport
 }
 
 void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,

@@ -82,7 +82,8 @@ StatusOr<std::unique_ptr<GenerationReceiver>> GenerationReceiver::create(
   g->self_.address.assign(addr.begin(), addr.end());
   g->self_.layout = layout;
   for (const auto& region : cache->regions()) {
-    ASSIGN_OR_RETURN(Bytes key, g->agent_->registerRegion(*region));
+    ASSIGN_OR_RETURN(Bytes key,
+                     g->agent_->registerRegion(*region, transport::RegionAccess::kRemoteWritable));
     if (!key.empty()) g->self_.region_keys.push_back({region->id(), std::move(key)});
   }
   RETURN_IF_ERROR(wire::checkRankInfo(g->self_).withContext("own rank_info"));
@@ -144,7 +145,9 @@ GenerationReceiver::GenerationReceiver(Options options, HybridCacheManager* cach
 
 GenerationReceiver::~GenerationReceiver() { shutdown(); }
 
-MetricsSnapshot GenerationReceiver::metrics() const { return metrics_.snapshot(); }
+MetricsSnapshot GenerationReceiver::metrics() const {
+  return metrics_.snapshot(agent_->agentStats());
+}
 
 size_t GenerationReceiver::activeRequests() const {
   std::lock_guard lock(mu_);
@@ -435,10 +438,6 @@ void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
     refuse(InvalidArgument("unexpected hello"));
     return;
   }
-  if (hello.auth_token != options_.auth_token) {
-    refuse(Incompatible("auth token mismatch"));
-    return;
-  }
   const wire::RankInfo& info = hello.rank_info;
   if (info.role != wire::InstanceRole::kContext) {
     refuse(Incompatible("peer role " + std::string(wire::instanceRoleName(info.role)) +
@@ -560,6 +559,15 @@ void GenerationReceiver::finishConnectLocked(CtxPeer& peer, StatusOr<transport::
                      " closed the connection right after accepting it");
   }
   if (!anyConnectingLocked(&peer)) lost_while_connecting_.clear();
+  if (!id.isOk() && id.status().code() == StatusCode::kPermissionDenied) {
+    // Authentication failed (token or uid): final for this peer, like a refused handshake.
+    HXFER_LOG_WARN("generation rank {}: context rank {} at {}: {}", rankName(self_.layout),
+                   peer.rank, peer.address, id.status().toString());
+    metrics_.handshake(false);
+    peer.state = peer.before_connect;
+    peerDownLocked(peer, id.status(), /*final=*/true);
+    return;
+  }
   if (!id.isOk()) {
     peer.state = peer.before_connect;
     peer.last_error = id.status();
@@ -576,7 +584,7 @@ void GenerationReceiver::finishConnectLocked(CtxPeer& peer, StatusOr<transport::
   peer.id = *id;
   peer.state = CtxPeer::State::kHandshaking;
   peer.handshake_deadline = Clock::now() + options_.handshake_timeout;
-  sendLocked(peer.id, wire::Hello{self_, options_.auth_token});
+  sendLocked(peer.id, wire::Hello{self_, {}});  // the token was proved by the transport
 }
 
 void GenerationReceiver::timersLocked() {

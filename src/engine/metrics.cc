@@ -101,6 +101,11 @@ void MetricsSnapshot::merge(const MetricsSnapshot& o) {
   handshakes_refused += o.handshakes_refused;
   peers_lost += o.peers_lost;
   reconnects += o.reconnects;
+  auth_failures += o.auth_failures;
+  unauthenticated_dropped += o.unauthenticated_dropped;
+  connections_refused += o.connections_refused;
+  peers_over_limit += o.peers_over_limit;
+  ranks_without_token += o.ranks_without_token;
   latency.merge(o.latency);
 }
 
@@ -123,6 +128,11 @@ std::string MetricsSnapshot::toJson() const {
   j["handshakes_refused"] = handshakes_refused;
   j["peers_lost"] = peers_lost;
   j["reconnects"] = reconnects;
+  j["auth_failures"] = auth_failures;
+  j["unauthenticated_dropped"] = unauthenticated_dropped;
+  j["connections_refused"] = connections_refused;
+  j["peers_over_limit"] = peers_over_limit;
+  j["ranks_without_token"] = ranks_without_token;
   auto us = [](std::chrono::nanoseconds ns) { return static_cast<double>(ns.count()) / 1000.0; };
   j["latency_us"] = {{"count", latency.count()},
                      {"p50", us(latency.quantile(0.5))},
@@ -183,6 +193,16 @@ void Metrics::reconnected() {
 MetricsSnapshot Metrics::snapshot() const {
   std::lock_guard lock(mu_);
   return s_;
+}
+
+MetricsSnapshot Metrics::snapshot(const transport::AgentStats& agent) const {
+  MetricsSnapshot s = snapshot();
+  s.auth_failures = agent.auth_failures;
+  s.unauthenticated_dropped = agent.unauthenticated_dropped;
+  s.connections_refused = agent.connections_refused;
+  s.peers_over_limit = agent.peers_over_limit;
+  s.ranks_without_token = agent.token_configured ? 0 : 1;
+  return s;
 }
 
 }  // namespace hxfer::engine

@@ -17,6 +17,7 @@
 #include <string_view>
 
 #include "common/status.h"
+#include "transport/transport.h"
 
 namespace hxfer::engine {
 
@@ -69,7 +70,13 @@ struct MetricsSnapshot {
   uint64_t handshakes_refused = 0;
   uint64_t peers_lost = 0;
   uint64_t reconnects = 0;
-  LatencyHistogram latency;  // request start (or ask) to completion, successful ones
+  // From the transport (transport::AgentStats): what it refused before the engine saw a peer.
+  uint64_t auth_failures = 0;            // handshakes refused: bad token proof, uid, timeout
+  uint64_t unauthenticated_dropped = 0;  // frames from connections that had not authenticated
+  uint64_t connections_refused = 0;      // over the cap of connections authenticating, or no fd
+  uint64_t peers_over_limit = 0;         // peers dropped for exceeding a per-peer bound
+  uint64_t ranks_without_token = 0;      // ranks whose transport has no auth token configured
+  LatencyHistogram latency;              // request start (or ask) to completion, successful ones
 
   uint64_t failuresBy(FailureCause c) const { return failures[static_cast<size_t>(c)]; }
   // Adds another rank's snapshot (for instance-wide summaries).
@@ -90,6 +97,8 @@ class Metrics {
   void peerLost();
   void reconnected();
   MetricsSnapshot snapshot() const;
+  // snapshot() with the transport's counters filled in.
+  MetricsSnapshot snapshot(const transport::AgentStats& agent) const;
 
  private:
   mutable std::mutex mu_;

@@ -19,9 +19,6 @@ struct EngineOptions {
   ParallelConfig parallel;            // this instance's tp/pp
   uint32_t tp_rank = 0;
   uint32_t pp_rank = 0;
-  // Shared secret both sides present in Hello; empty = none. A peer presenting another token
-  // is refused (Error message, disconnect, logged once per attempt, counted).
-  std::string auth_token;
   // Context: hash the bytes of every request part and send the checksum with TransferDone.
   // Generation: verify every checksum that arrives against the bytes that landed.
   bool checksum = false;

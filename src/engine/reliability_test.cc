@@ -154,8 +154,9 @@ class HoldAgent final : public Agent {
 
   const transport::Capabilities& capabilities() const override { return inner_->capabilities(); }
   std::string localAddress() const override { return inner_->localAddress(); }
-  StatusOr<std::vector<uint8_t>> registerRegion(const Region& r) override {
-    return inner_->registerRegion(r);
+  StatusOr<std::vector<uint8_t>> registerRegion(const Region& r,
+                                                transport::RegionAccess access) override {
+    return inner_->registerRegion(r, access);
   }
   Status deregisterRegion(uint32_t id) override { return inner_->deregisterRegion(id); }
   StatusOr<transport::PeerId> connect(const std::string& a) override { return inner_->connect(a); }
@@ -179,6 +180,7 @@ class HoldAgent final : public Agent {
   std::optional<transport::Event> pollEvent(milliseconds timeout) override {
     return inner_->pollEvent(timeout);
   }
+  transport::AgentStats agentStats() const override { return inner_->agentStats(); }
 
  private:
   std::unique_ptr<Agent> inner_;
@@ -187,8 +189,10 @@ class HoldAgent final : public Agent {
   std::deque<std::pair<transport::PeerId, std::vector<uint8_t>>> queue_;  // guarded by mu_
 };
 
-StatusOr<std::unique_ptr<Agent>> shmAgent(const std::string& listen, const std::string& label) {
+StatusOr<std::unique_ptr<Agent>> shmAgent(const std::string& listen, const std::string& label,
+                                          const std::string& token = "") {
   transport::AgentConfig ac;
+  ac.auth_token = token;
   ac.backend = "shm";
   ac.listen = listen;
   ac.label = label;
@@ -240,7 +244,8 @@ StatusOr<CtxRank> startContext(
   CtxRank c;
   ASSIGN_OR_RETURN(c.cache, HybridCacheManager::create(model, pc, rank % pc.tp, rank / pc.tp,
                                                        layout, capacity, Region::Backing::kMemfd));
-  ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent, shmAgent(listen, "ctx" + std::to_string(rank)));
+  ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent,
+                   shmAgent(listen, "ctx" + std::to_string(rank), token));
   if (wrap) agent = wrap(std::move(agent));
   c.agent = agent.get();
   c.serve = std::make_shared<AutoServe>();
@@ -251,7 +256,6 @@ StatusOr<CtxRank> startContext(
   so.parallel = pc;
   so.tp_rank = rank % pc.tp;
   so.pp_rank = rank / pc.tp;
-  so.auth_token = token;
   so.on_request = [serve = c.serve](uint64_t id, uint64_t tokens, const Bytes&) {
     (*serve)(id, tokens);
   };
@@ -322,7 +326,7 @@ StatusOr<std::unique_ptr<GenRank>> startGeneration(
   ASSIGN_OR_RETURN(g->cache, HybridCacheManager::create(model, pc, rank % pc.tp, rank / pc.tp,
                                                         layout, capacity, Region::Backing::kMemfd));
   for (const auto& r : g->cache->regions()) std::memset(r->data(), kSentinel, r->length());
-  ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent, shmAgent("", "gen" + std::to_string(rank)));
+  ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent, shmAgent("", "gen" + std::to_string(rank), token));
   if (wrap) agent = wrap(std::move(agent));
   g->agent = agent.get();
   GenerationReceiver::Options ro;
@@ -331,7 +335,6 @@ StatusOr<std::unique_ptr<GenRank>> startGeneration(
   ro.parallel = pc;
   ro.tp_rank = rank % pc.tp;
   ro.pp_rank = rank / pc.tp;
-  ro.auth_token = token;
   ro.ctx_parallel = ctx_pc;
   ro.ctx_addresses = std::move(ctx_addresses);
   ro.request_timeout = request_timeout;
@@ -1313,9 +1316,11 @@ TEST(HostilePeer, GenerationPeerWithBadRequestsIsRefusedAndNothingIsWritten) {
                                           Capacity::counts(64, 8), Region::Backing::kMemfd);
   ASSERT_TRUE(cache.isOk());
   for (const auto& r : (*cache)->regions()) std::memset(r->data(), kSentinel, r->length());
-  auto agent = shmAgent("", "hostile");
+  auto agent = shmAgent("", "hostile", "secret");
   ASSERT_TRUE(agent.isOk());
-  for (const auto& r : (*cache)->regions()) ASSERT_TRUE((*agent)->registerRegion(*r).isOk());
+  for (const auto& r : (*cache)->regions()) {
+    ASSERT_TRUE((*agent)->registerRegion(*r, transport::RegionAccess::kRemoteWritable).isOk());
+  }
   const wire::RankInfo good = rankInfoOf(**cache, **agent, wire::InstanceRole::kGeneration);
 
   auto refusedWith = [&](wire::Hello hello, std::string_view needle) {
@@ -1329,7 +1334,14 @@ TEST(HostilePeer, GenerationPeerWithBadRequestsIsRefusedAndNothingIsWritten) {
     EXPECT_TRUE(logs.has({"refusing generation peer", needle})) << logs.all();
     (void)(*agent)->disconnect(*peer);
   };
-  refusedWith(wire::Hello{good, "guess"}, "auth token");
+  {
+    // Another token is refused by the transport, before any Hello or region crosses.
+    auto guesser = shmAgent("", "guesser", "guess");
+    ASSERT_TRUE(guesser.isOk());
+    auto peer = (*guesser)->connect(shmAddress(name));
+    ASSERT_EQ(peer.status().code(), StatusCode::kPermissionDenied) << peer.status().toString();
+    EXPECT_TRUE(waitUntil([&] { return c->sender->metrics().auth_failures >= 1; }));
+  }
   wire::RankInfo wrong_model = good;
   wrong_model.layout.model_fingerprint ^= 1;
   refusedWith(wire::Hello{wrong_model, "secret"}, "fingerprint");
@@ -1431,7 +1443,7 @@ TEST(HostilePeer, GenerationPeerWithBadRequestsIsRefusedAndNothingIsWritten) {
   }
   EXPECT_EQ(written, 0u);
   runAndVerify({honest->get()}, 2, 80);
-  EXPECT_GE(c->sender->metrics().handshakes_refused, 4u);
+  EXPECT_GE(c->sender->metrics().handshakes_refused, 3u);
   expectPagesFree(*c->cache, "ctx");
   expectPagesFree(*(*honest)->cache, "gen");
   expectNoStrayBytes(**honest, "gen");
@@ -1448,12 +1460,13 @@ struct HostileContext {
     auto h = std::make_unique<HostileContext>();
     auto cache = HybridCacheManager::create(model, {1, 1, {}}, 0, 0, StateLayout::kPaged,
                                             Capacity::counts(64, 8), Region::Backing::kMemfd);
-    auto agent = shmAgent(uniqueName("hostile-ctx"), "hostile");
+    auto agent = shmAgent(uniqueName("hostile-ctx"), "hostile", "secret");
     if (!cache.isOk() || !agent.isOk()) return nullptr;
     h->cache = std::move(*cache);
     h->agent = std::move(*agent);
     for (const auto& r : h->cache->regions()) {
-      if (!h->agent->registerRegion(*r).isOk()) return nullptr;
+      if (!h->agent->registerRegion(*r, transport::RegionAccess::kLocalSource).isOk())
+        return nullptr;
     }
     return h;
   }
@@ -1500,8 +1513,6 @@ TEST(HostilePeer, ContextPeerWithWrongModelOrTokenOrAnswersIsRefused) {
   const std::vector<Case> cases = {
       {"wrong model fingerprint", [](wire::Hello& h) { h.rank_info.layout.model_fingerprint ^= 1; },
        StatusCode::kIncompatible, "fingerprint"},
-      {"wrong token", [](wire::Hello& h) { h.auth_token = "guess"; }, StatusCode::kIncompatible,
-       "auth token"},
       {"claims the generation role",
        [](wire::Hello& h) { h.rank_info.role = wire::InstanceRole::kGeneration; },
        StatusCode::kIncompatible, "role"},
@@ -1535,7 +1546,7 @@ TEST(HostilePeer, ContextPeerWithWrongModelOrTokenOrAnswersIsRefused) {
   auto h = HostileContext::make(model);
   ASSERT_NE(h, nullptr);
   auto g = startGeneration(model, one, 0, StateLayout::kPaged, Capacity::counts(64, 8), one,
-                           {h->agent->localAddress()});
+                           {h->agent->localAddress()}, milliseconds(60000), nullptr, "secret");
   ASSERT_TRUE(g.isOk());
   ASSERT_TRUE(h->acceptHello());
   h->send(wire::Hello{rankInfoOf(*h->cache, *h->agent, wire::InstanceRole::kContext), ""});
@@ -1584,9 +1595,9 @@ TEST(HostilePeer, UcxActiveMessageWritesOutsideRegisteredRegionsAreRefused) {
   ASSERT_TRUE(dst.isOk() && src.isOk());
   std::memset((*dst)->data(), kSentinel, kLen);
   std::memset((*src)->data(), 0x11, 4 * kLen);
-  auto key = (*receiver)->registerRegion(**dst);
+  auto key = (*receiver)->registerRegion(**dst, transport::RegionAccess::kRemoteWritable);
   ASSERT_TRUE(key.isOk());
-  ASSERT_TRUE((*writer)->registerRegion(**src).isOk());
+  ASSERT_TRUE((*writer)->registerRegion(**src, transport::RegionAccess::kLocalSource).isOk());
   auto peer = (*writer)->connect((*receiver)->localAddress());
   ASSERT_TRUE(peer.isOk()) << peer.status().toString();
   // The writer holds a forged key (the key's length field, bytes 8..15, says 4x the registered

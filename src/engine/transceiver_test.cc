@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 
 #include "engine/cluster.h"
 #include "model/presets.h"
@@ -266,7 +267,14 @@ TEST_P(Transceiver, WrongTokenIsRefusedAndCounted) {
   Status s = (*c)->receivers()[0]->waitForPeers(deadline());
   EXPECT_FALSE(s.isOk());
   EXPECT_NE(s.toString().find("token"), std::string::npos) << s.toString();
-  EXPECT_GE((*c)->ctxMetrics().handshakes_refused, 1u);
+  EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << s.toString();
+  // The context rank's transport refused it: counted there, and the engine never saw a Hello.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while ((*c)->ctxMetrics().auth_failures == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GE((*c)->ctxMetrics().auth_failures, 1u);
+  EXPECT_EQ((*c)->ctxMetrics().handshakes_ok, 0u);
   EXPECT_FALSE((*c)->startGeneration(1, 10).isOk());
   expectPagesFree(**c);
 }

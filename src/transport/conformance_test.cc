@@ -119,7 +119,7 @@ class Conformance : public ::testing::TestWithParam<BackendCase> {
 
   // The receiver registers `r` and sends its key; the writer adds it on arrival.
   void shareRegion(const Region& r, uint64_t declared_length = 0) {
-    auto key = receiver_->registerRegion(r);
+    auto key = receiver_->registerRegion(r, RegionAccess::kRemoteWritable);
     ASSERT_TRUE(key.isOk()) << key.status().toString();
     Bytes msg = encodeRegionKey(r, *key);
     ASSERT_TRUE(receiver_->sendMessage(to_writer_, msg).isOk());
@@ -137,7 +137,7 @@ class Conformance : public ::testing::TestWithParam<BackendCase> {
     dst_ = makeRegion(7, length);
     fillPattern(*src_, 3);
     std::memset(dst_->data(), 0, dst_->length());
-    ASSERT_TRUE(writer_->registerRegion(*src_).isOk());
+    ASSERT_TRUE(writer_->registerRegion(*src_, RegionAccess::kLocalSource).isOk());
     shareRegion(*dst_);
   }
 
@@ -222,7 +222,7 @@ TEST_P(Conformance, ZeroByteAndOutOfRangeOpsAreRejectedAndMoveNothing) {
 TEST_P(Conformance, RemoteRegionDeclaredLongerThanThePeerRegisteredIsRefused) {
   connectPair();
   auto dst = makeRegion(7, 4096);
-  auto key = receiver_->registerRegion(*dst);
+  auto key = receiver_->registerRegion(*dst, RegionAccess::kRemoteWritable);
   ASSERT_TRUE(key.isOk());
   ASSERT_TRUE(receiver_->sendMessage(to_writer_, encodeRegionKey(*dst, *key)).isOk());
   auto e = waitForEvent(*writer_, Event::Kind::kMessage);
@@ -236,11 +236,12 @@ TEST_P(Conformance, RemoteRegionDeclaredLongerThanThePeerRegisteredIsRefused) {
 TEST_P(Conformance, RegistrationsAreReleasedAndIdsReusable) {
   connectPair();
   auto r = makeRegion(3, 4096);
-  ASSERT_TRUE(receiver_->registerRegion(*r).isOk());
-  EXPECT_EQ(receiver_->registerRegion(*r).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(receiver_->registerRegion(*r, RegionAccess::kRemoteWritable).isOk());
+  EXPECT_EQ(receiver_->registerRegion(*r, RegionAccess::kRemoteWritable).status().code(),
+            StatusCode::kInvalidArgument);
   EXPECT_TRUE(receiver_->deregisterRegion(3).isOk());
   EXPECT_EQ(receiver_->deregisterRegion(3).code(), StatusCode::kNotFound);
-  EXPECT_TRUE(receiver_->registerRegion(*r).isOk());
+  EXPECT_TRUE(receiver_->registerRegion(*r, RegionAccess::kRemoteWritable).isOk());
   EXPECT_TRUE(receiver_->deregisterRegion(3).isOk());
 }
 
@@ -424,7 +425,7 @@ TEST_P(CrossProcess, PeerProcessKilledMidTransferFailsWithUnavailable) {
     if (!agent.isOk()) _exit(2);
     auto region = Region::allocate(7, kLen, Region::Backing::kMemfd, "child");
     if (!region.isOk()) _exit(3);
-    auto key = (*agent)->registerRegion(**region);
+    auto key = (*agent)->registerRegion(**region, RegionAccess::kRemoteWritable);
     if (!key.isOk()) _exit(4);
     const std::string addr = (*agent)->localAddress();
     if (write(addr_pipe[1], addr.data(), addr.size()) != static_cast<ssize_t>(addr.size())) {
@@ -453,7 +454,7 @@ TEST_P(CrossProcess, PeerProcessKilledMidTransferFailsWithUnavailable) {
   auto agent = createAgent(configFor(GetParam(), "parent"));
   ASSERT_TRUE(agent.isOk()) << agent.status().toString();
   auto src = makeRegion(1, kLen);
-  ASSERT_TRUE((*agent)->registerRegion(*src).isOk());
+  ASSERT_TRUE((*agent)->registerRegion(*src, RegionAccess::kLocalSource).isOk());
   auto peer = (*agent)->connect(addr);
   ASSERT_TRUE(peer.isOk()) << peer.status().toString();
   auto e = waitForEvent(**agent, Event::Kind::kMessage);
@@ -509,7 +510,8 @@ TEST(ShmTransport, RefusesAnonymousRegions) {
   EXPECT_TRUE((*a)->capabilities().needs_memfd_regions);
   auto r = Region::allocate(1, 4096, Region::Backing::kAnonymous, "anon");
   ASSERT_TRUE(r.isOk());
-  EXPECT_EQ((*a)->registerRegion(**r).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*a)->registerRegion(**r, RegionAccess::kRemoteWritable).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(Transport, UnknownBackendAndBadAddressesAreErrors) {
@@ -538,8 +540,8 @@ TEST(UcxTransport, ReceiverRefusesAmWritesOutsideItsRegions) {
   auto dst = makeRegion(7, 4096);
   fillPattern(*src, 9);
   std::memset(dst->data(), 0, dst->length());
-  ASSERT_TRUE((*w)->registerRegion(*src).isOk());
-  auto key = (*r)->registerRegion(*dst);
+  ASSERT_TRUE((*w)->registerRegion(*src, RegionAccess::kLocalSource).isOk());
+  auto key = (*r)->registerRegion(*dst, RegionAccess::kRemoteWritable);
   ASSERT_TRUE(key.isOk());
   auto peer = (*w)->connect((*r)->localAddress());
   ASSERT_TRUE(peer.isOk()) << peer.status().toString();
@@ -573,8 +575,8 @@ TEST(UcxTransport, ListenerReportsTheRealPortAndAutoModePicksAmOverTcp) {
   auto src = makeRegion(1, 1 << 20);
   auto dst = makeRegion(2, 1 << 20);
   fillPattern(*src, 5);
-  ASSERT_TRUE((*a)->registerRegion(*src).isOk());
-  auto key = (*b)->registerRegion(*dst);
+  ASSERT_TRUE((*a)->registerRegion(*src, RegionAccess::kLocalSource).isOk());
+  auto key = (*b)->registerRegion(*dst, RegionAccess::kRemoteWritable);
   ASSERT_TRUE(key.isOk());
   ASSERT_TRUE((*a)->addRemoteRegion(*peer, 2, 1 << 20, *key).isOk());
   auto t = (*a)->postWrite(*peer, {{1, 0, 2, 0, 1 << 20}});

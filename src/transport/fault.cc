@@ -34,8 +34,9 @@ class FaultAgent final : public Agent {
 
   const Capabilities& capabilities() const override { return caps_; }
   std::string localAddress() const override { return inner_->localAddress(); }
-  StatusOr<std::vector<uint8_t>> registerRegion(const Region& region) override {
-    return inner_->registerRegion(region);
+  StatusOr<std::vector<uint8_t>> registerRegion(const Region& region,
+                                                RegionAccess access) override {
+    return inner_->registerRegion(region, access);
   }
   Status deregisterRegion(uint32_t id) override { return inner_->deregisterRegion(id); }
   StatusOr<PeerId> connect(const std::string& address) override {
@@ -58,6 +59,7 @@ class FaultAgent final : public Agent {
   std::optional<Event> pollEvent(std::chrono::milliseconds timeout) override {
     return inner_->pollEvent(timeout);
   }
+  AgentStats agentStats() const override { return inner_->agentStats(); }
   void wakeEventWaiter() override { inner_->wakeEventWaiter(); }
 
   StatusOr<Transfer> postWrite(PeerId peer, std::vector<WriteOp> ops) override {

@@ -45,8 +45,8 @@ Pair makePair(const FaultPolicy& policy) {
   p.dst = std::move(Region::allocate(2, 64 * 1024, Region::Backing::kMemfd, "dst")).value();
   for (uint64_t i = 0; i < p.src->length(); ++i) p.src->data()[i] = static_cast<uint8_t>(i + 1);
   std::memset(p.dst->data(), 0, p.dst->length());
-  EXPECT_TRUE(p.writer->registerRegion(*p.src).isOk());
-  auto key = p.receiver->registerRegion(*p.dst);
+  EXPECT_TRUE(p.writer->registerRegion(*p.src, RegionAccess::kLocalSource).isOk());
+  auto key = p.receiver->registerRegion(*p.dst, RegionAccess::kRemoteWritable);
   EXPECT_TRUE(key.isOk());
   EXPECT_TRUE(p.writer->addRemoteRegion(p.to_receiver, 2, p.dst->length(), *key).isOk());
   return p;

@@ -1,5 +1,7 @@
 #include "transport/inproc.h"
 
+#include <openssl/crypto.h>
+
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -35,6 +37,8 @@ struct InprocPeer {
 // The part of an agent its peers can reach (through the registry or a peer's weak pointer).
 struct InprocState {
   std::string name;
+  std::string token;  // AgentConfig::auth_token; both agents of a connection must hold the same
+  std::atomic<uint64_t> auth_failures{0};
   std::mutex mu;
   std::map<uint32_t, std::shared_ptr<RegionGuard>> regions;       // guarded by mu
   std::unordered_map<PeerId, std::shared_ptr<InprocPeer>> peers;  // guarded by mu
@@ -104,7 +108,8 @@ class InprocAgent final : public Agent {
   const Capabilities& capabilities() const override { return caps_; }
   std::string localAddress() const override { return std::string(kScheme) + state_->name; }
 
-  StatusOr<std::vector<uint8_t>> registerRegion(const Region& region) override {
+  StatusOr<std::vector<uint8_t>> registerRegion(const Region& region,
+                                                RegionAccess access) override {
     auto g = std::make_shared<RegionGuard>();
     g->id = region.id();
     g->base = region.data();
@@ -144,6 +149,13 @@ class InprocAgent final : public Agent {
       if (it != registry().end()) remote = it->second.lock();
     }
     if (!remote) return Unavailable("no inproc agent listens on '" + name + "'");
+    // Same process, so no proof crosses anything: the tokens are compared directly.
+    if (remote->token.size() != state_->token.size() ||
+        CRYPTO_memcmp(remote->token.data(), state_->token.data(), state_->token.size()) != 0) {
+      ++remote->auth_failures;
+      ++state_->auth_failures;
+      return PermissionDenied("inproc agent '" + name + "' holds another auth token");
+    }
     auto mine = std::make_shared<InprocPeer>();
     auto theirs = std::make_shared<InprocPeer>();
     mine->remote = remote;
@@ -162,6 +174,13 @@ class InprocAgent final : public Agent {
     theirs->remote_id = mine->id;
     remote->events.push(Event{Event::Kind::kPeerConnected, theirs->id, {}, OkStatus()});
     return mine->id;
+  }
+
+  AgentStats agentStats() const override {
+    AgentStats s;
+    s.token_configured = !state_->token.empty();
+    s.auth_failures = state_->auth_failures.load();
+    return s;
   }
 
   Status disconnect(PeerId peer) override {
@@ -253,6 +272,7 @@ StatusOr<std::unique_ptr<Agent>> createInprocAgent(const AgentConfig& config) {
   auto state = std::make_shared<InprocState>();
   state->name = config.listen.empty() ? config.label + "-" + std::to_string(counter.fetch_add(1))
                                       : config.listen;
+  state->token = config.auth_token;
   {
     std::lock_guard<std::mutex> lock(registryMu());
     auto& slot = registry()[state->name];

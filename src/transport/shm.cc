@@ -1,11 +1,13 @@
 #include "transport/shm.h"
 
+#include <fcntl.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -18,6 +20,7 @@
 
 #include "common/coding.h"
 #include "common/logging.h"
+#include "transport/auth.h"
 #include "transport/local_common.h"
 
 namespace hxfer::transport {
@@ -31,18 +34,30 @@ using detail::RegionGuard;
 using detail::TransferCore;
 
 constexpr std::string_view kScheme = "shm:@";
-constexpr uint32_t kProtocolVersion = 1;
+constexpr uint32_t kProtocolVersion = 2;  // 2: authenticated handshake, sealed memfds
 constexpr uint64_t kMaxMessageBytes = 64ull << 20;
 constexpr size_t kHeaderBytes = 8;  // fixed32 type, fixed32 payload length
+// Bounds on what one peer can make us hold. Before authentication a frame is at most a
+// handshake frame and no fd may arrive; after it, fds arrive one per region frame and are
+// consumed as the frame is parsed, so a handful pending means a broken or hostile peer.
+constexpr uint32_t kMaxHandshakeFrameBytes = 512;
+constexpr size_t kMaxPendingFds = 16;
+constexpr size_t kMaxImportedRegions = 4096;
 
-// Frame types on the control socket (docs/transport.md).
+// Frame types on the control socket (docs/transport.md). Until `welcome` only the handshake
+// (hello, challenge, proof, welcome / refused) may cross; see transport/auth.h.
 enum FrameType : uint32_t {
-  kHello = 1,       // connector -> listener: fixed32 version
-  kHelloAck = 2,    // listener -> connector: fixed32 version
+  kHello = 1,       // connector -> listener: fixed32 version, nonce_c[32]
+  kChallenge = 2,   // listener -> connector: fixed32 version, nonce_l[32], proof_l[32]
   kRegion = 3,      // fixed32 id, fixed64 length; the memfd rides along (SCM_RIGHTS)
   kRegionGone = 4,  // fixed32 id
   kMessage = 5,     // the user's payload
+  kProof = 6,       // connector -> listener: proof_c[32]
+  kWelcome = 7,     // listener -> connector: empty; both sides are authenticated
+  kRefused = 8,     // listener -> connector: reason (text); the listener then closes
 };
+
+enum class AuthState { kAwaitHello, kAwaitProof, kAwaitChallenge, kAwaitWelcome, kDone };
 
 std::string errnoText(std::string_view what) {
   return std::string(what) + ": " + std::strerror(errno);
@@ -52,7 +67,9 @@ struct ShmPeer {
   PeerId id = 0;
   bool incoming = false;
   std::atomic<bool> lost{false};
-  std::atomic<bool> acked{false};
+  // Both ends proved the token; only then is anything but the handshake accepted or sent, and
+  // only then does the peer exist for the user (kPeerConnected / connect() returning).
+  std::atomic<bool> authenticated{false};
 
   std::mutex send_mu;
   int fd = -1;  // guarded by send_mu for writers; closed only by the progress thread
@@ -60,28 +77,44 @@ struct ShmPeer {
   // Progress thread only.
   std::vector<uint8_t> rx;
   std::deque<int> rx_fds;
-  bool hello_seen = false;
+  AuthState auth = AuthState::kAwaitHello;
+  auth::Nonce connector_nonce{};
+  auth::Nonce listener_nonce{};
+  Clock::time_point auth_deadline;
 
   // Guarded by the agent's mu_.
-  bool ready = false;  // region fds are sent to ready peers
+  Status refusal;      // why the handshake failed (what connect() returns)
+  bool ready = false;  // authenticated and our exported region fds were sent
   std::map<uint32_t, std::shared_ptr<RegionGuard>> imported;
   std::map<uint32_t, std::shared_ptr<RegionGuard>> declared;
 };
 
 struct LocalRegion {
   const Region* region = nullptr;
+  bool exported = false;  // RegionAccess::kRemoteWritable: its fd goes to authenticated peers
 };
 
 class ShmAgent final : public Agent {
  public:
-  ShmAgent(std::string name, int listen_fd, int epoll_fd, int wake_fd)
-      : name_(std::move(name)), listen_fd_(listen_fd), epoll_fd_(epoll_fd), wake_fd_(wake_fd) {
+  ShmAgent(const AgentConfig& config, std::string name, int listen_fd, int epoll_fd, int wake_fd)
+      : config_(config),
+        name_(std::move(name)),
+        listen_fd_(listen_fd),
+        epoll_fd_(epoll_fd),
+        wake_fd_(wake_fd),
+        spare_fd_(open("/dev/null", O_RDONLY | O_CLOEXEC)) {
     caps_.name = "shm";
     caps_.same_host_only = true;
     caps_.one_sided = true;
     caps_.many_small_ops_cheap = true;
     caps_.needs_memfd_regions = true;
     caps_.max_message_bytes = kMaxMessageBytes;
+    if (config_.auth_token.empty()) {
+      HXFER_LOG_WARN(
+          "shm {}: no auth token configured: any process of an allowed uid that finds the socket "
+          "can connect and write into exported regions",
+          name_);
+    }
     progress_ = std::thread([this] { progressLoop(); });
   }
 
@@ -97,7 +130,6 @@ class ShmAgent final : public Agent {
       peers_.clear();
       fd_peers_.clear();
     }
-    const Status gone = Unavailable("shm agent '" + name_ + "' shut down");
     for (auto& p : peers) {
       p->lost = true;
       std::lock_guard<std::mutex> lock(p->send_mu);
@@ -109,26 +141,41 @@ class ShmAgent final : public Agent {
     close(listen_fd_);
     close(epoll_fd_);
     close(wake_fd_);
+    if (spare_fd_ >= 0) close(spare_fd_);
     // copy_ (declared last) is destroyed first: queued jobs fail, the running one finishes.
   }
 
   const Capabilities& capabilities() const override { return caps_; }
   std::string localAddress() const override { return std::string(kScheme) + name_; }
 
-  StatusOr<std::vector<uint8_t>> registerRegion(const Region& region) override {
+  AgentStats agentStats() const override {
+    AgentStats s;
+    s.token_configured = !config_.auth_token.empty();
+    s.auth_failures = auth_failures_.load();
+    s.unauthenticated_dropped = unauthenticated_dropped_.load();
+    s.connections_refused = connections_refused_.load();
+    s.peers_over_limit = peers_over_limit_.load();
+    return s;
+  }
+
+  StatusOr<std::vector<uint8_t>> registerRegion(const Region& region,
+                                                RegionAccess access) override {
     if (region.fd() < 0) {
       return InvalidArgument("region id=" + std::to_string(region.id()) +
                              " is anonymous; the shm backend needs memfd-backed regions");
     }
+    const bool exported = access == RegionAccess::kRemoteWritable;
     std::vector<std::shared_ptr<ShmPeer>> failed;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!regions_.emplace(region.id(), LocalRegion{&region}).second) {
+      if (!regions_.emplace(region.id(), LocalRegion{&region, exported}).second) {
         return InvalidArgument("region id=" + std::to_string(region.id()) +
                                " is already registered");
       }
-      for (auto& [id, p] : peers_) {
-        if (p->ready && !p->lost && !sendRegion(*p, region).isOk()) failed.push_back(p);
+      if (exported) {
+        for (auto& [id, p] : peers_) {
+          if (p->ready && !p->lost && !sendRegion(*p, region).isOk()) failed.push_back(p);
+        }
       }
     }
     for (auto& p : failed) markLost(p, Unavailable("peer socket failed while sending a region"));
@@ -139,13 +186,16 @@ class ShmAgent final : public Agent {
     std::vector<std::shared_ptr<ShmPeer>> failed;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (regions_.erase(region_id) == 0) {
+      auto it = regions_.find(region_id);
+      if (it == regions_.end()) {
         return NotFound("region id=" + std::to_string(region_id) + " is not registered");
       }
+      const bool exported = it->second.exported;
+      regions_.erase(it);
       Bytes payload;
       putFixed32(payload, region_id);
       for (auto& [id, p] : peers_) {
-        if (p->ready && !p->lost && !sendFrame(*p, kRegionGone, payload).isOk()) {
+        if (exported && p->ready && !p->lost && !sendFrame(*p, kRegionGone, payload).isOk()) {
           failed.push_back(p);
         }
       }
@@ -162,15 +212,30 @@ class ShmAgent final : public Agent {
     sockaddr_un sa{};
     socklen_t len = 0;
     RETURN_IF_ERROR(abstractAddress(name, &sa, &len));
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    // Non-blocking connect: a listener whose backlog is full (hung, or flooded) answers EAGAIN
+    // at once instead of parking this thread in the kernel.
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return ResourceExhausted(errnoText("socket(AF_UNIX)"));
     if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), len) != 0) {
-      Status s = Unavailable(errnoText("connect to shm agent '" + name + "'"));
+      Status s = errno == EAGAIN
+                     ? Unavailable("shm agent '" + name + "' is not accepting (backlog full)")
+                     : Unavailable(errnoText("connect to shm agent '" + name + "'"));
       close(fd);
       return s;
     }
+    if (Status s = prepareSocket(fd, "the shm agent '" + name + "'"); !s.isOk()) {
+      close(fd);
+      return s;
+    }
+    auto nonce = auth::randomNonce();
+    if (!nonce.isOk()) {
+      close(fd);
+      return nonce.status();
+    }
     auto p = std::make_shared<ShmPeer>();
     p->fd = fd;
+    p->auth = AuthState::kAwaitChallenge;
+    p->connector_nonce = *nonce;
     Status sent = OkStatus();
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -179,22 +244,34 @@ class ShmAgent final : public Agent {
       fd_peers_.emplace(fd, p);
       Bytes hello;
       putFixed32(hello, kProtocolVersion);
+      hello.insert(hello.end(), p->connector_nonce.begin(), p->connector_nonce.end());
       sent = sendFrame(*p, kHello, hello);
-      for (auto& [id, r] : regions_) {
-        if (sent.isOk()) sent = sendRegion(*p, *r.region);
-      }
-      p->ready = true;
       epoll_event ev{};
       ev.events = EPOLLIN | EPOLLRDHUP;
       ev.data.fd = fd;
       if (sent.isOk() && epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
         sent = ResourceExhausted(errnoText("epoll_ctl(ADD)"));
       }
+      if (!sent.isOk()) {
+        // Never reached the progress thread: close here.
+        peers_.erase(p->id);
+        fd_peers_.erase(fd);
+        p->lost = true;
+        std::lock_guard<std::mutex> send_lock(p->send_mu);
+        close(p->fd);
+        p->fd = -1;
+        return sent;
+      }
     }
-    if (sent.isOk()) {
+    {
       std::unique_lock<std::mutex> lock(mu_);
-      ack_cv_.wait_for(lock, connect_timeout_, [&] { return p->acked || p->lost; });
-      if (!p->acked) sent = Unavailable("shm agent '" + name + "' did not answer the hello");
+      ack_cv_.wait_for(lock, config_.connect_timeout, [&] { return p->ready || p->lost; });
+      if (!p->ready) {
+        sent = !p->refusal.isOk()
+                   ? p->refusal
+                   : Unavailable("shm agent '" + name + "' did not complete the handshake within " +
+                                 std::to_string(config_.connect_timeout.count()) + " ms");
+      }
     }
     if (!sent.isOk()) {
       markLost(p, sent, /*queue_event=*/false);
@@ -205,7 +282,7 @@ class ShmAgent final : public Agent {
 
   Status disconnect(PeerId peer) override {
     auto p = findPeer(peer);
-    if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
+    if (!p) return isGone(peer) ? OkStatus() : missingPeer(peer);
     markLost(p, Unavailable("peer " + std::to_string(peer) + " was disconnected"));
     return OkStatus();
   }
@@ -213,7 +290,7 @@ class ShmAgent final : public Agent {
   Status addRemoteRegion(PeerId peer, uint32_t region_id, uint64_t length,
                          std::span<const uint8_t> key) override {
     auto p = findPeer(peer);
-    if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
+    if (!p) return missingPeer(peer);
     if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
     std::lock_guard<std::mutex> lock(mu_);
     auto it = p->imported.find(region_id);
@@ -233,7 +310,7 @@ class ShmAgent final : public Agent {
 
   StatusOr<Transfer> postWrite(PeerId peer, std::vector<WriteOp> ops) override {
     auto p = findPeer(peer);
-    if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
+    if (!p) return missingPeer(peer);
     if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
     CopyJob job;
     uint64_t total = 0;
@@ -256,7 +333,7 @@ class ShmAgent final : public Agent {
   Status sendMessage(PeerId peer, std::span<const uint8_t> payload) override {
     RETURN_IF_ERROR(detail::checkMessageSize(payload.size(), kMaxMessageBytes));
     auto p = findPeer(peer);
-    if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
+    if (!p) return missingPeer(peer);
     if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
     Status s = sendFrame(*p, kMessage, payload);
     if (!s.isOk()) markLost(p, s);
@@ -280,13 +357,57 @@ class ShmAgent final : public Agent {
     return OkStatus();
   }
 
-  void setConnectTimeout(std::chrono::milliseconds t) { connect_timeout_ = t; }
-
+  // Authenticated peers only: a connection still in its handshake does not exist for the user.
  private:
   std::shared_ptr<ShmPeer> findPeer(PeerId id) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = peers_.find(id);
-    return it == peers_.end() ? nullptr : it->second;
+    return it == peers_.end() || !it->second->authenticated ? nullptr : it->second;
+  }
+  bool isGone(PeerId id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return id != 0 && id < next_peer_;
+  }
+  // A peer id we handed out whose connection is closed (and forgotten) is Unavailable, as the
+  // interface promises; any other id is NotFound.
+  Status missingPeer(PeerId id) {
+    if (isGone(id)) return Unavailable("peer " + std::to_string(id) + " is gone");
+    return NotFound("peer " + std::to_string(id) + " is not known");
+  }
+
+  bool uidAllowed(uid_t uid) const {
+    if (uid == getuid()) return true;
+    for (uint32_t u : config_.allowed_uids) {
+      if (u == uid) return true;
+    }
+    return false;
+  }
+
+  // Checks who is at the other end (SO_PEERCRED) and makes sends blocking but bounded: a peer
+  // that stops reading fails our send after connect_timeout instead of holding it forever.
+  Status prepareSocket(int fd, const std::string& who) {
+    ucred cred{};
+    socklen_t clen = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0) {
+      return Unavailable(errnoText("SO_PEERCRED of " + who));
+    }
+    if (!uidAllowed(cred.uid)) {
+      return PermissionDenied(who + " runs as uid " + std::to_string(cred.uid) + " (pid " +
+                              std::to_string(cred.pid) + "); allowed: uid " +
+                              std::to_string(getuid()) +
+                              (config_.allowed_uids.empty() ? "" : " and allowed_uids"));
+    }
+    const int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+      return Unavailable(errnoText("fcntl(F_SETFL) on the socket to " + who));
+    }
+    timeval tv{};
+    tv.tv_sec = static_cast<time_t>(config_.connect_timeout.count() / 1000);
+    tv.tv_usec = static_cast<suseconds_t>(config_.connect_timeout.count() % 1000 * 1000);
+    if (setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) != 0) {
+      return Unavailable(errnoText("SO_SNDTIMEO on the socket to " + who));
+    }
+    return OkStatus();
   }
 
   // Writes one frame (and optionally one fd) fully. Blocking; serialised per peer.
@@ -330,6 +451,10 @@ class ShmAgent final : public Agent {
       ssize_t r = sendmsg(p.fd, &msg, MSG_NOSIGNAL);
       if (r < 0) {
         if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          return Unavailable("peer " + std::to_string(p.id) + " stopped reading: a send waited " +
+                             std::to_string(config_.connect_timeout.count()) + " ms");
+        }
         return Unavailable(errnoText("send to peer " + std::to_string(p.id)));
       }
       fd_pending = false;
@@ -347,10 +472,14 @@ class ShmAgent final : public Agent {
 
   // Fails everything pending for the peer, forgets its regions and queues kPeerLost. The
   // socket is shut down here and closed by the progress thread.
+  // Peers that never authenticated were never announced: they leave no kPeerLost either.
   void markLost(const std::shared_ptr<ShmPeer>& p, const Status& why, bool queue_event = true) {
     if (p->lost.exchange(true)) return;
+    if (!p->authenticated) ++auth_failures_;  // a handshake that ended before it succeeded
+    queue_event = queue_event && p->authenticated;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (p->refusal.isOk()) p->refusal = why;
       p->imported.clear();
       p->declared.clear();
     }
@@ -363,22 +492,64 @@ class ShmAgent final : public Agent {
     HXFER_LOG_DEBUG("shm {}: peer {} lost: {}", name_, p->id, why.toString());
   }
 
+  // Closes the socket and forgets the peer: nothing it sent stays buffered here. Transfers
+  // still running hold what they need (their destination guards); their check sees `lost`.
   void closePeerFd(const std::shared_ptr<ShmPeer>& p) {
     std::lock_guard<std::mutex> lock(mu_);
     std::lock_guard<std::mutex> send_lock(p->send_mu);
-    if (p->fd < 0) return;
-    epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, p->fd, nullptr);
-    fd_peers_.erase(p->fd);
-    close(p->fd);
-    p->fd = -1;
+    if (p->fd >= 0) {
+      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, p->fd, nullptr);
+      fd_peers_.erase(p->fd);
+      close(p->fd);
+      p->fd = -1;
+    }
     for (int fd : p->rx_fds) close(fd);
     p->rx_fds.clear();
+    std::vector<uint8_t>().swap(p->rx);
+    p->imported.clear();
+    p->declared.clear();
+    peers_.erase(p->id);
+  }
+
+  // Closes incoming connections that did not authenticate in time (progress thread).
+  void expireHandshakes() {
+    const auto now = Clock::now();
+    std::vector<std::shared_ptr<ShmPeer>> late;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [id, p] : peers_) {
+        if (p->incoming && !p->authenticated && !p->lost && now >= p->auth_deadline) {
+          late.push_back(p);
+        }
+      }
+    }
+    for (auto& p : late) {
+      HXFER_LOG_WARN("shm {}: closing connection {}: no authentication within {} ms", name_, p->id,
+                     config_.auth_timeout.count());
+      markLost(p, PermissionDenied("no authentication within " +
+                                   std::to_string(config_.auth_timeout.count()) + " ms"));
+      closePeerFd(p);
+    }
+  }
+
+  size_t unauthenticatedIncomingLocked() const {
+    size_t n = 0;
+    for (auto& [id, p] : peers_) n += p->incoming && !p->authenticated && !p->lost;
+    return n;
   }
 
   void progressLoop() {
     epoll_event evs[16];
     while (!stop_) {
-      int n = epoll_wait(epoll_fd_, evs, 16, 1000);
+      // Wake often enough to end handshakes on time while any is pending.
+      int wait_ms = 1000;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (unauthenticatedIncomingLocked() > 0) {
+          wait_ms = static_cast<int>(std::clamp<int64_t>(config_.auth_timeout.count() / 4, 1, 250));
+        }
+      }
+      int n = epoll_wait(epoll_fd_, evs, 16, wait_ms);
       if (n < 0 && errno != EINTR) {
         HXFER_LOG_ERROR("shm {}: epoll_wait failed: {}", name_, std::strerror(errno));
         return;
@@ -398,16 +569,52 @@ class ShmAgent final : public Agent {
         }
         if (p) readPeer(p);
       }
+      expireHandshakes();
     }
   }
 
   void acceptPeers() {
     for (;;) {
-      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) return;  // EAGAIN (listener is non-blocking) or a transient error
+      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE) {
+          // Out of fds the pending connection stays queued and the listener stays readable:
+          // epoll would spin. Spend the spare fd to take it off the queue and close it.
+          ++connections_refused_;
+          HXFER_LOG_WARN("shm {}: refusing a connection: out of file descriptors", name_);
+          if (spare_fd_ >= 0) {
+            close(spare_fd_);
+            int victim = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+            if (victim >= 0) close(victim);
+            spare_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+            continue;
+          }
+        }
+        return;  // EAGAIN (listener is non-blocking) or a transient error
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (unauthenticatedIncomingLocked() >= config_.max_unauthenticated) {
+          ++connections_refused_;
+          HXFER_LOG_WARN(
+              "shm {}: refusing a connection: max_unauthenticated={} are already "
+              "authenticating",
+              name_, config_.max_unauthenticated);
+          close(fd);
+          continue;
+        }
+      }
+      if (Status s = prepareSocket(fd, "a connecting process"); !s.isOk()) {
+        ++auth_failures_;
+        HXFER_LOG_WARN("shm {}: refusing a connection: {}", name_, s.toString());
+        close(fd);
+        continue;
+      }
       auto p = std::make_shared<ShmPeer>();
       p->fd = fd;
       p->incoming = true;
+      p->auth = AuthState::kAwaitHello;
+      p->auth_deadline = Clock::now() + config_.auth_timeout;
       std::lock_guard<std::mutex> lock(mu_);
       p->id = next_peer_++;
       peers_.emplace(p->id, p);
@@ -455,6 +662,15 @@ class ShmAgent final : public Agent {
         why = Corruption("peer " + std::to_string(p->id) + " sent more fds than expected");
         break;
       }
+      // Before authentication an fd maps nothing: region frames are refused until then, and
+      // a failed handshake closes what is pending. The cap below bounds what a peer can park.
+      if (p->rx_fds.size() > kMaxPendingFds) {
+        ++peers_over_limit_;
+        why = ResourceExhausted(
+            "peer " + std::to_string(p->id) + " has " + std::to_string(p->rx_fds.size()) +
+            " fds pending without region frames (max " + std::to_string(kMaxPendingFds) + ")");
+        break;
+      }
       if (r == 0) {
         why = Unavailable("peer " + std::to_string(p->id) + " closed the connection");
         break;
@@ -475,9 +691,12 @@ class ShmAgent final : public Agent {
     while (p->rx.size() - pos >= kHeaderBytes) {
       const uint32_t type = loadFixed32(p->rx.data() + pos);
       const uint32_t len = loadFixed32(p->rx.data() + pos + 4);
-      if (len > kMaxMessageBytes + 64) {
+      const uint64_t max = p->authenticated ? kMaxMessageBytes + 64 : kMaxHandshakeFrameBytes;
+      if (len > max) {
+        if (!p->authenticated) ++unauthenticated_dropped_;
         s = Corruption("peer " + std::to_string(p->id) + " sent a frame of " + std::to_string(len) +
-                       " bytes (max " + std::to_string(kMaxMessageBytes) + ")");
+                       " bytes (max " + std::to_string(max) +
+                       (p->authenticated ? ")" : " before authenticating)"));
         break;
       }
       if (p->rx.size() - pos - kHeaderBytes < len) break;
@@ -489,43 +708,111 @@ class ShmAgent final : public Agent {
     return s;
   }
 
+  // The handshake frames (transport/auth.h). Anything else before authentication, or a
+  // handshake frame out of turn, drops the connection.
+  Status handleHandshake(const std::shared_ptr<ShmPeer>& p, uint32_t type,
+                         std::span<const uint8_t> payload) {
+    // Fixed-size frames: version (fixed32) first, then nonces and proofs of fixed length.
+    auto expectSize = [&](const char* frame, size_t want) -> Status {
+      if (payload.size() != want) {
+        return Corruption(std::string(frame) + " frame has " + std::to_string(payload.size()) +
+                          " bytes, expected " + std::to_string(want));
+      }
+      if (want >= 4 && type != kProof && loadFixed32(payload.data()) != kProtocolVersion) {
+        return Incompatible(
+            "peer shm protocol version=" + std::to_string(loadFixed32(payload.data())) +
+            " != ours=" + std::to_string(kProtocolVersion));
+      }
+      return OkStatus();
+    };
+    constexpr size_t kN = auth::kNonceBytes;
+    const std::string conn = "connection " + std::to_string(p->id);
+    if (type == kHello && p->auth == AuthState::kAwaitHello) {
+      RETURN_IF_ERROR(expectSize("hello", 4 + kN));
+      std::memcpy(p->connector_nonce.data(), payload.data() + 4, kN);
+      ASSIGN_OR_RETURN(p->listener_nonce, auth::randomNonce());
+      const auth::Proof proof = auth::prove(config_.auth_token, auth::Role::kListener,
+                                            p->connector_nonce, p->listener_nonce);
+      Bytes challenge;
+      putFixed32(challenge, kProtocolVersion);
+      challenge.insert(challenge.end(), p->listener_nonce.begin(), p->listener_nonce.end());
+      challenge.insert(challenge.end(), proof.begin(), proof.end());
+      p->auth = AuthState::kAwaitProof;
+      return sendFrame(*p, kChallenge, challenge);
+    }
+    if (type == kProof && p->auth == AuthState::kAwaitProof) {
+      if (!auth::verify(config_.auth_token, auth::Role::kConnector, p->connector_nonce,
+                        p->listener_nonce, payload)) {
+        const std::string reason = "token proof did not verify";
+        (void)sendFrame(*p, kRefused,
+                        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(reason.data()),
+                                                 reason.size()));
+        return PermissionDenied(conn + ": " + reason);
+      }
+      RETURN_IF_ERROR(sendFrame(*p, kWelcome, {}));
+      finishHandshake(p);
+      events_.push(Event{Event::Kind::kPeerConnected, p->id, {}, OkStatus()});
+      return OkStatus();
+    }
+    if (type == kChallenge && p->auth == AuthState::kAwaitChallenge) {
+      RETURN_IF_ERROR(expectSize("challenge", 4 + kN + auth::kProofBytes));
+      std::memcpy(p->listener_nonce.data(), payload.data() + 4, kN);
+      const auto theirs = payload.subspan(4 + kN);
+      if (!auth::verify(config_.auth_token, auth::Role::kListener, p->connector_nonce,
+                        p->listener_nonce, theirs)) {
+        return PermissionDenied(
+            "the shm agent at this address does not hold our token (its "
+            "proof did not verify): not the rank we meant to reach");
+      }
+      const auth::Proof ours = auth::prove(config_.auth_token, auth::Role::kConnector,
+                                           p->connector_nonce, p->listener_nonce);
+      p->auth = AuthState::kAwaitWelcome;
+      return sendFrame(*p, kProof, ours);
+    }
+    if (type == kWelcome && p->auth == AuthState::kAwaitWelcome) {
+      RETURN_IF_ERROR(expectSize("welcome", 0));
+      finishHandshake(p);
+      return OkStatus();
+    }
+    if (type == kRefused && p->auth == AuthState::kAwaitWelcome) {
+      return PermissionDenied(
+          "refused by the peer: " +
+          std::string(reinterpret_cast<const char*>(payload.data()), payload.size()));
+    }
+    ++unauthenticated_dropped_;
+    return PermissionDenied(conn + " sent frame type=" + std::to_string(type) +
+                            " before authenticating");
+  }
+
+  // Both ends are authenticated: send our exported regions (before anything the user sends
+  // next, so the peer maps them before it sees a later message) and release connect().
+  void finishHandshake(const std::shared_ptr<ShmPeer>& p) {
+    p->auth = AuthState::kDone;
+    Status sent = OkStatus();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      p->authenticated = true;
+      for (auto& [id, r] : regions_) {
+        if (r.exported && sent.isOk()) sent = sendRegion(*p, *r.region);
+      }
+      p->ready = sent.isOk();
+    }
+    ack_cv_.notify_all();
+    if (!sent.isOk()) markLost(p, sent);
+  }
+
   Status handleFrame(const std::shared_ptr<ShmPeer>& p, uint32_t type,
                      std::span<const uint8_t> payload) {
+    if (!p->authenticated) {
+      Status s = handleHandshake(p, type, payload);
+      if (!s.isOk()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        p->refusal = s;
+      }
+      return s;
+    }
     Decoder d(payload);
     switch (type) {
-      case kHello: {
-        uint32_t version = 0;
-        RETURN_IF_ERROR(d.getFixed32("hello.version", &version));
-        if (version != kProtocolVersion) {
-          return Incompatible("peer shm protocol version=" + std::to_string(version) +
-                              " != ours=" + std::to_string(kProtocolVersion));
-        }
-        if (!p->incoming || p->hello_seen) return Corruption("unexpected hello frame");
-        p->hello_seen = true;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          Bytes ack;
-          putFixed32(ack, kProtocolVersion);
-          RETURN_IF_ERROR(sendFrame(*p, kHelloAck, ack));
-          for (auto& [id, r] : regions_) RETURN_IF_ERROR(sendRegion(*p, *r.region));
-          p->ready = true;
-        }
-        events_.push(Event{Event::Kind::kPeerConnected, p->id, {}, OkStatus()});
-        return OkStatus();
-      }
-      case kHelloAck: {
-        uint32_t version = 0;
-        RETURN_IF_ERROR(d.getFixed32("hello_ack.version", &version));
-        if (p->incoming || version != kProtocolVersion) {
-          return Incompatible("unexpected hello_ack (version=" + std::to_string(version) + ")");
-        }
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          p->acked = true;
-        }
-        ack_cv_.notify_all();
-        return OkStatus();
-      }
       case kRegion: {
         uint32_t id = 0;
         uint64_t length = 0;
@@ -536,6 +823,15 @@ class ShmAgent final : public Agent {
         }
         int fd = p->rx_fds.front();
         p->rx_fds.pop_front();
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (p->imported.size() >= kMaxImportedRegions && p->imported.count(id) == 0) {
+            close(fd);
+            ++peers_over_limit_;
+            return ResourceExhausted("peer " + std::to_string(p->id) + " shared more than " +
+                                     std::to_string(kMaxImportedRegions) + " regions");
+          }
+        }
         ASSIGN_OR_RETURN(std::shared_ptr<Region> mapped, Region::mapFd(id, fd, length));
         auto g = std::make_shared<RegionGuard>();
         g->id = id;
@@ -573,18 +869,23 @@ class ShmAgent final : public Agent {
                            std::vector<uint8_t>(payload.begin(), payload.end()), OkStatus()});
         return OkStatus();
       default:
-        return Corruption("peer " + std::to_string(p->id) +
-                          " sent unknown frame type=" + std::to_string(type));
+        return Corruption("peer " + std::to_string(p->id) + " sent frame type=" +
+                          std::to_string(type) + " (unknown, or a handshake frame after it)");
     }
   }
 
   Capabilities caps_;
+  const AgentConfig config_;
   const std::string name_;
   const int listen_fd_;
   const int epoll_fd_;
   const int wake_fd_;
-  std::chrono::milliseconds connect_timeout_{10000};
+  int spare_fd_;  // progress thread; given up to shed a connection when out of fds
   std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> auth_failures_{0};
+  std::atomic<uint64_t> unauthenticated_dropped_{0};
+  std::atomic<uint64_t> connections_refused_{0};
+  std::atomic<uint64_t> peers_over_limit_{0};
 
   std::mutex mu_;
   std::condition_variable ack_cv_;
@@ -637,9 +938,7 @@ StatusOr<std::unique_ptr<Agent>> createShmAgent(const AgentConfig& config) {
   epoll_ctl(efd, EPOLL_CTL_ADD, lfd, &ev);
   ev.data.fd = wfd;
   epoll_ctl(efd, EPOLL_CTL_ADD, wfd, &ev);
-  auto agent = std::make_unique<ShmAgent>(name, lfd, efd, wfd);
-  agent->setConnectTimeout(config.connect_timeout);
-  return std::unique_ptr<Agent>(std::move(agent));
+  return std::unique_ptr<Agent>(std::make_unique<ShmAgent>(config, name, lfd, efd, wfd));
 }
 
 }  // namespace hxfer::transport

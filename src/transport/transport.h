@@ -15,24 +15,36 @@
 // Backends ("inproc", "shm", "ucx") are created with createAgent(config); per backend notes:
 //   inproc: peers live in the same process and are found through a process-local registry by
 //           address. Keys are empty. Regions may be of any backing.
-//   shm:    same host. Regions MUST be memfd-backed (Region::Backing::kMemfd). Each agent
-//           listens on an abstract Unix-domain socket; on connect and on every later
-//           registerRegion, the fds of all registered regions travel to every connected peer
-//           over that socket (SCM_RIGHTS) and are mapped there once. Keys are empty (the fd is
-//           the key); addRemoteRegion checks that the peer's fd arrived and its length. Regions
-//           registered before a sendMessage are always mapped at the peer before that message
-//           is delivered, so "register, then send the RankInfo" needs no extra sync.
+//   shm:    same host. Regions MUST be memfd-backed (Region::Backing::kMemfd) and sealed
+//           against growing and shrinking. Each agent listens on an abstract Unix-domain
+//           socket. Once a connection has authenticated (uid + token, below), the fds of the
+//           kRemoteWritable regions travel to that peer over the socket (SCM_RIGHTS), on
+//           connect and on every later registerRegion, and are mapped there once (lazily, no
+//           pre-faulting; an fd without the seals or shorter than announced is refused). Keys
+//           are empty (the fd is the key); addRemoteRegion checks that the peer's fd arrived
+//           and its length. Regions registered before a sendMessage are always mapped at the
+//           peer before that message is delivered, so "register, then send the RankInfo" needs
+//           no extra sync.
 //   ucx:    UCP worker + listener on ip:port (port 0 picks one; localAddress has the real one).
 //           Control = active messages. Data mode (AgentConfig::ucx_mode): kPut = ucp_put_nbx
 //           with the rkey from the key bytes + ucp_ep_flush_nbx; kAm = active-message
 //           rendezvous received straight into the destination region, and the receiver
 //           validates every incoming write against ITS OWN registered regions (bad ones are
-//           refused and fail the transfer with InvalidArgument); kAuto = put only when the
+//           refused and fail the transfer with InvalidArgument; only kRemoteWritable regions
+//           are targets, only for authenticated peers); kAuto = put only when the
 //           endpoint's RMA lanes are real RMA (RDMA, cuda_ipc), else am. The choice is logged.
 //           UCX_* environment variables are honoured; AgentConfig::ucx_options are applied on
 //           top (hermetic tests use them instead of the environment).
 //
+// Authentication (shm, ucx; transport/auth.h): connect() returns only after both ends proved
+// they hold AgentConfig::auth_token (and, on shm, run under an allowed uid); a listener reports
+// kPeerConnected only then. Until then nothing but the handshake crosses: a peer that sends
+// anything else, or does not finish within auth_timeout, is dropped. connect() to a peer that
+// refuses us or fails its own proof returns PermissionDenied (final: retrying will not help).
+//
 // Errors (see common/status.h):
+//   PermissionDenied the peer failed authentication or refused ours (connect).
+
 //   InvalidArgument  zero-byte op, op outside a local or remote region, unknown backend option,
 //                    region not memfd on shm, message too large.
 //   NotFound         unknown peer id or region id (local or remote).
@@ -91,8 +103,38 @@ struct AgentConfig {
   // UCX config overrides applied with ucp_config_modify after reading the environment, e.g.
   // {{"TLS", "tcp"}} (names without the UCX_ prefix).
   std::vector<std::pair<std::string, std::string>> ucx_options;
-  // How long connect() waits for the peer to answer.
+  // How long connect() waits for the peer to answer (connection and authentication).
   std::chrono::milliseconds connect_timeout{10000};
+
+  // Authentication (transport/auth.h, docs/reliability.md). Both ends of every connection
+  // prove they hold this secret before any region, key or message crosses; it never travels.
+  // Empty: no token. The exchange still runs and same-host peers are still checked for uid, but
+  // anyone who can reach the address may connect: the agent logs a warning at creation and
+  // reports it in AgentStats::token_configured.
+  std::string auth_token;
+  // shm: uids other than our own allowed to connect or to listen where we connect (checked
+  // with SO_PEERCRED on both ends).
+  std::vector<uint32_t> allowed_uids;
+  // A connection that has not completed authentication within this time is closed.
+  std::chrono::milliseconds auth_timeout{5000};
+  // At most this many accepted connections may be authenticating at once; more are closed
+  // at accept (counted in AgentStats::connections_refused).
+  size_t max_unauthenticated = 32;
+};
+
+// What a registered region is for.
+enum class RegionAccess {
+  kLocalSource,     // read by our own postWrite only: never exported, never written by a peer
+  kRemoteWritable,  // exported to authenticated peers, which may write into it
+};
+
+// Counters of what an agent refused; monotonic. The engine folds them into its metrics.
+struct AgentStats {
+  bool token_configured = false;
+  uint64_t auth_failures = 0;            // handshakes refused: bad proof, uid, timeout, protocol
+  uint64_t unauthenticated_dropped = 0;  // frames / messages from a peer not yet authenticated
+  uint64_t connections_refused = 0;      // over max_unauthenticated, or at the fd limit
+  uint64_t peers_over_limit = 0;         // peers disconnected for exceeding a per-peer bound
 };
 
 // One write: bytes from (local region, offset) to (remote region, offset) on one peer.
@@ -165,9 +207,12 @@ class Agent {
   // Bytes (printable) a peer passes to connect(), e.g. "shm:@hxfer-123-0", "ucx:127.0.0.1:4096".
   virtual std::string localAddress() const = 0;
 
-  // Makes `region` writable by peers under region.id(). Returns the key bytes peers pass to
-  // addRemoteRegion (may be empty). REQUIRES: `region` outlives its registration; ids unique.
-  virtual StatusOr<std::vector<uint8_t>> registerRegion(const Region& region) = 0;
+  // Registers `region` under region.id(): as a source of our own postWrite ops, and with
+  // kRemoteWritable also writable by authenticated peers (exported to each after its
+  // handshake). Returns the key bytes peers pass to addRemoteRegion (may be empty; always
+  // empty for kLocalSource). REQUIRES: `region` outlives its registration; ids unique.
+  virtual StatusOr<std::vector<uint8_t>> registerRegion(const Region& region,
+                                                        RegionAccess access) = 0;
   // After this returns no new incoming write lands in the region (pending local transfers that
   // read from it must have finished first: the caller's job).
   virtual Status deregisterRegion(uint32_t region_id) = 0;
@@ -201,6 +246,9 @@ class Agent {
   // single place. The default does nothing: callers must still bound their waits (inproc,
   // shm, ucx and fault implement it).
   virtual void wakeEventWaiter() {}
+
+  // What this agent refused so far (all zero for backends that refuse nothing: inproc).
+  virtual AgentStats agentStats() const { return {}; }
 
  protected:
   Agent() = default;

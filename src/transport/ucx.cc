@@ -127,7 +127,7 @@ class UcxAgent final : public Agent {
   const Capabilities& capabilities() const override { return caps_; }
   std::string localAddress() const override { return address_; }
 
-  StatusOr<std::vector<uint8_t>> registerRegion(const Region& region) override {
+  StatusOr<std::vector<uint8_t>> registerRegion(const Region& region, RegionAccess access) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (regions_.count(region.id()) != 0) {

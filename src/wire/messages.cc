@@ -9,6 +9,8 @@
 namespace hxfer::wire {
 namespace {
 
+// PermissionDenied (10) never travels: transports refuse an unauthenticated peer before any
+// message is exchanged, and the engine answers identity problems with Incompatible.
 constexpr uint8_t kMaxStatusCode = static_cast<uint8_t>(StatusCode::kInternal);
 
 std::string versionText(uint16_t major, uint16_t minor) {

@@ -1,0 +1,545 @@
+// Hostile peers against the shm transport: raw Unix-socket clients and listeners that speak
+// the frame format of shm.cc by hand and break the handshake, the bounds and the seals. Each
+// case is one finding of the security review (docs/reliability.md, "Threat model"): before the
+// authenticated handshake, a process that knew only the socket name received every region's
+// memfd, frames were accepted before hello, memfds could be shrunk under a writer, a sparse
+// memfd was pre-faulted at its announced size, and nothing bounded a silent connection.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cache/region.h"
+#include "common/coding.h"
+#include "transport/auth.h"
+#include "transport/transport.h"
+
+namespace hxfer::transport {
+namespace {
+
+using namespace std::chrono_literals;
+
+// The frame types of shm.cc (kept in step by hand: a raw peer is the point of these tests).
+enum : uint32_t {
+  kHello = 1,
+  kChallenge = 2,
+  kRegion = 3,
+  kMessage = 5,
+  kProof = 6,
+  kWelcome = 7,
+  kRefused = 8,
+};
+constexpr uint32_t kVersion = 2;
+constexpr char kToken[] = "the-right-token";
+
+std::string uniqueName(const std::string& what) {
+  static int n = 0;
+  return "hxfer-hostile-" + what + "-" + std::to_string(getpid()) + "-" + std::to_string(n++);
+}
+
+sockaddr_un abstractAddr(const std::string& name, socklen_t* len) {
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path + 1, name.data(), name.size());
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return sa;
+}
+
+struct Frame {
+  uint32_t type = 0;
+  std::vector<uint8_t> payload;
+  std::vector<int> fds;
+};
+
+// One raw connection. Every read is bounded by a timeout; nothing here can hang a test.
+class RawPeer {
+ public:
+  explicit RawPeer(int fd) : fd_(fd) {}
+  ~RawPeer() {
+    if (fd_ >= 0) close(fd_);
+    for (int fd : fds_) close(fd);
+  }
+  static std::unique_ptr<RawPeer> connectTo(const std::string& address) {
+    const std::string name = address.substr(std::string("shm:@").size());
+    socklen_t len = 0;
+    sockaddr_un sa = abstractAddr(name, &len);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&sa), len) != 0) {
+      if (fd >= 0) close(fd);
+      return nullptr;
+    }
+    return std::make_unique<RawPeer>(fd);
+  }
+
+  bool send(uint32_t type, const std::vector<uint8_t>& payload, int fd = -1) {
+    std::vector<uint8_t> buf(8);
+    storeFixed32(buf.data(), type);
+    storeFixed32(buf.data() + 4, static_cast<uint32_t>(payload.size()));
+    buf.insert(buf.end(), payload.begin(), payload.end());
+    iovec iov{buf.data(), buf.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int))] = {};
+    if (fd >= 0) {
+      msg.msg_control = cbuf;
+      msg.msg_controllen = sizeof(cbuf);
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+    }
+    return sendmsg(fd_, &msg, MSG_NOSIGNAL) == static_cast<ssize_t>(buf.size());
+  }
+
+  // The next whole frame, or nullopt on EOF / error / timeout (`eof()` tells which).
+  std::optional<Frame> read(std::chrono::milliseconds timeout = 3000ms) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      if (rx_.size() >= 8) {
+        const uint32_t len = loadFixed32(rx_.data() + 4);
+        if (rx_.size() >= 8 + len) {
+          Frame f;
+          f.type = loadFixed32(rx_.data());
+          f.payload.assign(rx_.begin() + 8, rx_.begin() + 8 + len);
+          rx_.erase(rx_.begin(), rx_.begin() + 8 + len);
+          if (f.type == kRegion && !fds_.empty()) {
+            f.fds.push_back(fds_.front());
+            fds_.erase(fds_.begin());
+          }
+          return f;
+        }
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return std::nullopt;
+      timeval tv{0, static_cast<suseconds_t>(std::min<int64_t>(left.count(), 900) * 1000)};
+      setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+      uint8_t buf[4096];
+      alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * 8)];
+      iovec iov{buf, sizeof(buf)};
+      msghdr msg{};
+      msg.msg_iov = &iov;
+      msg.msg_iovlen = 1;
+      msg.msg_control = cbuf;
+      msg.msg_controllen = sizeof(cbuf);
+      ssize_t r = recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC);
+      if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+      for (cmsghdr* c = CMSG_FIRSTHDR(&msg); r > 0 && c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+          const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+          for (size_t k = 0; k < n; ++k) {
+            int fd;
+            std::memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof(int));
+            fds_.push_back(fd);
+            ++fds_received_;
+          }
+        }
+      }
+      if (r <= 0) {
+        eof_ = true;
+        return std::nullopt;
+      }
+      rx_.insert(rx_.end(), buf, buf + r);
+    }
+  }
+
+  // Reads until EOF (true) or the timeout (false), dropping frames.
+  bool waitForEof(std::chrono::milliseconds timeout = 3000ms) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (!read(100ms) && eof_) return true;
+    }
+    return false;
+  }
+
+  std::vector<uint8_t> hello(const auth::Nonce& nonce, uint32_t version = kVersion) {
+    std::vector<uint8_t> p(4);
+    storeFixed32(p.data(), version);
+    p.insert(p.end(), nonce.begin(), nonce.end());
+    return p;
+  }
+
+  // Runs the connector's side of the handshake with `token`; true on welcome.
+  bool authenticate(const std::string& token, std::vector<uint8_t>* proof_sent = nullptr) {
+    auto nonce = auth::randomNonce();
+    if (!nonce.isOk() || !send(kHello, hello(*nonce))) return false;
+    auto ch = read();
+    if (!ch || ch->type != kChallenge || ch->payload.size() != 4 + 32 + 32) return false;
+    auth::Nonce listener{};
+    std::memcpy(listener.data(), ch->payload.data() + 4, 32);
+    const auth::Proof proof = auth::prove(token, auth::Role::kConnector, *nonce, listener);
+    if (proof_sent) proof_sent->assign(proof.begin(), proof.end());
+    if (!send(kProof, std::vector<uint8_t>(proof.begin(), proof.end()))) return false;
+    auto w = read();
+    return w && w->type == kWelcome;
+  }
+
+  int fd() const { return fd_; }
+  size_t fdsReceived() const { return fds_received_; }
+  bool eof() const { return eof_; }
+
+ private:
+  int fd_;
+  std::vector<uint8_t> rx_;
+  std::vector<int> fds_;
+  size_t fds_received_ = 0;
+  bool eof_ = false;
+};
+
+AgentConfig config(const std::string& label, const std::string& token = kToken) {
+  AgentConfig c;
+  c.backend = "shm";
+  c.label = label;
+  c.auth_token = token;
+  c.auth_timeout = 2000ms;
+  c.connect_timeout = 2000ms;
+  return c;
+}
+
+std::unique_ptr<Agent> agentOrDie(const AgentConfig& c) {
+  auto a = createAgent(c);
+  EXPECT_TRUE(a.isOk()) << a.status().toString();
+  return a.isOk() ? std::move(*a) : nullptr;
+}
+
+std::unique_ptr<Region> memfdRegion(uint32_t id, uint64_t bytes, uint8_t fill) {
+  auto r = Region::allocate(id, bytes, Region::Backing::kMemfd, "hostile");
+  EXPECT_TRUE(r.isOk());
+  std::memset((*r)->data(), fill, bytes);
+  return std::move(*r);
+}
+
+template <typename Cond>
+bool eventually(Cond cond, std::chrono::milliseconds timeout = 3000ms) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(5ms);
+  }
+  return cond();
+}
+
+// Finding 1: a process that knew only the socket name mapped a context rank's pools.
+TEST(ShmHostile, HelloAloneGetsNoRegionFdAndAWrongProofIsRefused) {
+  auto agent = agentOrDie(config("victim"));
+  auto region = memfdRegion(1, 1 << 20, 0x5a);
+  ASSERT_TRUE(agent->registerRegion(*region, RegionAccess::kRemoteWritable).isOk());
+  auto raw = RawPeer::connectTo(agent->localAddress());
+  ASSERT_NE(raw, nullptr);
+  auto nonce = auth::randomNonce();
+  ASSERT_TRUE(nonce.isOk());
+  ASSERT_TRUE(raw->send(kHello, raw->hello(*nonce)));
+  auto ch = raw->read();
+  ASSERT_TRUE(ch.has_value());
+  EXPECT_EQ(ch->type, kChallenge);
+  // A proof made with a guessed token: refused, the connection closed, no fd ever sent.
+  auth::Nonce listener{};
+  std::memcpy(listener.data(), ch->payload.data() + 4, 32);
+  const auth::Proof guess = auth::prove("guess", auth::Role::kConnector, *nonce, listener);
+  ASSERT_TRUE(raw->send(kProof, std::vector<uint8_t>(guess.begin(), guess.end())));
+  auto refused = raw->read();
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_EQ(refused->type, kRefused);
+  EXPECT_TRUE(raw->waitForEof());
+  EXPECT_EQ(raw->fdsReceived(), 0u);
+  EXPECT_TRUE(eventually([&] { return agent->agentStats().auth_failures >= 1; }));
+  EXPECT_FALSE(agent->pollEvent(50ms).has_value()) << "no kPeerConnected for a refused peer";
+}
+
+// Finding 1 (and the old protocol): a version-1 hello, as the old exploit sent it, gets nothing.
+TEST(ShmHostile, OldHelloIsRefusedWithoutAnyFd) {
+  auto agent = agentOrDie(config("victim"));
+  auto region = memfdRegion(1, 1 << 16, 0);
+  ASSERT_TRUE(agent->registerRegion(*region, RegionAccess::kRemoteWritable).isOk());
+  auto raw = RawPeer::connectTo(agent->localAddress());
+  ASSERT_NE(raw, nullptr);
+  std::vector<uint8_t> v1(4);
+  storeFixed32(v1.data(), 1);
+  ASSERT_TRUE(raw->send(kHello, v1));
+  EXPECT_TRUE(raw->waitForEof());
+  EXPECT_EQ(raw->fdsReceived(), 0u);
+}
+
+// Finding 1: context ranks exported their own pools, which no peer needs: even an
+// authenticated peer receives no fd of a kLocalSource region.
+TEST(ShmHostile, LocalSourceRegionsAreNeverExported) {
+  auto agent = agentOrDie(config("ctx"));
+  auto pool = memfdRegion(1, 1 << 16, 0x11);
+  ASSERT_TRUE(agent->registerRegion(*pool, RegionAccess::kLocalSource).isOk());
+  auto raw = RawPeer::connectTo(agent->localAddress());
+  ASSERT_NE(raw, nullptr);
+  ASSERT_TRUE(raw->authenticate(kToken));
+  auto late = memfdRegion(2, 1 << 16, 0x22);
+  ASSERT_TRUE(agent->registerRegion(*late, RegionAccess::kLocalSource).isOk());
+  auto exported = memfdRegion(3, 1 << 16, 0x33);
+  ASSERT_TRUE(agent->registerRegion(*exported, RegionAccess::kRemoteWritable).isOk());
+  auto f = raw->read();
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->type, kRegion);
+  EXPECT_EQ(loadFixed32(f->payload.data()), 3u) << "only the writable region is exported";
+  EXPECT_FALSE(raw->read(200ms).has_value());
+  EXPECT_EQ(raw->fdsReceived(), 1u);
+}
+
+// Finding 1: region and message frames were accepted before hello.
+TEST(ShmHostile, FramesBeforeTheHandshakeAreDroppedWithTheConnection) {
+  auto agent = agentOrDie(config("victim"));
+  auto raw = RawPeer::connectTo(agent->localAddress());
+  ASSERT_NE(raw, nullptr);
+  ASSERT_TRUE(raw->send(kMessage, {1, 2, 3}));
+  EXPECT_TRUE(raw->waitForEof());
+  EXPECT_FALSE(agent->pollEvent(100ms).has_value()) << "the message must not be delivered";
+  EXPECT_GE(agent->agentStats().unauthenticated_dropped, 1u);
+  // A region frame with an fd before hello: dropped too, nothing mapped.
+  auto raw2 = RawPeer::connectTo(agent->localAddress());
+  ASSERT_NE(raw2, nullptr);
+  auto mine = memfdRegion(9, 1 << 16, 0);
+  std::vector<uint8_t> region(12);
+  storeFixed32(region.data(), 9);
+  storeFixed32(region.data() + 4, 1 << 16);
+  ASSERT_TRUE(raw2->send(kRegion, region, mine->fd()));
+  EXPECT_TRUE(raw2->waitForEof());
+  EXPECT_GE(agent->agentStats().unauthenticated_dropped, 2u);
+}
+
+// Finding 3: a header announcing a huge frame before authentication is refused at once,
+// instead of buffering up to 64 MiB per connection.
+TEST(ShmHostile, HugeFrameBeforeAuthenticationIsRefusedAtTheHeader) {
+  auto agent = agentOrDie(config("victim"));
+  auto raw = RawPeer::connectTo(agent->localAddress());
+  ASSERT_NE(raw, nullptr);
+  std::vector<uint8_t> header(8);
+  storeFixed32(header.data(), kHello);
+  storeFixed32(header.data() + 4, 60u << 20);
+  ASSERT_EQ(::send(raw->fd(), header.data(), header.size(), MSG_NOSIGNAL), 8);
+  EXPECT_TRUE(raw->waitForEof(1000ms));
+}
+
+// Finding 6: a squatter on the address received the memfds and the token.
+TEST(ShmHostile, SquatterOnTheAddressGetsNeitherTokenNorRegions) {
+  const std::string name = uniqueName("squat");
+  socklen_t len = 0;
+  sockaddr_un sa = abstractAddr(name, &len);
+  int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(lfd, 0);
+  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&sa), len), 0);
+  ASSERT_EQ(listen(lfd, 4), 0);
+  std::vector<uint8_t> seen;
+  size_t fds_seen = 0;
+  std::thread squatter([&] {
+    int cfd = accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (cfd < 0) return;
+    RawPeer peer(cfd);
+    auto hello = peer.read();
+    if (!hello) return;
+    seen = hello->payload;
+    // Answers with a challenge whose proof it cannot make.
+    std::vector<uint8_t> ch(4 + 32 + 32, 0x42);
+    storeFixed32(ch.data(), kVersion);
+    peer.send(kChallenge, ch);
+    while (auto f = peer.read(1000ms))
+      seen.insert(seen.end(), f->payload.begin(), f->payload.end());
+    fds_seen = peer.fdsReceived();
+  });
+  auto honest = agentOrDie(config("gen"));
+  auto pool = memfdRegion(1, 1 << 16, 0x77);
+  ASSERT_TRUE(honest->registerRegion(*pool, RegionAccess::kRemoteWritable).isOk());
+  auto peer = honest->connect("shm:@" + name);
+  EXPECT_EQ(peer.status().code(), StatusCode::kPermissionDenied) << peer.status().toString();
+  EXPECT_NE(peer.status().message().find("does not hold our token"), std::string::npos);
+  squatter.join();
+  close(lfd);
+  EXPECT_EQ(fds_seen, 0u);
+  const std::string bytes(seen.begin(), seen.end());
+  EXPECT_EQ(bytes.find(kToken), std::string::npos) << "the token must never travel";
+}
+
+// Finding 6: the token was a replayable bearer secret. A recorded proof fails against the
+// fresh nonce of the next connection.
+TEST(ShmHostile, ReplayedProofIsRefused) {
+  auto agent = agentOrDie(config("victim"));
+  std::vector<uint8_t> recorded;
+  {
+    auto first = RawPeer::connectTo(agent->localAddress());
+    ASSERT_NE(first, nullptr);
+    ASSERT_TRUE(first->authenticate(kToken, &recorded));
+  }
+  auto replay = RawPeer::connectTo(agent->localAddress());
+  ASSERT_NE(replay, nullptr);
+  auto nonce = auth::randomNonce();
+  ASSERT_TRUE(nonce.isOk());
+  ASSERT_TRUE(replay->send(kHello, replay->hello(*nonce)));
+  ASSERT_TRUE(replay->read().has_value());
+  ASSERT_TRUE(replay->send(kProof, recorded));
+  auto answer = replay->read();
+  ASSERT_TRUE(answer.has_value());
+  EXPECT_EQ(answer->type, kRefused);
+  EXPECT_TRUE(replay->waitForEof());
+}
+
+// Honest agents with different tokens never connect, in either role.
+TEST(ShmHostile, AgentsWithDifferentTokensRefuseEachOther) {
+  auto listener = agentOrDie(config("ctx", "one"));
+  auto connector = agentOrDie(config("gen", "two"));
+  auto peer = connector->connect(listener->localAddress());
+  EXPECT_EQ(peer.status().code(), StatusCode::kPermissionDenied) << peer.status().toString();
+  EXPECT_TRUE(eventually([&] { return listener->agentStats().auth_failures >= 1; }));
+  EXPECT_FALSE(listener->pollEvent(50ms).has_value());
+  auto same = agentOrDie(config("gen2", "one"));
+  auto ok = same->connect(listener->localAddress());
+  EXPECT_TRUE(ok.isOk()) << ok.status().toString();
+}
+
+// A raw peer that authenticates, then shares the given fd as region `id` of `length` bytes,
+// then sends one message so the agent has provably handled the region frame.
+struct Sharer {
+  std::unique_ptr<RawPeer> raw;
+  bool share(Agent& agent, int fd, uint32_t id, uint64_t length) {
+    raw = RawPeer::connectTo(agent.localAddress());
+    if (!raw || !raw->authenticate(kToken)) return false;
+    std::vector<uint8_t> p;
+    putFixed32(p, id);
+    putFixed64(p, length);
+    return raw->send(kRegion, p, fd) && raw->send(kMessage, {7});
+  }
+};
+
+// Finding 5: an authenticated peer shrank its memfd and killed the writer with SIGBUS. Our
+// own memfds are sealed; an unsealed one is refused on import.
+TEST(ShmHostile, UnsealedMemfdIsRefusedAndOurOwnCannotShrink) {
+  auto ours = memfdRegion(1, 1 << 16, 0);
+  EXPECT_NE(ftruncate(ours->fd(), 4096), 0) << "our memfds are sealed against shrinking";
+  EXPECT_EQ(errno, EPERM);
+
+  auto agent = agentOrDie(config("ctx"));
+  int fd = memfd_create("unsealed", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 1 << 16), 0);
+  Sharer s;
+  ASSERT_TRUE(s.share(*agent, fd, 5, 1 << 16));
+  auto connected = agent->pollEvent(2000ms);
+  ASSERT_TRUE(connected.has_value());
+  ASSERT_EQ(connected->kind, Event::Kind::kPeerConnected);
+  const PeerId peer = connected->peer;
+  EXPECT_TRUE(s.raw->waitForEof()) << "the peer is dropped";
+  EXPECT_EQ(agent->addRemoteRegion(peer, 5, 1 << 16, {}).code(), StatusCode::kUnavailable);
+  close(fd);
+}
+
+uint64_t rssBytes() {
+  std::ifstream f("/proc/self/status");
+  std::string key;
+  while (f >> key) {
+    if (key == "VmRSS:") {
+      uint64_t kb = 0;
+      f >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+// Finding 3: a sparse 1 GiB memfd was mapped with MAP_POPULATE and charged 1 GB to the victim.
+TEST(ShmHostile, SparseMemfdIsMappedLazily) {
+  constexpr uint64_t kGiB = 1ull << 30;
+  auto agent = agentOrDie(config("ctx"));
+  int fd = memfd_create("sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, kGiB), 0);
+  ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  const uint64_t before = rssBytes();
+  Sharer s;
+  ASSERT_TRUE(s.share(*agent, fd, 5, kGiB));
+  auto connected = agent->pollEvent(2000ms);
+  ASSERT_TRUE(connected.has_value() && connected->kind == Event::Kind::kPeerConnected);
+  auto msg = agent->pollEvent(5000ms);
+  ASSERT_TRUE(msg.has_value());
+  ASSERT_EQ(msg->kind, Event::Kind::kMessage) << "the region frame was handled before it";
+  EXPECT_TRUE(agent->addRemoteRegion(connected->peer, 5, kGiB, {}).isOk());
+  EXPECT_LT(rssBytes(), before + (64ull << 20)) << "a sparse region must not be populated";
+  close(fd);
+}
+
+// Finding 3: no limit or timeout for connections that never say hello.
+TEST(ShmHostile, SilentConnectionsAreClosedAndCapped) {
+  AgentConfig c = config("victim");
+  c.auth_timeout = 300ms;
+  c.max_unauthenticated = 3;
+  auto agent = agentOrDie(c);
+  std::vector<std::unique_ptr<RawPeer>> silent;
+  for (int i = 0; i < 8; ++i) {
+    silent.push_back(RawPeer::connectTo(agent->localAddress()));
+    ASSERT_NE(silent.back(), nullptr);
+  }
+  EXPECT_TRUE(eventually([&] { return agent->agentStats().connections_refused >= 5; }))
+      << agent->agentStats().connections_refused;
+  for (auto& s : silent) EXPECT_TRUE(s->waitForEof(3000ms)) << "closed at accept or timeout";
+  EXPECT_GE(agent->agentStats().auth_failures, 3u) << "the three admitted ones timed out";
+  // With the silent ones gone an honest peer gets in.
+  auto honest = agentOrDie(config("gen"));
+  EXPECT_TRUE(honest->connect(agent->localAddress()).isOk());
+}
+
+// Finding 4: a peer that stops reading blocked our sends forever; now a send gives up after
+// connect_timeout and the peer is dropped.
+TEST(ShmHostile, PeerThatStopsReadingFailsOurSendInsteadOfHangingIt) {
+  AgentConfig c = config("ctx");
+  c.connect_timeout = 500ms;
+  auto agent = agentOrDie(c);
+  auto raw = RawPeer::connectTo(agent->localAddress());
+  ASSERT_NE(raw, nullptr);
+  ASSERT_TRUE(raw->authenticate(kToken));
+  auto connected = agent->pollEvent(2000ms);
+  ASSERT_TRUE(connected.has_value() && connected->kind == Event::Kind::kPeerConnected);
+  std::vector<uint8_t> big(8 << 20, 1);
+  const auto start = std::chrono::steady_clock::now();
+  Status s = OkStatus();
+  for (int i = 0; i < 64 && s.isOk(); ++i) s = agent->sendMessage(connected->peer, big);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.toString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+}
+
+// Same uid unless configured: a process of another uid is refused at accept (root only: the
+// test drops to nobody in a forked child).
+TEST(ShmHostile, ProcessOfAnotherUidIsRefused) {
+  if (getuid() != 0) GTEST_SKIP() << "needs root to run a child as another uid";
+  auto agent = agentOrDie(config("victim"));
+  auto region = memfdRegion(1, 1 << 16, 0);
+  ASSERT_TRUE(agent->registerRegion(*region, RegionAccess::kRemoteWritable).isOk());
+  const std::string address = agent->localAddress();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(10);
+    auto raw = RawPeer::connectTo(address);
+    if (!raw) _exit(11);
+    auto nonce = auth::randomNonce();
+    if (!nonce.isOk()) _exit(12);
+    raw->send(kHello, raw->hello(*nonce));
+    // Closed without a challenge: exit 0. A challenge means the uid check is missing.
+    auto f = raw->read(2000ms);
+    _exit(f.has_value() ? 13 : (raw->eof() ? 0 : 14));
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_GE(agent->agentStats().auth_failures, 1u);
+}
+
+}  // namespace
+}  // namespace hxfer::transport

@@ -1,0 +1,2 @@
+// Hostile peers against the ucx transport (placeholder, filled below).
+#include <gtest/gtest.h>
