@@ -38,6 +38,10 @@ struct GenerationReceiver::Part {
   size_t peer = 0;  // index into peers_
   State state = State::kQueued;
   bool in_flight = false;  // holds a transfer in the cache manager
+  // When set, the part failed because this rank dropped the connection itself: its fence (the
+  // in-flight transfer) ends at that connection's kPeerLost, when the transport has proved
+  // that no write of the peer into these pages can still run.
+  transport::PeerId fenced_by = 0;
   uint64_t bytes = 0;
 };
 
@@ -394,7 +398,21 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
   completeIfDoneLocked(sink);
 }
 
-void GenerationReceiver::peerDownLocked(CtxPeer& peer, const Status& why, bool final) {
+void GenerationReceiver::releaseFencesLocked(transport::PeerId connection) {
+  std::vector<uint64_t> forget;
+  for (auto& [id, sink] : sinks_) {
+    for (Part& p : sink->parts) {
+      if (p.fenced_by != connection) continue;
+      p.fenced_by = 0;
+      endPartLocked(*sink, p);
+    }
+    if (sink->released && !sink->anyInFlight()) forget.push_back(id);
+  }
+  for (uint64_t id : forget) sinks_.erase(id);
+}
+
+void GenerationReceiver::peerDownLocked(CtxPeer& peer, const Status& why, bool final,
+                                        bool transport_lost) {
   const bool was_ready = peer.state == CtxPeer::State::kReady;
   if (was_ready) metrics_.peerLost();
   peer.last_error = why;
@@ -409,7 +427,11 @@ void GenerationReceiver::peerDownLocked(CtxPeer& peer, const Status& why, bool f
     for (Part& p : sink->parts) {
       if (p.peer != index) continue;
       if (p.state == Part::State::kSent) {
-        endPartLocked(*sink, p);
+        if (transport_lost) {
+          endPartLocked(*sink, p);
+        } else {
+          p.fenced_by = peer.id;
+        }
         p.state = Part::State::kFailed;
         failLocked(*sink, why.withContext("context rank " + std::to_string(peer.rank)),
                    final ? FailureCause::kRefused : FailureCause::kPeerLost);
@@ -483,6 +505,8 @@ void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
 
 void GenerationReceiver::handleEventLocked(transport::Event& ev) {
   using Kind = transport::Event::Kind;
+  // A connection this rank dropped earlier is now proved quiet: its fences end.
+  if (ev.kind == Kind::kPeerLost) releaseFencesLocked(ev.peer);
   CtxPeer* peer = peerById(ev.peer);
   if (peer == nullptr) {
     if (ev.kind == Kind::kPeerConnected) {
@@ -496,7 +520,8 @@ void GenerationReceiver::handleEventLocked(transport::Event& ev) {
   if (ev.kind == Kind::kPeerLost) {
     HXFER_LOG_WARN("generation rank {}: context rank {} lost: {}", rankName(self_.layout),
                    peer->rank, ev.status.toString());
-    peerDownLocked(*peer, Unavailable("connection lost: " + ev.status.message()), false);
+    peerDownLocked(*peer, Unavailable("connection lost: " + ev.status.message()), false,
+                   /*transport_lost=*/true);
     return;
   }
   if (ev.kind != Kind::kMessage) return;

@@ -125,7 +125,11 @@ class GenerationReceiver {
   void handleEventLocked(transport::Event& event);
   void onHelloLocked(CtxPeer& peer, wire::Hello hello);
   void onDoneLocked(CtxPeer& peer, const wire::TransferDone& done);
-  void peerDownLocked(CtxPeer& peer, const Status& why, bool final);
+  // Fails the peer's request parts. Their page fences end now only when `transport_lost` (the
+  // transport reported kPeerLost: no write of that connection can still land); otherwise they
+  // stay until that event arrives for the connection (releaseFencesLocked).
+  void peerDownLocked(CtxPeer& peer, const Status& why, bool final, bool transport_lost = false);
+  void releaseFencesLocked(transport::PeerId connection);
   void sendPartLocked(Sink& sink, Part& part, CtxPeer& peer);
   void failLocked(Sink& sink, const Status& status, FailureCause cause);
   void completeIfDoneLocked(Sink& sink);

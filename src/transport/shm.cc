@@ -14,6 +14,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -82,9 +83,18 @@ struct ShmPeer {
   auth::Nonce listener_nonce{};
   Clock::time_point auth_deadline;
 
+  // Ending the connection without a write after release (docs/reliability.md): our copies
+  // into the peer stop before the peer can see our end close, and when the peer may write
+  // into regions we exported, its kPeerLost waits until it closed its end (which it does only
+  // once its own copies stopped, or by dying). Progress thread only.
+  bool peer_closed = false;            // EOF or an error on its socket; out of epoll
+  bool half_closed = false;            // our shutdown is done
+  std::optional<Status> pending_lost;  // the kPeerLost to queue once peer_closed
+
   // Guarded by the agent's mu_.
-  Status refusal;      // why the handshake failed (what connect() returns)
-  bool ready = false;  // authenticated and our exported region fds were sent
+  Status refusal;                  // why the handshake failed (what connect() returns)
+  bool ready = false;              // authenticated and our exported region fds were sent
+  std::vector<Transfer> outgoing;  // our transfers to it, pruned once terminal
   std::map<uint32_t, std::shared_ptr<RegionGuard>> imported;
   std::map<uint32_t, std::shared_ptr<RegionGuard>> declared;
 };
@@ -130,8 +140,19 @@ class ShmAgent final : public Agent {
       peers_.clear();
       fd_peers_.clear();
     }
+    // Our copies stop at their next segment; close no socket while one still writes into a
+    // peer (its end closing is what tells the peer that nothing of ours can land any more).
+    for (auto& p : peers) p->lost = true;
+    const auto deadline = Clock::now() + std::chrono::seconds(30);
     for (auto& p : peers) {
-      p->lost = true;
+      std::vector<Transfer> outgoing;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        outgoing.swap(p->outgoing);
+      }
+      for (const Transfer& t : outgoing) (void)t.wait(deadline);
+    }
+    for (auto& p : peers) {
       std::lock_guard<std::mutex> lock(p->send_mu);
       if (p->fd >= 0) close(p->fd);
       p->fd = -1;
@@ -327,7 +348,11 @@ class ShmAgent final : public Agent {
         total += op.bytes;
       }
     }
-    return detail::submitCopy(copy_, std::move(job), total, ops.size(), p, peer);
+    Transfer t = detail::submitCopy(copy_, std::move(job), total, ops.size(), p, peer);
+    std::lock_guard<std::mutex> lock(mu_);
+    std::erase_if(p->outgoing, [](const Transfer& o) { return terminal(o); });
+    if (!terminal(t)) p->outgoing.push_back(t);
+    return t;
   }
 
   Status sendMessage(PeerId peer, std::span<const uint8_t> payload) override {
@@ -470,26 +495,87 @@ class ShmAgent final : public Agent {
     return sendFrame(p, kRegion, payload, region.fd());
   }
 
-  // Fails everything pending for the peer, forgets its regions and queues kPeerLost. The
-  // socket is shut down here and closed by the progress thread.
+  static bool terminal(const Transfer& t) { return t.poll() != TransferState::kInProgress; }
+
+  // Fails everything pending for the peer (our copies stop at their next segment) and forgets
+  // its regions. The progress thread then ends the connection (finishClosing): kPeerLost is
+  // queued at once for a peer that could not write into our memory, and only after the peer
+  // closed its end for one we exported regions to, so that when the user sees kPeerLost no
+  // copy of the peer into those regions can still run.
   // Peers that never authenticated were never announced: they leave no kPeerLost either.
   void markLost(const std::shared_ptr<ShmPeer>& p, const Status& why, bool queue_event = true) {
     if (p->lost.exchange(true)) return;
     if (!p->authenticated) ++auth_failures_;  // a handshake that ended before it succeeded
     queue_event = queue_event && p->authenticated;
+    bool exported = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (p->refusal.isOk()) p->refusal = why;
       p->imported.clear();
       p->declared.clear();
+      exported = p->ready && std::any_of(regions_.begin(), regions_.end(),
+                                         [](const auto& r) { return r.second.exported; });
+      if (queue_event && exported) lost_pending_[p->id] = why;
     }
     ack_cv_.notify_all();
-    {
-      std::lock_guard<std::mutex> lock(p->send_mu);
-      if (p->fd >= 0) shutdown(p->fd, SHUT_RDWR);
-    }
-    if (queue_event) events_.push(Event{Event::Kind::kPeerLost, p->id, {}, why});
+    if (queue_event && !exported) events_.push(Event{Event::Kind::kPeerLost, p->id, {}, why});
+    uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
     HXFER_LOG_DEBUG("shm {}: peer {} lost: {}", name_, p->id, why.toString());
+  }
+
+  // Progress thread: moves lost peers towards closed. Our end is shut only once none of our
+  // copies into the peer can run; the socket is closed (and the peer forgotten) once the peer
+  // closed its end too, or at once when it could not write into our memory. Returns whether a
+  // peer still waits for our copies (the loop then polls quickly).
+  bool finishClosing() {
+    std::vector<std::shared_ptr<ShmPeer>> lost;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [id, p] : peers_) {
+        if (p->lost) lost.push_back(p);
+      }
+    }
+    bool waiting = false;
+    for (auto& p : lost) {
+      bool copies_done = false;
+      bool announce_later = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        std::erase_if(p->outgoing, [](const Transfer& o) { return terminal(o); });
+        copies_done = p->outgoing.empty();
+        if (auto it = lost_pending_.find(p->id); it != lost_pending_.end()) {
+          if (!p->pending_lost) p->pending_lost = it->second;
+          lost_pending_.erase(it);
+        }
+        announce_later = p->pending_lost.has_value();
+      }
+      if (!copies_done) {
+        waiting = true;
+        continue;
+      }
+      if (!p->half_closed) {
+        p->half_closed = true;
+        std::lock_guard<std::mutex> lock(p->send_mu);
+        // Keep reading when the peer may still write into our regions: its EOF is the proof.
+        if (p->fd >= 0) shutdown(p->fd, announce_later ? SHUT_WR : SHUT_RDWR);
+      }
+      if (announce_later && !p->peer_closed) continue;
+      if (p->pending_lost) {
+        events_.push(Event{Event::Kind::kPeerLost, p->id, {}, *p->pending_lost});
+        p->pending_lost.reset();
+      }
+      closePeerFd(p);
+    }
+    return waiting;
+  }
+
+  // The peer's end is closed (or broken): nothing more will be read from it.
+  void peerClosed(const std::shared_ptr<ShmPeer>& p) {
+    if (p->peer_closed) return;
+    p->peer_closed = true;
+    std::lock_guard<std::mutex> lock(p->send_mu);
+    if (p->fd >= 0) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, p->fd, nullptr);
   }
 
   // Closes the socket and forgets the peer: nothing it sent stays buffered here. Transfers
@@ -542,10 +628,10 @@ class ShmAgent final : public Agent {
     epoll_event evs[16];
     while (!stop_) {
       // Wake often enough to end handshakes on time while any is pending.
-      int wait_ms = 1000;
+      int wait_ms = closing_wait_ ? 2 : 1000;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (unauthenticatedIncomingLocked() > 0) {
+        if (wait_ms > 2 && unauthenticatedIncomingLocked() > 0) {
           wait_ms = static_cast<int>(std::clamp<int64_t>(config_.auth_timeout.count() / 4, 1, 250));
         }
       }
@@ -570,6 +656,7 @@ class ShmAgent final : public Agent {
         if (p) readPeer(p);
       }
       expireHandshakes();
+      closing_wait_ = finishClosing();
     }
   }
 
@@ -631,7 +718,12 @@ class ShmAgent final : public Agent {
   }
 
   void readPeer(const std::shared_ptr<ShmPeer>& p) {
+    if (p->lost) {
+      drainLostPeer(p);
+      return;
+    }
     Status why = OkStatus();
+    bool closed = false;
     for (;;) {
       uint8_t buf[64 * 1024];
       alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * 16)];
@@ -646,6 +738,7 @@ class ShmAgent final : public Agent {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) break;
         why = Unavailable(errnoText("receive from peer " + std::to_string(p->id)));
+        closed = true;
         break;
       }
       for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
@@ -673,16 +766,46 @@ class ShmAgent final : public Agent {
       }
       if (r == 0) {
         why = Unavailable("peer " + std::to_string(p->id) + " closed the connection");
+        closed = true;
         break;
       }
       p->rx.insert(p->rx.end(), buf, buf + r);
       why = parseFrames(p);
       if (!why.isOk()) break;
     }
-    if (!why.isOk() || p->lost) {
-      if (!why.isOk()) markLost(p, why);
-      closePeerFd(p);
+    if (closed) peerClosed(p);
+    if (!why.isOk()) markLost(p, why);
+    if (p->lost) closing_wait_ = finishClosing();
+  }
+
+  // A lost peer's socket is only read to see its end close; what it still sends is dropped.
+  void drainLostPeer(const std::shared_ptr<ShmPeer>& p) {
+    for (;;) {
+      uint8_t buf[16 * 1024];
+      alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * 16)];
+      iovec iov{buf, sizeof(buf)};
+      msghdr msg{};
+      msg.msg_iov = &iov;
+      msg.msg_iovlen = 1;
+      msg.msg_control = cbuf;
+      msg.msg_controllen = sizeof(cbuf);
+      ssize_t r = recvmsg(p->fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+      if (r < 0 && errno == EINTR) continue;
+      for (cmsghdr* c = CMSG_FIRSTHDR(&msg); r > 0 && c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+          const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+          for (size_t k = 0; k < count; ++k) {
+            int fd;
+            std::memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof(int));
+            close(fd);
+          }
+        }
+      }
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (r <= 0) break;
     }
+    peerClosed(p);
+    closing_wait_ = finishClosing();
   }
 
   Status parseFrames(const std::shared_ptr<ShmPeer>& p) {
@@ -892,7 +1015,9 @@ class ShmAgent final : public Agent {
   std::map<uint32_t, LocalRegion> regions_;                     // guarded by mu_
   std::unordered_map<PeerId, std::shared_ptr<ShmPeer>> peers_;  // guarded by mu_
   std::unordered_map<int, std::shared_ptr<ShmPeer>> fd_peers_;  // guarded by mu_
-  PeerId next_peer_ = 1;                                        // guarded by mu_
+  std::unordered_map<PeerId, Status> lost_pending_;             // guarded by mu_
+  bool closing_wait_ = false;  // progress thread: a lost peer waits for our copies
+  PeerId next_peer_ = 1;       // guarded by mu_
   EventQueue events_;
   std::thread progress_;
   CopyWorker copy_;

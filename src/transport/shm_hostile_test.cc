@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -511,6 +512,43 @@ TEST(ShmHostile, PeerThatStopsReadingFailsOurSendInsteadOfHangingIt) {
   for (int i = 0; i < 64 && s.isOk(); ++i) s = agent->sendMessage(connected->peer, big);
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.toString();
   EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+}
+
+// Finding 7: when the side that exported a region dropped the connection itself, its
+// kPeerLost (which ends the engine's page fences) came at once while the writer's copy thread
+// was still inside a segment: thousands of ops landed in released pages. Now kPeerLost waits
+// until the writer closed its end, which it does only after its copies stopped.
+TEST(ShmHostile, NoWriteLandsAfterTheExporterSawPeerLost) {
+  constexpr uint64_t kBytes = 256ull << 20;  // one segment: tens of ms of memcpy
+  constexpr uint64_t kTail = 1 << 20;
+  constexpr uint8_t kSentinel = 0xee;
+  auto writer = agentOrDie(config("ctx"));
+  auto exporter = agentOrDie(config("gen"));
+  auto src = memfdRegion(1, kBytes, 0x01);
+  auto dst = memfdRegion(2, kBytes, 0x00);
+  ASSERT_TRUE(writer->registerRegion(*src, RegionAccess::kLocalSource).isOk());
+  ASSERT_TRUE(exporter->registerRegion(*dst, RegionAccess::kRemoteWritable).isOk());
+  auto to_writer = exporter->connect(writer->localAddress());
+  ASSERT_TRUE(to_writer.isOk()) << to_writer.status().toString();
+  auto connected = writer->pollEvent(2000ms);
+  ASSERT_TRUE(connected.has_value() && connected->kind == Event::Kind::kPeerConnected);
+  // The region frame follows the welcome: the engine waits for the Hello; here, for the fd.
+  ASSERT_TRUE(
+      eventually([&] { return writer->addRemoteRegion(connected->peer, 2, kBytes, {}).isOk(); }));
+  auto t = writer->postWrite(connected->peer, {WriteOp{1, 0, 2, 0, kBytes}});
+  ASSERT_TRUE(t.isOk());
+  ASSERT_TRUE(exporter->disconnect(*to_writer).isOk());
+  auto lost = exporter->pollEvent(5000ms);
+  ASSERT_TRUE(lost.has_value());
+  ASSERT_EQ(lost->kind, Event::Kind::kPeerLost);
+  // The engine would now release the pages and hand them to the next request.
+  std::memset(dst->data() + kBytes - kTail, kSentinel, kTail);
+  (void)t->waitFor(5000ms);
+  EXPECT_NE(t->poll(), TransferState::kInProgress);
+  std::this_thread::sleep_for(20ms);
+  const uint64_t overwritten = std::count_if(dst->data() + kBytes - kTail, dst->data() + kBytes,
+                                             [](uint8_t b) { return b != kSentinel; });
+  EXPECT_EQ(overwritten, 0u) << "bytes written into released pages after kPeerLost";
 }
 
 // Same uid unless configured: a process of another uid is refused at accept (root only: the
