@@ -277,6 +277,61 @@ StatusOr<TransferLease> HybridCacheManager::leaseTransfer(uint64_t request_id) {
   return TransferLease(this, request_id);
 }
 
+Status HybridCacheManager::selfCheck() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto fail = [](std::string what) { return Internal("cache accounting: " + what); };
+  std::vector<uint64_t> block_owner(blocks_.capacity(), 0), slot_owner(slots_.capacity(), 0);
+  uint64_t used_b = 0, used_s = 0, quar_b = 0, quar_s = 0, live = 0, quar = 0, inflight_req = 0,
+           inflight = 0;
+  for (const auto& [id, r] : requests_) {
+    for (uint32_t b : r.alloc.blocks) {
+      if (b >= block_owner.size()) return fail("request " + str(id) + " holds block " + str(b));
+      if (block_owner[b] != 0) {
+        return fail("block " + str(b) + " held by requests " + str(block_owner[b] - 1) +
+                    " and " + str(id));
+      }
+      if (blocks_.isFree(b)) return fail("block " + str(b) + " of request " + str(id) + " is free");
+      block_owner[b] = id + 1;
+    }
+    if (r.alloc.slot) {
+      const uint32_t s = *r.alloc.slot;
+      if (s >= slot_owner.size()) return fail("request " + str(id) + " holds slot " + str(s));
+      if (slot_owner[s] != 0) return fail("slot " + str(s) + " held twice");
+      if (slots_.isFree(s)) return fail("slot " + str(s) + " of request " + str(id) + " is free");
+      slot_owner[s] = id + 1;
+    }
+    const uint64_t nb = r.alloc.blocks.size(), ns = r.alloc.slot ? 1 : 0;
+    (r.freed ? quar_b : used_b) += nb;
+    (r.freed ? quar_s : used_s) += ns;
+    ++(r.freed ? quar : live);
+    if (r.freed && r.inflight == 0) return fail("request " + str(id) + " quarantined, not in flight");
+    inflight_req += r.inflight > 0;
+    inflight += r.inflight;
+  }
+  const CacheCounters& c = stats_;
+  if (used_b != c.used_blocks || used_s != c.used_slots || quar_b != c.quarantined_blocks ||
+      quar_s != c.quarantined_slots) {
+    return fail("pages held by requests: used " + str(used_b) + "/" + str(used_s) +
+                " quarantined " + str(quar_b) + "/" + str(quar_s) + " (blocks/slots), counters say " +
+                str(c.used_blocks) + "/" + str(c.used_slots) + " and " +
+                str(c.quarantined_blocks) + "/" + str(c.quarantined_slots));
+  }
+  if (used_b + quar_b + blocks_.freeCount() != blocks_.capacity() ||
+      used_s + quar_s + slots_.freeCount() != slots_.capacity()) {
+    return fail("free + used + quarantined != total (blocks " + str(blocks_.freeCount()) + "+" +
+                str(used_b) + "+" + str(quar_b) + " of " + str(blocks_.capacity()) + ", slots " +
+                str(slots_.freeCount()) + "+" + str(used_s) + "+" + str(quar_s) + " of " +
+                str(slots_.capacity()) + ")");
+  }
+  if (live != c.live_requests || quar != c.quarantined_requests ||
+      inflight_req != c.inflight_requests || inflight != c.inflight_transfers) {
+    return fail("request counts (live " + str(live) + ", quarantined " + str(quar) +
+                ", in flight " + str(inflight_req) + "/" + str(inflight) +
+                ") disagree with the counters");
+  }
+  return OkStatus();
+}
+
 CacheCounters HybridCacheManager::counters() const {
   std::lock_guard<std::mutex> lock(mu_);
   CacheCounters c = stats_;

@@ -168,6 +168,12 @@ class HybridCacheManager {
 
   CacheCounters counters() const;
 
+  // The accounting self-check: recounts every page from the requests the manager knows and
+  // checks it against the pools and counters. Every page is exactly one of free, held by one
+  // live request, or held by one quarantined request; free + used + quarantined = total; the
+  // in-flight counts match. Internal naming the first disagreement otherwise (a bug).
+  Status selfCheck() const;
+
  private:
   struct Request {
     Allocation alloc;

@@ -374,7 +374,12 @@ void runRandomSequence(uint32_t seed, int steps) {
       ASSERT_EQ(m->free(id).code(), StatusCode::kNotFound);
       ASSERT_EQ(m->endTransfer(id).code(), StatusCode::kNotFound);
     }
-    // The counters match the reference model after every step.
+    // The counters match the reference model after every step, and the manager's own
+    // recount agrees.
+    {
+      Status check = m->selfCheck();
+      ASSERT_TRUE(check.isOk()) << "step " << step << ": " << check.toString();
+    }
     CacheCounters c = m->counters();
     uint32_t used_b = 0, quar_b = 0, used_s = 0, quar_s = 0, live = 0, quar = 0, busy = 0;
     uint64_t transfers = 0;

@@ -53,6 +53,7 @@ void expectClean(const nlohmann::json& j, const std::string& what) {
   for (const auto& rank : j["ranks"]) {
     EXPECT_EQ(rank.value("leaked_pages", -1), 0) << what << ": " << rank.dump();
     EXPECT_TRUE(rank["metrics"].is_object()) << what << ": " << rank.dump();
+    EXPECT_EQ(rank["metrics"].value("accounting_errors", -1), 0) << what << ": " << rank.dump();
   }
 }
 

@@ -88,7 +88,30 @@ ContextSender::~ContextSender() { shutdown(); }
 
 std::string ContextSender::address() const { return agent_->localAddress(); }
 
-MetricsSnapshot ContextSender::metrics() const { return metrics_.snapshot(agent_->agentStats()); }
+MetricsSnapshot ContextSender::metrics() const {
+  MetricsSnapshot m = metrics_.snapshot(agent_->agentStats());
+  m.accounting_errors = selfCheck().isOk() ? 0 : 1;
+  return m;
+}
+
+Status ContextSender::selfCheck() const {
+  std::lock_guard lock(mu_);
+  RETURN_IF_ERROR(cache_->selfCheck());
+  uint64_t posted = 0;
+  for (const auto& [id, src] : sources_) {
+    posted += src->postedCount();
+    if (src->owned && !cache_->find(id).isOk()) {
+      return Internal("context accounting: the sender owns request " + std::to_string(id) +
+                      ", which the cache does not know");
+    }
+  }
+  const uint64_t inflight = cache_->counters().inflight_transfers;
+  if (inflight != posted) {
+    return Internal("context accounting: the cache has " + std::to_string(inflight) +
+                    " transfers in flight, the sender posted " + std::to_string(posted));
+  }
+  return OkStatus();
+}
 
 size_t ContextSender::heldRequests() const {
   std::lock_guard lock(mu_);

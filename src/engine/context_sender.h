@@ -90,7 +90,12 @@ class ContextSender {
   // pages and returns Cancelled). Always ok; idempotent.
   Status cancel(uint64_t request_id);
 
+  // metrics().accounting_errors is 1 when selfCheck() fails.
   MetricsSnapshot metrics() const;
+  // The accounting self-check: the cache manager's own (every page free, live or quarantined,
+  // exactly once), every request the sender owns live in the cache, and the cache's in-flight
+  // transfers equal to the writes the sender has posted. Internal naming the disagreement.
+  Status selfCheck() const;
   // Requests whose pages the sender still owns (marked ready, not yet freed).
   size_t heldRequests() const;
   // Generation peers whose handshake completed and which are still connected.

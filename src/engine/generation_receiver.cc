@@ -150,7 +150,29 @@ GenerationReceiver::GenerationReceiver(Options options, HybridCacheManager* cach
 GenerationReceiver::~GenerationReceiver() { shutdown(); }
 
 MetricsSnapshot GenerationReceiver::metrics() const {
-  return metrics_.snapshot(agent_->agentStats());
+  MetricsSnapshot m = metrics_.snapshot(agent_->agentStats());
+  m.accounting_errors = selfCheck().isOk() ? 0 : 1;
+  return m;
+}
+
+Status GenerationReceiver::selfCheck() const {
+  std::lock_guard lock(mu_);
+  RETURN_IF_ERROR(cache_->selfCheck());
+  uint64_t fenced = 0;
+  for (const auto& [id, sink] : sinks_) {
+    for (const Part& p : sink->parts) fenced += p.in_flight;
+    if (!sink->pages_freed && !cache_->find(id).isOk()) {
+      return Internal("generation accounting: request " + std::to_string(id) +
+                      " holds pages the cache does not know");
+    }
+  }
+  const uint64_t inflight = cache_->counters().inflight_transfers;
+  if (inflight != fenced) {
+    return Internal("generation accounting: the cache has " + std::to_string(inflight) +
+                    " transfers in flight, the receiver holds " + std::to_string(fenced) +
+                    " fenced parts");
+  }
+  return OkStatus();
 }
 
 size_t GenerationReceiver::activeRequests() const {

@@ -103,7 +103,12 @@ class GenerationReceiver {
   // in progress, NotFound for an unknown id.
   Status release(uint64_t request_id);
 
+  // metrics().accounting_errors is 1 when selfCheck() fails.
   MetricsSnapshot metrics() const;
+  // The accounting self-check: the cache manager's own (every page free, live or quarantined,
+  // exactly once), every request whose pages the receiver has not freed live in the cache, and
+  // the cache's in-flight transfers equal to the request parts the receiver holds fenced.
+  Status selfCheck() const;
   size_t activeRequests() const;  // in progress
 
   // Stops the progress thread, fails every request in progress, disconnects every peer (no

@@ -106,6 +106,7 @@ void MetricsSnapshot::merge(const MetricsSnapshot& o) {
   connections_refused += o.connections_refused;
   peers_over_limit += o.peers_over_limit;
   ranks_without_token += o.ranks_without_token;
+  accounting_errors += o.accounting_errors;
   latency.merge(o.latency);
 }
 
@@ -133,6 +134,7 @@ std::string MetricsSnapshot::toJson() const {
   j["connections_refused"] = connections_refused;
   j["peers_over_limit"] = peers_over_limit;
   j["ranks_without_token"] = ranks_without_token;
+  j["accounting_errors"] = accounting_errors;
   auto us = [](std::chrono::nanoseconds ns) { return static_cast<double>(ns.count()) / 1000.0; };
   j["latency_us"] = {{"count", latency.count()},
                      {"p50", us(latency.quantile(0.5))},

@@ -76,6 +76,7 @@ struct MetricsSnapshot {
   uint64_t connections_refused = 0;      // over the cap of connections authenticating, or no fd
   uint64_t peers_over_limit = 0;         // peers dropped for exceeding a per-peer bound
   uint64_t ranks_without_token = 0;      // ranks whose transport has no auth token configured
+  uint64_t accounting_errors = 0;        // ranks whose selfCheck() failed when this was taken
   LatencyHistogram latency;              // request start (or ask) to completion, successful ones
 
   uint64_t failuresBy(FailureCause c) const { return failures[static_cast<size_t>(c)]; }

@@ -373,6 +373,8 @@ bool pagesFree(const HybridCacheManager& cache, std::string* why) {
 void expectPagesFree(const HybridCacheManager& cache, const std::string& who) {
   std::string why;
   EXPECT_TRUE(waitUntil([&] { return pagesFree(cache, &why); })) << who << ": " << why;
+  Status check = cache.selfCheck();
+  EXPECT_TRUE(check.isOk()) << who << ": " << check.toString();
 }
 
 // Runs one request on `gens` (same id on each), waits, verifies every byte and releases it.
@@ -695,6 +697,9 @@ void expectPairsClean(Pairs& p) {
   for (int i = 0; i < 2; ++i) {
     expectPagesFree(*p.ctx[i].cache, "ctx " + std::to_string(i));
     expectPagesFree(*p.gen[i]->cache, "gen " + std::to_string(i));
+    Status ctx = p.ctx[i].sender->selfCheck(), gen = p.gen[i]->rx->selfCheck();
+    EXPECT_TRUE(ctx.isOk()) << "ctx " << i << ": " << ctx.toString();
+    EXPECT_TRUE(gen.isOk()) << "gen " << i << ": " << gen.toString();
     expectNoStrayBytes(*p.gen[i], "gen " + std::to_string(i));
   }
 }
