@@ -40,6 +40,9 @@ AgentConfig configFor(const BackendCase& c, const std::string& label) {
   config.label = label;
   config.ucx_mode = c.mode;
   if (c.backend == "ucx") config.ucx_options = {{"TLS", "tcp"}};
+  // Every agent of the suite shares one token, so the authenticating backends (shm, ucx) run
+  // their real handshake in every case.
+  config.auth_token = "conformance-token";
   return config;
 }
 

@@ -22,6 +22,7 @@
 
 #include "common/coding.h"
 #include "common/logging.h"
+#include "transport/auth.h"
 #include "transport/local_common.h"
 #include "transport/transfer_core.h"
 
@@ -31,18 +32,64 @@ namespace {
 using detail::TransferCore;
 
 constexpr std::string_view kScheme = "ucx:";
-constexpr uint32_t kProtocolVersion = 1;
+// 2: the authenticated handshake (hello / challenge / proof / welcome | refused).
+constexpr uint32_t kProtocolVersion = 2;
 constexpr uint64_t kMaxMessageBytes = 64ull << 20;
 
-// Active message ids (docs/transport.md has the header layouts).
+// Per-peer bounds, so that an authenticated peer that floods us (or a bug) costs bounded
+// memory: it is disconnected instead. UCX reorders messages only across lanes, a handful at a
+// time, so the reorder buffer never legitimately comes near 1024 messages; 256 MiB is four
+// maximum-size messages. The engine keeps a few dozen transfers in flight per peer, far below
+// 4096 half-received ones.
+constexpr size_t kMaxReorderMessages = 1024;
+constexpr uint64_t kMaxReorderBytes = 256ull << 20;
+constexpr size_t kMaxInTransfers = 4096;
+// A refused connection gets this long to read the reason before we close it.
+constexpr auto kRefusedGrace = std::chrono::milliseconds(250);
+constexpr size_t kMaxReasonBytes = 1024;
+
+// Active message ids (docs/transport.md has the header layouts). Ids 1, 2, 6, 7 and 8 are the
+// handshake (transport/auth.h); until a peer has proved it holds our token, any other id from it
+// is dropped unread and the connection closed.
 enum AmId : unsigned {
-  kAmHello = 1,     // header: fixed32 version
-  kAmHelloAck = 2,  // header: fixed32 version
-  kAmMessage = 3,   // header: fixed64 seq; data: the user's payload
-  kAmWrite = 4,     // header: fixed64 transfer, fixed32 op_count, fixed32 region,
-                    //         fixed64 offset, fixed64 bytes; data: the bytes
-  kAmWriteAck = 5,  // header: fixed64 transfer, fixed32 status code; data: error message
+  kAmHello = 1,      // connector -> listener. header: fixed32 version, nonce_c[32]
+  kAmChallenge = 2,  // listener -> connector. header: fixed32 version, nonce_l[32], proof_l[32]
+  kAmMessage = 3,    // header: fixed64 seq; data: the user's payload
+  kAmWrite = 4,      // header: fixed64 transfer, fixed32 op_count, fixed32 region,
+                     //         fixed64 offset, fixed64 bytes; data: the bytes
+  kAmWriteAck = 5,   // header: fixed64 transfer, fixed32 status code; data: error message
+  kAmProof = 6,      // connector -> listener. header: proof_c[32]
+  kAmWelcome = 7,    // listener -> connector. header: empty
+  kAmRefused = 8,    // listener -> connector. header: empty; data: the reason (<= 1 KiB)
 };
+
+// Where a connection stands in the handshake (transport/auth.h).
+enum class Handshake {
+  kAwaitHello,      // listener: accepted, nothing received yet
+  kAwaitProof,      // listener: challenge sent
+  kAwaitChallenge,  // connector: hello sent
+  kAwaitWelcome,    // connector: the listener proved itself, our proof sent
+  kRefused,         // listener: refused sent; closed after kRefusedGrace
+  kDone,            // both proved
+};
+
+std::string_view handshakeName(Handshake h) {
+  switch (h) {
+    case Handshake::kAwaitHello:
+      return "awaiting hello";
+    case Handshake::kAwaitProof:
+      return "awaiting proof";
+    case Handshake::kAwaitChallenge:
+      return "awaiting challenge";
+    case Handshake::kAwaitWelcome:
+      return "awaiting welcome";
+    case Handshake::kRefused:
+      return "refused";
+    case Handshake::kDone:
+      return "done";
+  }
+  return "?";
+}
 
 Status ucxError(std::string_view what, ucs_status_t st) {
   return Unavailable(std::string(what) + ": " + ucs_status_string(st));
@@ -57,6 +104,7 @@ struct RemoteRegion {
 struct LocalRegion {
   const Region* region = nullptr;
   ucp_mem_h memh = nullptr;
+  RegionAccess access = RegionAccess::kLocalSource;  // only kRemoteWritable takes incoming writes
 };
 
 // An outgoing batch (progress thread only, except `core`).
@@ -78,21 +126,41 @@ struct InTransfer {
 struct UcxPeer {
   PeerId id = 0;
   bool incoming = false;
+  std::string address;  // connector side: what connect() was given (for messages)
   std::atomic<bool> lost{false};
-  std::atomic<bool> acked{false};
-  bool use_put = false;  // decided when the connection is up
+  std::atomic<bool> welcomed{false};  // the handshake completed (set under the agent's mu_)
+  bool use_put = false;               // decided when the connection is up
 
   // Guarded by the agent's mu_ (read by API threads for validation).
   std::map<uint32_t, RemoteRegion> remote_regions;
+  Status handshake_error;  // why connect() fails, when the handshake did
 
   // Progress thread only.
   ucp_ep_h ep = nullptr;
+  Handshake handshake = Handshake::kAwaitHello;
+  // The remote end proved it holds our token: only from then on are its non-handshake active
+  // messages honoured (the connector knows after the challenge, the listener after the proof).
+  bool proven = false;
+  // connect() returned it or kPeerConnected was queued: only then is its loss an event.
+  bool announced = false;
+  // Condemned from inside an active-message callback; markLost runs once the callback
+  // returned (UCX still uses the endpoint then). Everything it sends meanwhile is ignored.
+  bool dropping = false;
+  auth::Nonce nonce_c{};
+  auth::Nonce nonce_l{};
+  Clock::time_point auth_deadline;  // listener: closed if not authenticated by then
   uint64_t next_send_seq = 0;
   uint64_t next_recv_seq = 0;
-  std::map<uint64_t, std::vector<uint8_t>> reorder;
+  std::map<uint64_t, std::vector<uint8_t>> reorder;  // at most kMaxReorderMessages
+  uint64_t reorder_bytes = 0;                        // at most kMaxReorderBytes
   std::unordered_map<uint64_t, OutTransfer> out;
-  std::unordered_map<uint64_t, InTransfer> in;
+  std::unordered_map<uint64_t, InTransfer> in;  // at most kMaxInTransfers
 };
+
+// "incoming peer 3" / "ucx agent at ucx:10.0.0.2:4096", for messages about a handshake.
+std::string describe(const UcxPeer& p) {
+  return p.incoming ? "incoming peer " + std::to_string(p.id) : "ucx agent at " + p.address;
+}
 
 struct ReqCtx;
 class UcxAgent;
@@ -127,7 +195,8 @@ class UcxAgent final : public Agent {
   const Capabilities& capabilities() const override { return caps_; }
   std::string localAddress() const override { return address_; }
 
-  StatusOr<std::vector<uint8_t>> registerRegion(const Region& region, RegionAccess access) override {
+  StatusOr<std::vector<uint8_t>> registerRegion(const Region& region,
+                                                RegionAccess access) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (regions_.count(region.id()) != 0) {
@@ -141,8 +210,14 @@ class UcxAgent final : public Agent {
       mp.address = region.data();
       mp.length = region.length() == 0 ? 1 : region.length();
       ucp_mem_h memh = nullptr;
+      // Sources are mapped too: put reads from them. Only writable regions get an rkey.
       ucs_status_t st = ucp_mem_map(context_, &mp, &memh);
       if (st != UCS_OK) return ucxError("ucp_mem_map of region " + std::to_string(region.id()), st);
+      if (access == RegionAccess::kLocalSource) {
+        std::lock_guard<std::mutex> lock(mu_);
+        regions_[region.id()] = LocalRegion{&region, memh, access};
+        return std::vector<uint8_t>{};
+      }
       void* rkey_buf = nullptr;
       size_t rkey_len = 0;
       st = ucp_rkey_pack(context_, memh, &rkey_buf, &rkey_len);
@@ -157,7 +232,7 @@ class UcxAgent final : public Agent {
                  static_cast<uint8_t*>(rkey_buf) + rkey_len);
       ucp_rkey_buffer_release(rkey_buf);
       std::lock_guard<std::mutex> lock(mu_);
-      regions_[region.id()] = LocalRegion{&region, memh};
+      regions_[region.id()] = LocalRegion{&region, memh, access};
       return key;
     });
   }
@@ -183,7 +258,7 @@ class UcxAgent final : public Agent {
   StatusOr<PeerId> connect(const std::string& address) override;
 
   Status disconnect(PeerId peer) override {
-    auto p = findPeer(peer);
+    auto p = findWelcomedPeer(peer);
     if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
     post([this, p] {
       markLost(p, Unavailable("peer " + std::to_string(p->id) + " was disconnected"));
@@ -193,7 +268,7 @@ class UcxAgent final : public Agent {
 
   Status addRemoteRegion(PeerId peer, uint32_t region_id, uint64_t length,
                          std::span<const uint8_t> key) override {
-    auto p = findPeer(peer);
+    auto p = findWelcomedPeer(peer);
     if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
     if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
     if (key.size() < 16) {
@@ -233,7 +308,7 @@ class UcxAgent final : public Agent {
 
   Status sendMessage(PeerId peer, std::span<const uint8_t> payload) override {
     RETURN_IF_ERROR(detail::checkMessageSize(payload.size(), kMaxMessageBytes));
-    auto p = findPeer(peer);
+    auto p = findWelcomedPeer(peer);
     if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
     if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
     auto data = std::make_shared<std::vector<uint8_t>>(payload.begin(), payload.end());
@@ -252,6 +327,16 @@ class UcxAgent final : public Agent {
   }
   void wakeEventWaiter() override { events_.wake(); }
 
+  AgentStats agentStats() const override {
+    AgentStats s;
+    s.token_configured = !config_.auth_token.empty();
+    s.auth_failures = auth_failures_.load();
+    s.unauthenticated_dropped = unauthenticated_dropped_.load();
+    s.connections_refused = connections_refused_.load();
+    s.peers_over_limit = peers_over_limit_.load();
+    return s;
+  }
+
   // --- progress-thread callbacks (static trampolines call these) ---
   void onConnRequest(ucp_conn_request_h req);
   void onEpError(UcxPeer* raw, ucp_ep_h ep, ucs_status_t st);
@@ -266,6 +351,11 @@ class UcxAgent final : public Agent {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = peers_.find(id);
     return it == peers_.end() ? nullptr : it->second;
+  }
+  // For the API: a peer still authenticating is not known to the caller yet.
+  std::shared_ptr<UcxPeer> findWelcomedPeer(PeerId id) {
+    auto p = findPeer(id);
+    return p && p->welcomed ? p : nullptr;
   }
 
   void pushEvent(Event e) { events_.push(std::move(e)); }
@@ -302,6 +392,15 @@ class UcxAgent final : public Agent {
   void maybeFinishOut(const std::shared_ptr<UcxPeer>& p, uint64_t tid);
   void maybeAckIn(const std::shared_ptr<UcxPeer>& p, uint64_t tid);
   void deliverMessages(const std::shared_ptr<UcxPeer>& p);
+  ucs_status_t onHandshakeAm(const std::shared_ptr<UcxPeer>& p, unsigned id, Decoder& d,
+                             const void* data, size_t length, bool rndv);
+  // Loss decided inside an active-message callback: takes effect right after it (dropping).
+  void dropPeer(const std::shared_ptr<UcxPeer>& p, const Status& why);
+  // An unauthenticated connection goes: counted in auth_failures, connect() fails with `why`.
+  void failHandshake(const std::shared_ptr<UcxPeer>& p, const Status& why);
+  void refuse(const std::shared_ptr<UcxPeer>& p, const std::string& reason);
+  ucs_status_t overLimit(const std::shared_ptr<UcxPeer>& p, const std::string& what);
+  void expireHandshakes();
   std::shared_ptr<UcxPeer> peerOfEp(ucp_ep_h ep) {
     auto it = ep_peers_.find(ep);
     return it == ep_peers_.end() ? nullptr : it->second;
@@ -333,12 +432,21 @@ class UcxAgent final : public Agent {
   std::unordered_map<ucp_ep_h, std::shared_ptr<UcxPeer>> ep_peers_;  // progress thread
   std::vector<void*> closing_;                                       // progress thread
   std::vector<EpErrArg*> err_args_;                                  // progress thread
+  // Incoming connections not yet authenticated (lost or done ones are pruned lazily); at most
+  // config_.max_unauthenticated live ones.
+  std::vector<std::shared_ptr<UcxPeer>> pending_auth_;  // progress thread
   // Lost peers whose writes still wait for UCX to hand back requests; forced after a deadline.
   std::vector<std::pair<std::shared_ptr<UcxPeer>, Clock::time_point>> draining_;  // progress
 
   // Sleeps on an eventfd, like the local transports' queues: a condition-variable hand-off
   // measured about 300 us per control round trip on a loaded machine.
   detail::EventQueue events_;
+
+  // AgentStats counters (written by the progress thread, read by anyone).
+  std::atomic<uint64_t> auth_failures_{0};
+  std::atomic<uint64_t> unauthenticated_dropped_{0};
+  std::atomic<uint64_t> connections_refused_{0};
+  std::atomic<uint64_t> peers_over_limit_{0};
 };
 
 // Context of one UCX request callback; owned by the callback (deleted there).
@@ -457,9 +565,12 @@ Status UcxAgent::init() {
     return ucp_worker_set_am_recv_handler(worker_, &hp);
   };
   for (auto [id, cb] :
-       {std::pair{kAmHello, &amHandler<kAmHello>}, std::pair{kAmHelloAck, &amHandler<kAmHelloAck>},
+       {std::pair{kAmHello, &amHandler<kAmHello>},
+        std::pair{kAmChallenge, &amHandler<kAmChallenge>},
         std::pair{kAmMessage, &amHandler<kAmMessage>}, std::pair{kAmWrite, &amHandler<kAmWrite>},
-        std::pair{kAmWriteAck, &amHandler<kAmWriteAck>}}) {
+        std::pair{kAmWriteAck, &amHandler<kAmWriteAck>}, std::pair{kAmProof, &amHandler<kAmProof>},
+        std::pair{kAmWelcome, &amHandler<kAmWelcome>},
+        std::pair{kAmRefused, &amHandler<kAmRefused>}}) {
     st = set_handler(id, cb);
     if (st != UCS_OK) return ucxError("ucp_worker_set_am_recv_handler", st);
   }
@@ -493,6 +604,12 @@ Status UcxAgent::init() {
   ev.data.fd = worker_fd_;
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, worker_fd_, &ev);
   HXFER_LOG_DEBUG("ucx {}: listening on {}", config_.label, address_);
+  if (config_.auth_token.empty()) {
+    HXFER_LOG_WARN(
+        "ucx {}: no auth_token configured: anyone who can reach {} can connect and write into "
+        "its writable regions",
+        config_.label, address_);
+  }
   progress_ = std::thread([this] { progressLoop(); });
   return OkStatus();
 }
@@ -508,6 +625,7 @@ void UcxAgent::progressLoop() {
     unsigned progressed = 0;
     while (ucp_worker_progress(worker_) != 0) ++progressed;
     if (!draining_.empty()) drainLostPeers(/*force=*/false);
+    if (!pending_auth_.empty()) expireHandshakes();
     if (stopping_) break;
     if (progressed != 0 || !cmds.empty()) continue;
     {
@@ -618,7 +736,9 @@ StatusOr<PeerId> UcxAgent::connect(const std::string& address) {
     return InvalidArgument("ucx address '" + address + "' does not start with 'ucx:'");
   }
   ASSIGN_OR_RETURN(sockaddr_in sa, parseIpPort(address.substr(kScheme.size())));
+  ASSIGN_OR_RETURN(const auth::Nonce nonce_c, auth::randomNonce());
   auto p = addPeer(nullptr, /*incoming=*/false);
+  p->address = address;
   Status s =
       runSync<bool>([&]() -> StatusOr<bool> {
         ucp_ep_params_t ep{};
@@ -627,15 +747,28 @@ StatusOr<PeerId> UcxAgent::connect(const std::string& address) {
         ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
         ep.sockaddr.addrlen = sizeof(sa);
         RETURN_IF_ERROR(createEp(p, ep).status());
+        p->handshake = Handshake::kAwaitChallenge;
+        p->nonce_c = nonce_c;
         Bytes hello;
         putFixed32(hello, kProtocolVersion);
+        hello.insert(hello.end(), nonce_c.begin(), nonce_c.end());
         sendAm(p, kAmHello, std::move(hello), nullptr, 0, nullptr, UCP_AM_SEND_FLAG_EAGER, 0);
         return true;
       }).status();
   if (s.isOk()) {
     std::unique_lock<std::mutex> lock(mu_);
-    ack_cv_.wait_for(lock, config_.connect_timeout, [&] { return p->acked || p->lost; });
-    if (!p->acked) s = Unavailable("ucx agent at " + address + " did not answer the hello");
+    ack_cv_.wait_for(lock, config_.connect_timeout, [&] { return p->welcomed || p->lost; });
+    if (!p->welcomed) {
+      if (!p->handshake_error.isOk()) {
+        s = p->handshake_error;
+      } else if (p->lost) {
+        s = Unavailable("ucx agent at " + address + " closed the connection during the handshake");
+      } else {
+        s = Unavailable("ucx agent at " + address + " did not complete the handshake within " +
+                        "connect_timeout=" + std::to_string(config_.connect_timeout.count()) +
+                        "ms");
+      }
+    }
   }
   if (!s.isOk()) {
     post([this, p, s] { markLost(p, s, /*queue_event=*/false); });
@@ -645,7 +778,7 @@ StatusOr<PeerId> UcxAgent::connect(const std::string& address) {
 }
 
 StatusOr<Transfer> UcxAgent::postWrite(PeerId peer, std::vector<WriteOp> ops) {
-  auto p = findPeer(peer);
+  auto p = findWelcomedPeer(peer);
   if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
   if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
   uint64_t total = 0;
@@ -677,7 +810,21 @@ void UcxAgent::onConnRequest(ucp_conn_request_h req) {
     ucp_listener_reject(listener_, req);
     return;
   }
+  std::erase_if(pending_auth_, [](const std::shared_ptr<UcxPeer>& q) {
+    return q->lost || q->handshake == Handshake::kDone;
+  });
+  if (pending_auth_.size() >= config_.max_unauthenticated) {
+    ucp_listener_reject(listener_, req);
+    const uint64_t n = ++connections_refused_;
+    HXFER_LOG_WARN(
+        "ucx {}: rejecting an incoming connection: {} are already authenticating "
+        "(max_unauthenticated={}; {} rejected so far)",
+        config_.label, pending_auth_.size(), config_.max_unauthenticated, n);
+    return;
+  }
   auto p = addPeer(nullptr, /*incoming=*/true);
+  p->handshake = Handshake::kAwaitHello;
+  p->auth_deadline = Clock::now() + config_.auth_timeout;
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST;
   ep.conn_request = req;
@@ -685,7 +832,29 @@ void UcxAgent::onConnRequest(ucp_conn_request_h req) {
   if (!r.isOk()) {
     HXFER_LOG_WARN("ucx {}: accepting a connection failed: {}", config_.label,
                    r.status().toString());
-    p->lost = true;
+    markLost(p, r.status());
+    return;
+  }
+  pending_auth_.push_back(p);
+}
+
+void UcxAgent::expireHandshakes() {
+  const auto now = Clock::now();
+  std::vector<std::shared_ptr<UcxPeer>> expired;
+  std::erase_if(pending_auth_, [&](const std::shared_ptr<UcxPeer>& p) {
+    if (p->lost || p->handshake == Handshake::kDone) return true;
+    if (now < p->auth_deadline) return false;
+    expired.push_back(p);
+    return true;
+  });
+  for (auto& p : expired) {
+    if (p->handshake == Handshake::kRefused) {  // counted when refused
+      markLost(p, PermissionDenied("incoming peer " + std::to_string(p->id) + " was refused"));
+      continue;
+    }
+    failHandshake(p, Timeout("incoming peer " + std::to_string(p->id) +
+                             " did not authenticate within auth_timeout=" +
+                             std::to_string(config_.auth_timeout.count()) + "ms"));
   }
 }
 
@@ -697,6 +866,13 @@ void UcxAgent::onEpError(UcxPeer* raw, ucp_ep_h ep, ucs_status_t st) {
 
 void UcxAgent::markLost(const std::shared_ptr<UcxPeer>& p, const Status& why, bool queue_event) {
   if (p->lost.exchange(true)) return;
+  // A peer nobody was told about leaves no trace: no event, no id kept (a flood of failed
+  // handshakes must not grow the peer table).
+  if (!p->announced) {
+    queue_event = false;
+    std::lock_guard<std::mutex> lock(mu_);
+    peers_.erase(p->id);
+  }
   // Pending writes fail with `why`, but only once UCX handed back every request of theirs (the
   // forced close below cancels them): a terminal transfer never has memory access in flight.
   for (auto& [tid, t] : p->out) {
@@ -705,6 +881,7 @@ void UcxAgent::markLost(const std::shared_ptr<UcxPeer>& p, const Status& why, bo
   }
   p->in.clear();
   p->reorder.clear();
+  p->reorder_bytes = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, r] : p->remote_regions) {
@@ -890,6 +1067,7 @@ void UcxAgent::maybeAckIn(const std::shared_ptr<UcxPeer>& p, uint64_t tid) {
 void UcxAgent::deliverMessages(const std::shared_ptr<UcxPeer>& p) {
   for (auto it = p->reorder.find(p->next_recv_seq); it != p->reorder.end();
        it = p->reorder.find(p->next_recv_seq)) {
+    p->reorder_bytes -= it->second.size();
     pushEvent(Event{Event::Kind::kMessage, p->id, std::move(it->second), OkStatus()});
     p->reorder.erase(it);
     ++p->next_recv_seq;
@@ -951,55 +1129,74 @@ ucs_status_t UcxAgent::onAm(unsigned id, const void* header, size_t header_lengt
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
   auto p = peerOfEp(ep);
-  if (!p || p->lost) {
-    HXFER_LOG_WARN("ucx {}: dropping active message {} from an unknown endpoint", config_.label,
-                   id);
-    return UCS_OK;  // for rendezvous: the descriptor is dropped
+  if (!p) {
+    // Not attributable to any connection (no reply endpoint, or one we already closed).
+    ++unauthenticated_dropped_;
+    HXFER_LOG_DEBUG("ucx {}: dropping active message {} from an unknown endpoint", config_.label,
+                    id);
+    return UCS_OK;  // for rendezvous: the descriptor is released, nothing lands
+  }
+  if (p->lost || p->dropping) {
+    if (!p->proven) ++unauthenticated_dropped_;
+    return UCS_OK;
+  }
+  if (p->handshake == Handshake::kRefused) {  // told why already; anything more ends it now
+    ++unauthenticated_dropped_;
+    dropPeer(p, PermissionDenied("refused peer " + std::to_string(p->id) + " kept sending"));
+    return UCS_OK;
   }
   Decoder d(std::span<const uint8_t>(static_cast<const uint8_t*>(header), header_length));
+  switch (id) {
+    case kAmHello:
+    case kAmChallenge:
+    case kAmProof:
+    case kAmWelcome:
+    case kAmRefused:
+      return onHandshakeAm(p, id, d, data, length, rndv);
+    default:
+      break;
+  }
+  if (!p->proven) {
+    // Nothing of an unauthenticated peer is read, least of all a write's target.
+    ++unauthenticated_dropped_;
+    failHandshake(p, PermissionDenied(describe(*p) + " sent active message id=" +
+                                      std::to_string(id) + " before authenticating"));
+    return UCS_OK;  // for rendezvous: no ucp_am_recv_data_nbx, the descriptor is released
+  }
   auto protocolError = [&](const Status& s) {
     HXFER_LOG_ERROR("ucx {}: bad active message {} from peer {}: {}", config_.label, id, p->id,
                     s.toString());
-    markLost(p,
+    dropPeer(p,
              Unavailable("peer " + std::to_string(p->id) + " broke the protocol: " + s.toString()));
     return UCS_OK;
   };
   switch (id) {
-    case kAmHello:
-    case kAmHelloAck: {
-      uint32_t version = 0;
-      Status s = d.getFixed32("hello.version", &version);
-      if (s.isOk() && version != kProtocolVersion) {
-        s = Incompatible("peer ucx protocol version=" + std::to_string(version) +
-                         " != ours=" + std::to_string(kProtocolVersion));
-      }
-      if (s.isOk() && (id == kAmHello) != p->incoming) s = Corruption("unexpected hello");
-      if (!s.isOk()) return protocolError(s);
-      decideMode(p);
-      if (id == kAmHello) {
-        Bytes ack;
-        putFixed32(ack, kProtocolVersion);
-        sendAm(p, kAmHelloAck, std::move(ack), nullptr, 0, nullptr, UCP_AM_SEND_FLAG_EAGER, 0);
-        p->acked = true;
-        pushEvent(Event{Event::Kind::kPeerConnected, p->id, {}, OkStatus()});
-      } else {
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          p->acked = true;
-        }
-        ack_cv_.notify_all();
-      }
-      return UCS_OK;
-    }
     case kAmMessage: {
       uint64_t seq = 0;
       Status s = d.getFixed64("message.seq", &seq);
-      if (s.isOk() && (rndv || seq < p->next_recv_seq)) {
-        s = Corruption("message seq=" + std::to_string(seq) + " unexpected");
+      if (s.isOk() && (rndv || seq < p->next_recv_seq || p->reorder.count(seq) != 0)) {
+        s = Corruption("message seq=" + std::to_string(seq) +
+                       " unexpected (next=" + std::to_string(p->next_recv_seq) + ")");
+      }
+      if (s.isOk() && seq != p->next_recv_seq) {
+        if (p->reorder.size() >= kMaxReorderMessages ||
+            p->reorder_bytes + length > kMaxReorderBytes) {
+          return overLimit(p, "reorder buffer holds " + std::to_string(p->reorder.size()) +
+                                  " messages / " + std::to_string(p->reorder_bytes) +
+                                  " bytes waiting for seq=" + std::to_string(p->next_recv_seq) +
+                                  "; bounds are " + std::to_string(kMaxReorderMessages) +
+                                  " messages / " + std::to_string(kMaxReorderBytes) + " bytes");
+        }
+        if (seq - p->next_recv_seq > kMaxReorderMessages) {
+          s = Corruption("message seq=" + std::to_string(seq) + " is more than " +
+                         std::to_string(kMaxReorderMessages) +
+                         " ahead of next=" + std::to_string(p->next_recv_seq));
+        }
       }
       if (!s.isOk()) return protocolError(s);
       auto* bytes = static_cast<const uint8_t*>(data);
       p->reorder[seq] = std::vector<uint8_t>(bytes, bytes + length);
+      p->reorder_bytes += length;
       deliverMessages(p);
       return UCS_OK;
     }
@@ -1013,15 +1210,22 @@ ucs_status_t UcxAgent::onAm(unsigned id, const void* header, size_t header_lengt
       if (s.isOk()) s = d.getFixed64("write.bytes", &bytes);
       if (s.isOk() && count == 0) s = Corruption("write.op_count=0");
       if (!s.isOk()) return protocolError(s);
-      InTransfer& t = p->in[tid];
+      auto [in_it, inserted] = p->in.try_emplace(tid);
+      if (inserted && p->in.size() > kMaxInTransfers) {
+        p->in.erase(in_it);
+        return overLimit(p, "incoming transfers in flight=" + std::to_string(p->in.size() + 1) +
+                                " exceed the bound=" + std::to_string(kMaxInTransfers));
+      }
+      InTransfer& t = in_it->second;
       if (t.op_count == 0) t.op_count = count;
-      // The receiver's own terms: the write must fall inside one of OUR registered regions.
+      // The receiver's own terms: the write must fall inside one of OUR regions registered as
+      // kRemoteWritable. A source region answers exactly like an unknown one.
       uint8_t* dst = nullptr;
       Status bad = OkStatus();
       {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = regions_.find(region);
-        if (it == regions_.end()) {
+        if (it == regions_.end() || it->second.access != RegionAccess::kRemoteWritable) {
           bad = NotFound("incoming write to region id=" + std::to_string(region) +
                          ", which is not registered here");
         } else if (bytes == 0 || bytes != length || !it->second.region->contains(offset, bytes)) {
@@ -1070,7 +1274,7 @@ ucs_status_t UcxAgent::onAm(unsigned id, const void* header, size_t header_lengt
       uint32_t code = 0;
       Status s = d.getFixed64("write_ack.transfer", &tid);
       if (s.isOk()) s = d.getFixed32("write_ack.status", &code);
-      if (s.isOk() && (rndv || code > static_cast<uint32_t>(StatusCode::kInternal))) {
+      if (s.isOk() && (rndv || code > static_cast<uint32_t>(StatusCode::kPermissionDenied))) {
         s = Corruption("write_ack.status=" + std::to_string(code) + " is not a status code");
       }
       if (!s.isOk()) return protocolError(s);
@@ -1087,6 +1291,190 @@ ucs_status_t UcxAgent::onAm(unsigned id, const void* header, size_t header_lengt
     default:
       return protocolError(Corruption("unknown active message id"));
   }
+}
+
+// The handshake of transport/auth.h, one step per message; anything out of turn drops the
+// connection (counted in auth_failures while the peer is unauthenticated).
+ucs_status_t UcxAgent::onHandshakeAm(const std::shared_ptr<UcxPeer>& p, unsigned id, Decoder& d,
+                                     const void* data, size_t length, bool rndv) {
+  const std::string who = describe(*p);
+  const Handshake state = p->handshake;
+  bool in_turn = false;
+  switch (id) {
+    case kAmHello:
+      in_turn = state == Handshake::kAwaitHello;
+      break;
+    case kAmProof:
+      in_turn = state == Handshake::kAwaitProof;
+      break;
+    case kAmChallenge:
+      in_turn = state == Handshake::kAwaitChallenge;
+      break;
+    case kAmWelcome:
+      in_turn = state == Handshake::kAwaitWelcome;
+      break;
+    case kAmRefused:
+      in_turn = state == Handshake::kAwaitChallenge || state == Handshake::kAwaitWelcome;
+      break;
+  }
+  if (!in_turn || rndv) {
+    const Status why =
+        PermissionDenied(who + " broke the handshake: message id=" + std::to_string(id) +
+                         (rndv ? " by rendezvous" : "") + " out of turn (" +
+                         std::string(handshakeName(state)) + ")");
+    if (p->handshake == Handshake::kDone) {
+      HXFER_LOG_ERROR("ucx {}: {}", config_.label, why.toString());
+      dropPeer(p, Unavailable(why.message()));
+    } else {
+      failHandshake(p, why);
+    }
+    return UCS_OK;
+  }
+  switch (id) {
+    case kAmHello: {
+      uint32_t version = 0;
+      Status s = d.getFixed32("hello.version", &version);
+      if (s.isOk() && version != kProtocolVersion) {
+        refuse(p, "ucx protocol version=" + std::to_string(version) +
+                      " is not ours=" + std::to_string(kProtocolVersion));
+        return UCS_OK;
+      }
+      if (s.isOk() && d.remaining() != auth::kNonceBytes) {
+        s = Corruption("hello.nonce has " + std::to_string(d.remaining()) + " bytes, expected " +
+                       std::to_string(auth::kNonceBytes));
+      }
+      if (!s.isOk()) {
+        failHandshake(p, PermissionDenied(who + " sent a bad hello: " + s.toString()));
+        return UCS_OK;
+      }
+      std::memcpy(p->nonce_c.data(), d.rest().data(), auth::kNonceBytes);
+      auto nonce_l = auth::randomNonce();
+      if (!nonce_l.isOk()) {
+        failHandshake(p, nonce_l.status());
+        return UCS_OK;
+      }
+      p->nonce_l = *nonce_l;
+      const auth::Proof proof_l =
+          auth::prove(config_.auth_token, auth::Role::kListener, p->nonce_c, p->nonce_l);
+      Bytes challenge;
+      putFixed32(challenge, kProtocolVersion);
+      challenge.insert(challenge.end(), p->nonce_l.begin(), p->nonce_l.end());
+      challenge.insert(challenge.end(), proof_l.begin(), proof_l.end());
+      p->handshake = Handshake::kAwaitProof;
+      sendAm(p, kAmChallenge, std::move(challenge), nullptr, 0, nullptr, UCP_AM_SEND_FLAG_EAGER, 0);
+      return UCS_OK;
+    }
+    case kAmProof: {
+      if (!auth::verify(config_.auth_token, auth::Role::kConnector, p->nonce_c, p->nonce_l,
+                        d.rest())) {
+        refuse(p, "the connector's proof failed: it does not hold our token");
+        return UCS_OK;
+      }
+      p->handshake = Handshake::kDone;
+      p->proven = true;
+      p->announced = true;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        p->welcomed = true;
+      }
+      sendAm(p, kAmWelcome, Bytes{}, nullptr, 0, nullptr, UCP_AM_SEND_FLAG_EAGER, 0);
+      decideMode(p);
+      pushEvent(Event{Event::Kind::kPeerConnected, p->id, {}, OkStatus()});
+      return UCS_OK;
+    }
+    case kAmChallenge: {
+      uint32_t version = 0;
+      Status s = d.getFixed32("challenge.version", &version);
+      if (s.isOk() && version != kProtocolVersion) {
+        failHandshake(p,
+                      Incompatible(who + " speaks ucx protocol version=" + std::to_string(version) +
+                                   ", ours=" + std::to_string(kProtocolVersion)));
+        return UCS_OK;
+      }
+      if (s.isOk() && d.remaining() != auth::kNonceBytes + auth::kProofBytes) {
+        s = Corruption("challenge has " + std::to_string(d.remaining()) +
+                       " bytes after the version, expected " +
+                       std::to_string(auth::kNonceBytes + auth::kProofBytes));
+      }
+      if (!s.isOk()) {
+        failHandshake(p, PermissionDenied(who + " sent a bad challenge: " + s.toString()));
+        return UCS_OK;
+      }
+      const std::span<const uint8_t> rest = d.rest();
+      std::memcpy(p->nonce_l.data(), rest.data(), auth::kNonceBytes);
+      // The listener proves itself first: a squatter on the address learns nothing from us.
+      if (!auth::verify(config_.auth_token, auth::Role::kListener, p->nonce_c, p->nonce_l,
+                        rest.subspan(auth::kNonceBytes))) {
+        failHandshake(p, PermissionDenied(who + " does not hold our token (its proof failed)"));
+        return UCS_OK;
+      }
+      p->proven = true;
+      const auth::Proof proof_c =
+          auth::prove(config_.auth_token, auth::Role::kConnector, p->nonce_c, p->nonce_l);
+      p->handshake = Handshake::kAwaitWelcome;
+      sendAm(p, kAmProof, Bytes(proof_c.begin(), proof_c.end()), nullptr, 0, nullptr,
+             UCP_AM_SEND_FLAG_EAGER, 0);
+      return UCS_OK;
+    }
+    case kAmWelcome: {
+      if (d.remaining() != 0) {
+        failHandshake(p, PermissionDenied(who + " sent a welcome of " +
+                                          std::to_string(d.remaining()) + " bytes, expected 0"));
+        return UCS_OK;
+      }
+      p->handshake = Handshake::kDone;
+      p->announced = true;
+      decideMode(p);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        p->welcomed = true;
+      }
+      ack_cv_.notify_all();
+      return UCS_OK;
+    }
+    case kAmRefused: {
+      const std::string reason(static_cast<const char*>(data), std::min(length, kMaxReasonBytes));
+      failHandshake(p,
+                    PermissionDenied("connect to " + p->address + " refused by peer: " + reason));
+      return UCS_OK;
+    }
+  }
+  return UCS_OK;
+}
+
+void UcxAgent::failHandshake(const std::shared_ptr<UcxPeer>& p, const Status& why) {
+  ++auth_failures_;
+  HXFER_LOG_WARN("ucx {}: closing {} connection (peer {}) before authentication: {}", config_.label,
+                 p->incoming ? "an incoming" : "an outgoing", p->id, why.toString());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (p->handshake_error.isOk()) p->handshake_error = why;
+  }
+  dropPeer(p, why);
+}
+
+void UcxAgent::dropPeer(const std::shared_ptr<UcxPeer>& p, const Status& why) {
+  if (p->dropping) return;
+  p->dropping = true;
+  post([this, p, why] { markLost(p, why); });
+}
+
+// Tells a connector why it was refused, then closes after kRefusedGrace (or sooner, when it
+// closes first or sends anything more).
+void UcxAgent::refuse(const std::shared_ptr<UcxPeer>& p, const std::string& reason) {
+  ++auth_failures_;
+  HXFER_LOG_WARN("ucx {}: refusing incoming peer {}: {}", config_.label, p->id, reason);
+  auto text = std::make_shared<std::string>(reason);
+  sendAm(p, kAmRefused, Bytes{}, text->data(), text->size(), text, UCP_AM_SEND_FLAG_EAGER, 0);
+  p->handshake = Handshake::kRefused;
+  p->auth_deadline = std::min(p->auth_deadline, Clock::now() + kRefusedGrace);
+}
+
+ucs_status_t UcxAgent::overLimit(const std::shared_ptr<UcxPeer>& p, const std::string& what) {
+  ++peers_over_limit_;
+  HXFER_LOG_WARN("ucx {}: disconnecting peer {}: {}", config_.label, p->id, what);
+  dropPeer(p, Unavailable("peer " + std::to_string(p->id) + " exceeded a bound: " + what));
+  return UCS_OK;
 }
 
 }  // namespace
