@@ -287,8 +287,8 @@ Status HybridCacheManager::selfCheck() const {
     for (uint32_t b : r.alloc.blocks) {
       if (b >= block_owner.size()) return fail("request " + str(id) + " holds block " + str(b));
       if (block_owner[b] != 0) {
-        return fail("block " + str(b) + " held by requests " + str(block_owner[b] - 1) +
-                    " and " + str(id));
+        return fail("block " + str(b) + " held by requests " + str(block_owner[b] - 1) + " and " +
+                    str(id));
       }
       if (blocks_.isFree(b)) return fail("block " + str(b) + " of request " + str(id) + " is free");
       block_owner[b] = id + 1;
@@ -304,7 +304,8 @@ Status HybridCacheManager::selfCheck() const {
     (r.freed ? quar_b : used_b) += nb;
     (r.freed ? quar_s : used_s) += ns;
     ++(r.freed ? quar : live);
-    if (r.freed && r.inflight == 0) return fail("request " + str(id) + " quarantined, not in flight");
+    if (r.freed && r.inflight == 0)
+      return fail("request " + str(id) + " quarantined, not in flight");
     inflight_req += r.inflight > 0;
     inflight += r.inflight;
   }
@@ -312,9 +313,9 @@ Status HybridCacheManager::selfCheck() const {
   if (used_b != c.used_blocks || used_s != c.used_slots || quar_b != c.quarantined_blocks ||
       quar_s != c.quarantined_slots) {
     return fail("pages held by requests: used " + str(used_b) + "/" + str(used_s) +
-                " quarantined " + str(quar_b) + "/" + str(quar_s) + " (blocks/slots), counters say " +
-                str(c.used_blocks) + "/" + str(c.used_slots) + " and " +
-                str(c.quarantined_blocks) + "/" + str(c.quarantined_slots));
+                " quarantined " + str(quar_b) + "/" + str(quar_s) +
+                " (blocks/slots), counters say " + str(c.used_blocks) + "/" + str(c.used_slots) +
+                " and " + str(c.quarantined_blocks) + "/" + str(c.quarantined_slots));
   }
   if (used_b + quar_b + blocks_.freeCount() != blocks_.capacity() ||
       used_s + quar_s + slots_.freeCount() != slots_.capacity()) {

@@ -869,6 +869,9 @@ void UcxAgent::markLost(const std::shared_ptr<UcxPeer>& p, const Status& why, bo
   // A peer nobody was told about leaves no trace: no event, no id kept (a flood of failed
   // handshakes must not grow the peer table).
   if (!p->announced) {
+    // A connection that ends in its handshake for any reason failed to authenticate (those
+    // failHandshake / refuse dropped are counted there already).
+    if (!p->dropping && p->handshake != Handshake::kRefused) ++auth_failures_;
     queue_event = false;
     std::lock_guard<std::mutex> lock(mu_);
     peers_.erase(p->id);
