@@ -521,13 +521,14 @@ TEST(ShmHostile, PeerThatStopsReadingFailsOurSendInsteadOfHangingIt) {
 // was still inside a segment: thousands of ops landed in released pages. Now kPeerLost waits
 // until the writer closed its end, which it does only after its copies stopped.
 TEST(ShmHostile, NoWriteLandsAfterTheExporterSawPeerLost) {
-  constexpr uint64_t kBytes = 256ull << 20;  // one segment: tens of ms of memcpy
+  constexpr uint64_t kBytes = 128ull << 20;  // one segment: ~20 ms of memcpy (seconds in TSan)
   constexpr uint64_t kTail = 1 << 20;
   constexpr uint8_t kSentinel = 0xee;
-  auto writer = agentOrDie(config("ctx"));
-  auto exporter = agentOrDie(config("gen"));
+  // Regions first: they outlive the agents, whose copy thread may still read them on a failure.
   auto src = memfdRegion(1, kBytes, 0x01);
   auto dst = memfdRegion(2, kBytes, 0x00);
+  auto writer = agentOrDie(config("ctx"));
+  auto exporter = agentOrDie(config("gen"));
   ASSERT_TRUE(writer->registerRegion(*src, RegionAccess::kLocalSource).isOk());
   ASSERT_TRUE(exporter->registerRegion(*dst, RegionAccess::kRemoteWritable).isOk());
   auto to_writer = exporter->connect(writer->localAddress());
@@ -540,12 +541,13 @@ TEST(ShmHostile, NoWriteLandsAfterTheExporterSawPeerLost) {
   auto t = writer->postWrite(connected->peer, {WriteOp{1, 0, 2, 0, kBytes}});
   ASSERT_TRUE(t.isOk());
   ASSERT_TRUE(exporter->disconnect(*to_writer).isOk());
-  auto lost = exporter->pollEvent(5000ms);
+  // It comes once the copy ended: allow for a slow (sanitized) memcpy.
+  auto lost = exporter->pollEvent(120000ms);
   ASSERT_TRUE(lost.has_value());
   ASSERT_EQ(lost->kind, Event::Kind::kPeerLost);
   // The engine would now release the pages and hand them to the next request.
   std::memset(dst->data() + kBytes - kTail, kSentinel, kTail);
-  (void)t->waitFor(5000ms);
+  (void)t->waitFor(120000ms);
   EXPECT_NE(t->poll(), TransferState::kInProgress);
   std::this_thread::sleep_for(20ms);
   const uint64_t overwritten = std::count_if(dst->data() + kBytes - kTail, dst->data() + kBytes,
