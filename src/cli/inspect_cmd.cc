@@ -105,6 +105,7 @@ Json bodyJson(const wire::Hello& m) {
   Json j;
   j["rank_info"] = std::move(r);
   j["auth_token_bytes"] = m.auth_token.size();  // never the secret itself
+  j["incarnation"] = m.incarnation;
   return j;
 }
 
@@ -118,6 +119,7 @@ Json bodyJson(const wire::TransferRequest& m) {
   j["first_block"] = m.first_block;
   j["num_tokens"] = m.num_tokens;
   j["aux"] = hex(m.aux);
+  j["epoch"] = m.epoch;
   return j;
 }
 
@@ -128,6 +130,7 @@ Json bodyJson(const wire::TransferDone& m) {
   j["bytes"] = m.bytes;
   j["checksum"] = m.checksum ? Json(hex64(*m.checksum)) : Json(nullptr);
   j["aux"] = hex(m.aux);
+  j["epoch"] = m.epoch;
   return j;
 }
 
@@ -135,6 +138,7 @@ Json bodyJson(const wire::Cancel& m) {
   Json j;
   j["request_id"] = m.request_id;
   j["reason"] = m.reason;
+  j["epoch"] = m.epoch;
   return j;
 }
 
@@ -163,8 +167,9 @@ std::string str(const Json& j) { return j.is_string() ? j.get<std::string>() : d
 void printHello(const Json& j) {
   const Json& r = j["rank_info"];
   const Json& l = r["layout"];
-  std::printf("hello: %s bytes, auth token %s\n", str(j["frame_bytes"]).c_str(),
-              j["auth_token_bytes"].get<uint64_t>() ? "present" : "absent");
+  std::printf("hello: %s bytes, auth token %s, incarnation %s\n", str(j["frame_bytes"]).c_str(),
+              j["auth_token_bytes"].get<uint64_t>() ? "present" : "absent",
+              str(j["incarnation"]).c_str());
   std::printf("  rank_info %s: instance %s, role %s, rank %s (tp %s/%s, pp %s/%s)\n",
               str(r["version"]).c_str(), str(r["instance_id"]).c_str(), str(r["role"]).c_str(),
               str(r["rank"]).c_str(), str(l["tp_rank"]).c_str(), str(l["tp"]).c_str(),

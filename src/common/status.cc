@@ -29,6 +29,8 @@ std::string_view statusCodeName(StatusCode code) {
       return "Internal";
     case StatusCode::kPermissionDenied:
       return "PermissionDenied";
+    case StatusCode::kExpired:
+      return "Expired";
   }
   return "Unknown";
 }

@@ -13,6 +13,8 @@
 //   kInternal           a broken invariant inside hxfer: a bug.
 //   kPermissionDenied   a peer failed authentication (token, uid) or is not allowed to do what
 //                       it asked; final for that connection, retrying does not help.
+//   kExpired            what was asked for existed but its time ran out (a context rank's
+//                       lease on a request's pages ended before this rank asked).
 //
 // Messages name the field and the values: "peer tp=3 does not divide n_groups=8".
 // Thread-safety: values; safe to copy between threads.
@@ -38,6 +40,7 @@ enum class StatusCode : int {
   kNotFound = 8,
   kInternal = 9,
   kPermissionDenied = 10,
+  kExpired = 11,
 };
 
 std::string_view statusCodeName(StatusCode code);
@@ -82,6 +85,7 @@ inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move
 inline Status PermissionDenied(std::string m) {
   return {StatusCode::kPermissionDenied, std::move(m)};
 }
+inline Status Expired(std::string m) { return {StatusCode::kExpired, std::move(m)}; }
 
 // StatusOr<T>: a value or a non-ok Status. Accessing value() of an error aborts with the
 // status printed (a bug in the caller, never reachable from bad input).

@@ -24,7 +24,9 @@ namespace hxfer::wire {
 // Protocol version spoken by this build. A reader accepts every minor of its major (see
 // docs/wire-format.md "Versions"); another major is refused.
 inline constexpr uint16_t kWireVersionMajor = 1;
-inline constexpr uint16_t kWireVersionMinor = 1;  // 1: transfer_done.aux
+// 1: transfer_done.aux. 2: hello.incarnation, epochs in transfer_request / transfer_done /
+// cancel, status code 11 (expired).
+inline constexpr uint16_t kWireVersionMinor = 2;
 
 // Limits (all inclusive). Changing one is a format change: document it.
 inline constexpr uint64_t kMaxFrameBodyBytes = 16u << 20;  // one message body

@@ -93,7 +93,7 @@ std::vector<std::pair<std::string, Message>> messages() {
   auto gen = rankInfo(ms[0], {2, 1, {}}, 1, StateLayout::kPaged, InstanceRole::kGeneration);
   auto ctx = rankInfo(ms[2], {1, 2, {}}, 1, StateLayout::kLayerMajor, InstanceRole::kContext);
   if (gen.isOk()) out.emplace_back("hello_token", Hello{*gen, "shared-secret"});
-  if (ctx.isOk()) out.emplace_back("hello", Hello{*ctx, ""});
+  if (ctx.isOk()) out.emplace_back("hello", Hello{*ctx, "", 0x9e3779b97f4a7c15ull});
 
   TransferRequest req;
   req.request_id = 7;
@@ -103,6 +103,7 @@ std::vector<std::pair<std::string, Message>> messages() {
   req.first_block = 1;
   req.num_tokens = 50;
   req.aux = {0x2a, 0, 0, 0};
+  req.epoch = 3;
   out.emplace_back("transfer_request", req);
   TransferRequest plain;
   plain.request_id = 0xfedcba9876543210ull;
@@ -112,10 +113,12 @@ std::vector<std::pair<std::string, Message>> messages() {
   out.emplace_back("transfer_request_no_slot", plain);
 
   out.emplace_back("transfer_done", TransferDone{7, OkStatus(), 123456, 0x0123456789abcdefull,
-                                                 Bytes{0x2a, 0, 0, 0}});
+                                                 Bytes{0x2a, 0, 0, 0}, 3});
   out.emplace_back("transfer_done_failed",
-                   TransferDone{8, Unavailable("context rank 1 is gone"), 0, std::nullopt});
-  out.emplace_back("cancel", Cancel{9, "client disconnected"});
+                   TransferDone{8, Unavailable("context rank 1 is gone"), 0, std::nullopt, {}, 0});
+  out.emplace_back("transfer_done_expired",
+                   TransferDone{10, Expired("lease of request 10 expired"), 0, std::nullopt, {}, 1});
+  out.emplace_back("cancel", Cancel{9, "client disconnected", 200});
   out.emplace_back("error", Error{Incompatible("ctx ssm dtype fp32 != gen ssm dtype bf16")});
   return out;
 }

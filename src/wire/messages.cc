@@ -2,16 +2,22 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <type_traits>
 
 #include "common/crc32c.h"
 
 namespace hxfer::wire {
 namespace {
 
-// PermissionDenied (10) never travels: transports refuse an unauthenticated peer before any
-// message is exchanged, and the engine answers identity problems with Incompatible.
-constexpr uint8_t kMaxStatusCode = static_cast<uint8_t>(StatusCode::kInternal);
+// Status codes on the wire: 0..9, and Expired (11) from minor 2 on. PermissionDenied (10)
+// never travels: transports refuse an unauthenticated peer before any message is exchanged,
+// and the engine answers identity problems with Incompatible.
+constexpr uint8_t kMaxStatusCode = static_cast<uint8_t>(StatusCode::kExpired);
+
+bool statusCodeOnWire(int code, uint16_t minor) {
+  if (code < 0 || code > kMaxStatusCode) return false;
+  if (code == static_cast<int>(StatusCode::kPermissionDenied)) return false;
+  return code != static_cast<int>(StatusCode::kExpired) || minor >= 2;
+}
 
 std::string versionText(uint16_t major, uint16_t minor) {
   return std::to_string(major) + "." + std::to_string(minor);
@@ -33,6 +39,7 @@ void encodeBody(const Hello& m, Bytes& out) {
   Bytes info = encodeRankInfo(m.rank_info);
   putBytes(out, info);
   putString(out, m.auth_token);
+  putFixed64(out, m.incarnation);
 }
 
 void encodeBody(const TransferRequest& m, Bytes& out) {
@@ -46,6 +53,7 @@ void encodeBody(const TransferRequest& m, Bytes& out) {
   putVarint64(out, m.first_block);
   putVarint64(out, m.num_tokens);
   putBytes(out, m.aux);
+  putVarint64(out, m.epoch);
 }
 
 void encodeBody(const TransferDone& m, Bytes& out) {
@@ -55,11 +63,13 @@ void encodeBody(const TransferDone& m, Bytes& out) {
   putFixed8(out, m.checksum.has_value() ? 1 : 0);
   if (m.checksum) putFixed64(out, *m.checksum);
   putBytes(out, m.aux);
+  putVarint64(out, m.epoch);
 }
 
 void encodeBody(const Cancel& m, Bytes& out) {
   putFixed64(out, m.request_id);
   putString(out, m.reason);
+  putVarint64(out, m.epoch);
 }
 
 void encodeBody(const Error& m, Bytes& out) { encodeStatus(m.status, out); }
@@ -67,9 +77,9 @@ void encodeBody(const Error& m, Bytes& out) { encodeStatus(m.status, out); }
 // ---- checks shared by checkMessage and the decoder ------------------------------------------
 
 Status checkStatus(const Status& s, const std::string& path, bool allow_ok) {
-  if (static_cast<int>(s.code()) < 0 || static_cast<int>(s.code()) > kMaxStatusCode) {
-    return Corruption(path + "code: unknown status code " +
-                      std::to_string(static_cast<int>(s.code())));
+  if (!statusCodeOnWire(static_cast<int>(s.code()), kWireVersionMinor)) {
+    return Corruption(path + "code: status code " + std::to_string(static_cast<int>(s.code())) +
+                      " (" + std::string(statusCodeName(s.code())) + ") does not travel");
   }
   if (!allow_ok && s.isOk()) return Corruption(path + "code: 0 (ok) is not an error");
   if (s.message().size() > kMaxMessageBytes) {
@@ -125,10 +135,15 @@ Status check(const Error& m) { return checkStatus(m.status, "error.status.", /*a
 
 // ---- decoding -------------------------------------------------------------------------------
 
-Status readStatus(WireReader& r, bool allow_ok, Status* out) {
+Status readStatus(WireReader& r, bool allow_ok, uint16_t minor, Status* out) {
   auto scope = r.scope("status.");
   uint8_t code = 0;
   RETURN_IF_ERROR(r.enumByte("code", kMaxStatusCode, &code));
+  if (!statusCodeOnWire(code, minor)) {
+    return r.corrupt("code", std::to_string(code) + " (" +
+                                 std::string(statusCodeName(static_cast<StatusCode>(code))) +
+                                 ") does not travel in a frame of minor " + std::to_string(minor));
+  }
   if (!allow_ok && code == 0) return r.corrupt("code", "0 (ok) is not an error");
   std::string message;
   RETURN_IF_ERROR(r.string("message", kMaxMessageBytes, &message));
@@ -136,14 +151,17 @@ Status readStatus(WireReader& r, bool allow_ok, Status* out) {
   return OkStatus();
 }
 
-Status readBody(WireReader& r, Hello* m) {
+// `minor`: the frame's. Fields appended by a minor this frame predates stay at their defaults.
+Status readBody(WireReader& r, Hello* m, uint16_t minor) {
   std::span<const uint8_t> info;
   RETURN_IF_ERROR(r.span("rank_info", kMaxFrameBodyBytes, &info));
   ASSIGN_OR_RETURN(m->rank_info, internal::decodeRankInfo(info, r.name("rank_info.")));
-  return r.string("auth_token", kMaxTokenBytes, &m->auth_token);
+  RETURN_IF_ERROR(r.string("auth_token", kMaxTokenBytes, &m->auth_token));
+  if (minor < 2) return OkStatus();
+  return r.u64Fixed("incarnation", &m->incarnation);
 }
 
-Status readBody(WireReader& r, TransferRequest* m) {
+Status readBody(WireReader& r, TransferRequest* m, uint16_t minor) {
   RETURN_IF_ERROR(r.u64Fixed("request_id", &m->request_id));
   RETURN_IF_ERROR(r.varint32("gen_tp_rank", kMaxTp - 1, &m->gen_tp_rank));
   RETURN_IF_ERROR(r.varint32("gen_pp_rank", kMaxPp - 1, &m->gen_pp_rank));
@@ -162,13 +180,15 @@ Status readBody(WireReader& r, TransferRequest* m) {
   }
   RETURN_IF_ERROR(r.varint32("first_block", n, &m->first_block));
   RETURN_IF_ERROR(r.varint("num_tokens", kMaxTokens, &m->num_tokens));
-  return r.bytes("aux", kMaxAuxBytes, &m->aux);
+  RETURN_IF_ERROR(r.bytes("aux", kMaxAuxBytes, &m->aux));
+  if (minor < 2) return OkStatus();
+  return r.varint("epoch", UINT64_MAX, &m->epoch);
 }
 
-// `minor`: the frame's. transfer_done.aux was appended in minor 1.
+// transfer_done.aux was appended in minor 1, transfer_done.epoch in minor 2.
 Status readBody(WireReader& r, TransferDone* m, uint16_t minor) {
   RETURN_IF_ERROR(r.u64Fixed("request_id", &m->request_id));
-  RETURN_IF_ERROR(readStatus(r, /*allow_ok=*/true, &m->status));
+  RETURN_IF_ERROR(readStatus(r, /*allow_ok=*/true, minor, &m->status));
   RETURN_IF_ERROR(r.varint("bytes", UINT64_MAX, &m->bytes));
   bool has_checksum = false;
   RETURN_IF_ERROR(r.boolean("has_checksum", &has_checksum));
@@ -178,25 +198,27 @@ Status readBody(WireReader& r, TransferDone* m, uint16_t minor) {
     m->checksum = c;
   }
   if (minor < 1) return OkStatus();
-  return r.bytes("aux", kMaxAuxBytes, &m->aux);
+  RETURN_IF_ERROR(r.bytes("aux", kMaxAuxBytes, &m->aux));
+  if (minor < 2) return OkStatus();
+  return r.varint("epoch", UINT64_MAX, &m->epoch);
 }
 
-Status readBody(WireReader& r, Cancel* m) {
+Status readBody(WireReader& r, Cancel* m, uint16_t minor) {
   RETURN_IF_ERROR(r.u64Fixed("request_id", &m->request_id));
-  return r.string("reason", kMaxMessageBytes, &m->reason);
+  RETURN_IF_ERROR(r.string("reason", kMaxMessageBytes, &m->reason));
+  if (minor < 2) return OkStatus();
+  return r.varint("epoch", UINT64_MAX, &m->epoch);
 }
 
-Status readBody(WireReader& r, Error* m) { return readStatus(r, /*allow_ok=*/false, &m->status); }
+Status readBody(WireReader& r, Error* m, uint16_t minor) {
+  return readStatus(r, /*allow_ok=*/false, minor, &m->status);
+}
 
 template <typename T>
 StatusOr<Message> decodeBody(std::span<const uint8_t> body, std::string path, uint16_t minor) {
   WireReader r(body, std::move(path));
   T m;
-  if constexpr (std::is_same_v<T, TransferDone>) {
-    RETURN_IF_ERROR(readBody(r, &m, minor));
-  } else {
-    RETURN_IF_ERROR(readBody(r, &m));
-  }
+  RETURN_IF_ERROR(readBody(r, &m, minor));
   // Fields a newer minor appended are skipped; otherwise the body must end here.
   if (minor <= kWireVersionMinor) RETURN_IF_ERROR(r.expectEnd("end"));
   RETURN_IF_ERROR(check(m));
@@ -389,7 +411,8 @@ std::string summary(const Hello& m) {
          " layout=" + std::string(stateLayoutName(i.layout.state_layout)) +
          " views=" + std::to_string(i.layout.views.size()) +
          " version=" + versionText(i.version_major, i.version_minor) +
-         (m.auth_token.empty() ? "" : " token=yes");
+         (m.auth_token.empty() ? "" : " token=yes") +
+         (m.incarnation ? " incarnation=" + std::to_string(m.incarnation) : "");
 }
 
 std::string summary(const TransferRequest& m) {
@@ -398,7 +421,8 @@ std::string summary(const TransferRequest& m) {
          ") blocks=" + std::to_string(m.dst_block_ids.size()) +
          " first=" + std::to_string(m.first_block) +
          " slot=" + (m.dst_slot ? std::to_string(*m.dst_slot) : std::string("none")) +
-         " tokens=" + std::to_string(m.num_tokens) + " aux=" + std::to_string(m.aux.size()) + "B";
+         " tokens=" + std::to_string(m.num_tokens) + " aux=" + std::to_string(m.aux.size()) +
+         "B epoch=" + std::to_string(m.epoch);
 }
 
 std::string summary(const TransferDone& m) {
@@ -410,11 +434,12 @@ std::string summary(const TransferDone& m) {
                   static_cast<unsigned long long>(*m.checksum));
     s += text;
   }
-  return s + " aux=" + std::to_string(m.aux.size()) + "B";
+  return s + " aux=" + std::to_string(m.aux.size()) + "B epoch=" + std::to_string(m.epoch);
 }
 
 std::string summary(const Cancel& m) {
-  return "cancel id=" + std::to_string(m.request_id) + " reason=" + m.reason;
+  return "cancel id=" + std::to_string(m.request_id) + " epoch=" + std::to_string(m.epoch) +
+         " reason=" + m.reason;
 }
 
 std::string summary(const Error& m) { return "error " + m.status.toString(); }

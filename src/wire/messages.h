@@ -50,7 +50,10 @@ std::string_view messageTypeName(MessageType t);
 // First message on every connection, both ways.
 struct Hello {
   RankInfo rank_info;
-  std::string auth_token;  // shared secret; empty = none. <= kMaxTokenBytes
+  std::string auth_token;  // always empty since the transports authenticate; <= kMaxTokenBytes
+  // Minor 2: this connection's end, drawn at random when the sender or receiver object is
+  // created; a restarted rank says a new one. 0 = not given (an older peer).
+  uint64_t incarnation = 0;
   bool operator==(const Hello&) const = default;
 };
 
@@ -68,6 +71,10 @@ struct TransferRequest {
   uint32_t first_block = 0;
   uint64_t num_tokens = 0;  // prompt tokens whose state moves; <= kMaxTokens
   Bytes aux;                // opaque, e.g. the first sampled token; <= kMaxAuxBytes
+  // Minor 2: which use of request_id this is, chosen by the generation rank (unique per
+  // request it starts); TransferDone and Cancel of this request carry it back, so a message
+  // about an earlier request with the same id can never end this one. 0 = not given.
+  uint64_t epoch = 0;
   bool operator==(const TransferRequest&) const = default;
 };
 
@@ -81,6 +88,7 @@ struct TransferDone {
   // Opaque to hxfer, context -> generation (e.g. the first token sampled by prefill): what the
   // serving code gave ContextSender::markReady. Empty unless status is ok. <= kMaxAuxBytes.
   Bytes aux;
+  uint64_t epoch = 0;  // minor 2: the TransferRequest's epoch (0 = not given)
   bool operator==(const TransferDone&) const = default;
 };
 
@@ -89,6 +97,7 @@ struct TransferDone {
 struct Cancel {
   uint64_t request_id = 0;
   std::string reason;  // <= kMaxMessageBytes
+  uint64_t epoch = 0;  // minor 2: the TransferRequest's epoch; 0 = every use of the id
   bool operator==(const Cancel&) const = default;
 };
 

@@ -34,7 +34,7 @@ TransferRequest sampleRequest() {
 
 TEST(Messages, EveryExampleMessageRoundTripsAndReencodesIdentically) {
   auto all = examples::messages();
-  ASSERT_EQ(all.size(), 8u);
+  ASSERT_EQ(all.size(), 9u);
   std::set<MessageType> types;
   for (const auto& [name, m] : all) {
     ASSERT_TRUE(checkMessage(m).isOk()) << name << ": " << checkMessage(m).toString();
@@ -229,8 +229,10 @@ TEST(Messages, TransferDoneAuxOverItsLimitIsRefused) {
 TEST(Messages, MinorZeroTransferDoneWithoutAuxStillReads) {
   const TransferDone done{9, OkStatus(), 4096, 0x55ull, Bytes{}};
   Bytes frame = encodeMessage(done);
-  ASSERT_EQ(frame[frame.size() - kFrameTrailerBytes - 1], 0);  // the empty aux's length
-  frame.erase(frame.end() - kFrameTrailerBytes - 1);
+  // The empty aux's length and the zero epoch end the body.
+  ASSERT_EQ(frame[frame.size() - kFrameTrailerBytes - 1], 0);
+  ASSERT_EQ(frame[frame.size() - kFrameTrailerBytes - 2], 0);
+  frame.erase(frame.end() - kFrameTrailerBytes - 2, frame.end() - kFrameTrailerBytes);
   frame[6] = 0;  // minor 0
   reseal(frame);
   auto got = decodeMessage(frame);
@@ -250,13 +252,57 @@ TEST(Messages, ErrorMustCarryAFailureAndAKnownCode) {
   expectRefused(unknown, StatusCode::kCorruption, "error.status.code: unknown value 200");
 }
 
-TEST(Messages, TransferDoneCarriesEveryStatusCode) {
-  for (int c = 0; c <= static_cast<int>(StatusCode::kInternal); ++c) {
-    TransferDone done{42, Status(static_cast<StatusCode>(c), c ? "why" : ""), 99, std::nullopt};
+TEST(Messages, TransferDoneCarriesEveryStatusCodeButPermissionDenied) {
+  for (int c = 0; c <= static_cast<int>(StatusCode::kExpired); ++c) {
+    TransferDone done{42, Status(static_cast<StatusCode>(c), c ? "why" : ""), 99, std::nullopt, {}, 0};
+    if (static_cast<StatusCode>(c) == StatusCode::kPermissionDenied) {
+      EXPECT_EQ(checkMessage(done).code(), StatusCode::kCorruption);
+      continue;
+    }
     auto back = decodeMessage(encodeMessage(done));
     ASSERT_TRUE(back.isOk()) << back.status().toString();
     EXPECT_EQ(std::get<TransferDone>(*back), done);
   }
+}
+
+// Minor 2 appended the epochs and hello.incarnation, and the Expired code (11). A minor-1
+// frame without them reads with zero epochs; Expired in a minor-1 frame is refused, since a
+// minor-1 reader would not know it.
+TEST(Messages, MinorOneFramesReadWithoutEpochsAndCannotSayExpired) {
+  auto asMinorOne = [](Bytes frame, size_t drop) {
+    frame.erase(frame.end() - kFrameTrailerBytes - drop, frame.end() - kFrameTrailerBytes);
+    frame[6] = 1;
+    reseal(frame);
+    return frame;
+  };
+  TransferRequest req;
+  req.request_id = 5;
+  req.dst_block_ids = {1, 2};
+  req.num_tokens = 3;
+  req.epoch = 7;  // one varint byte
+  auto got = decodeMessage(asMinorOne(encodeMessage(req), 1));
+  ASSERT_TRUE(got.isOk()) << got.status().toString();
+  EXPECT_EQ(std::get<TransferRequest>(*got).epoch, 0u);
+  EXPECT_EQ(std::get<TransferRequest>(*got).dst_block_ids, req.dst_block_ids);
+
+  got = decodeMessage(asMinorOne(encodeMessage(Cancel{5, "r", 9}), 1));
+  ASSERT_TRUE(got.isOk()) << got.status().toString();
+  EXPECT_EQ(std::get<Cancel>(*got), (Cancel{5, "r", 0}));
+
+  got = decodeMessage(asMinorOne(encodeMessage(TransferDone{5, Timeout("t"), 0, {}, {}, 4}), 1));
+  ASSERT_TRUE(got.isOk()) << got.status().toString();
+  EXPECT_EQ(std::get<TransferDone>(*got).epoch, 0u);
+
+  auto info = examples::rankInfo(examples::models()[0], {1, 1, {}}, 0, StateLayout::kPaged,
+                                 InstanceRole::kContext);
+  ASSERT_TRUE(info.isOk());
+  got = decodeMessage(asMinorOne(encodeMessage(Hello{*info, "", 0x1122334455667788ull}), 8));
+  ASSERT_TRUE(got.isOk()) << got.status().toString();
+  EXPECT_EQ(std::get<Hello>(*got).incarnation, 0u);
+
+  expectRefused(asMinorOne(encodeMessage(TransferDone{5, Expired("e"), 0, {}, {}, 4}), 1),
+                StatusCode::kCorruption,
+                "transfer_done.status.code: 11 (Expired) does not travel in a frame of minor 1");
 }
 
 TEST(Messages, HelloWithAHostileRankInfoIsRefusedNamingTheNestedField) {
