@@ -13,10 +13,15 @@ struct ContextSender::Peer {
   bool ready = false;              // Hello accepted and answered
   bool refused = false;            // refused; messages are ignored until it goes away
   wire::RankInfo info;             // valid when ready
+  uint64_t incarnation = 0;        // from its Hello; 0 from a peer older than minor 2
   std::optional<Planner> planner;  // this rank -> that generation rank
-  // Requests whose TransferDone went to this peer, until when a Cancel crossing that Done is
-  // recognised as such (and not answered a second time: the id may already be reused there).
-  std::unordered_map<uint64_t, Clock::time_point> answered;
+  // Requests whose TransferDone went to this peer (with the epoch it answered), so that a
+  // Cancel crossing that Done is recognised as such and not answered a second time.
+  RecentIds<uint64_t> answered;
+  // Its asks not answered yet, and the destination blocks they name (the per-peer bounds).
+  size_t open_asks = 0;
+  uint64_t open_blocks = 0;
+  explicit Peer(size_t remembered) : answered(remembered) {}
   uint32_t globalRank() const { return info.globalRank(); }
 };
 
@@ -27,12 +32,15 @@ struct ContextSender::Ask {
   uint32_t gen_rank = 0;
   wire::TransferRequest req;
   State state = State::kWaiting;
+  std::string instance;  // the asking generation instance
   bool peer_gone = false;
+  bool counted = false;           // in its peer's open_asks / open_blocks
   bool cancel_requested = false;  // by the generation rank
+  bool stalled = false;           // cancelled for making no progress (stall_timeout)
   transport::Transfer transfer;
   uint64_t bytes = 0;
   std::optional<uint64_t> checksum;
-  Clock::time_point asked_at;
+  Clock::time_point asked_at, posted_at;
 };
 
 // Everything known about one request id on this rank.
@@ -82,7 +90,11 @@ StatusOr<std::unique_ptr<ContextSender>> ContextSender::create(
 
 ContextSender::ContextSender(Options options, HybridCacheManager* cache,
                              std::unique_ptr<transport::Agent> agent)
-    : options_(std::move(options)), cache_(cache), agent_(std::move(agent)) {}
+    : options_(std::move(options)),
+      cache_(cache),
+      agent_(std::move(agent)),
+      tombstones_(options_.max_remembered_ids),
+      incarnation_(newIncarnation()) {}
 
 ContextSender::~ContextSender() { shutdown(); }
 
@@ -125,6 +137,13 @@ size_t ContextSender::connectedPeers() const {
                        [](const auto& kv) { return kv.second->ready; });
 }
 
+size_t ContextSender::rememberedIds() const {
+  std::lock_guard lock(mu_);
+  size_t n = tombstones_.size();
+  for (const auto& [id, peer] : peers_) n += peer->answered.size();
+  return n;
+}
+
 Status ContextSender::markReady(uint64_t request_id, Bytes aux) {
   if (aux.size() > wire::kMaxAuxBytes) {
     return InvalidArgument("request " + std::to_string(request_id) + ": aux is " +
@@ -134,13 +153,12 @@ Status ContextSender::markReady(uint64_t request_id, Bytes aux) {
   RETURN_IF_ERROR(cache_->find(request_id).status());
   std::lock_guard lock(mu_);
   if (stop_) return Unavailable("context sender is shut down");
-  if (auto t = tombstones_.find(request_id); t != tombstones_.end()) {
+  if (const Status* dead = tombstones_.find(request_id)) {
     // Cancelled, or every rank that asked was already told it timed out: nobody will take the
     // state. The tombstone stays, so a TransferRequest still on its way hears the same.
     (void)cache_->free(request_id);
-    return Status(t->second.status.code(),
-                  "request " + std::to_string(request_id) +
-                      " is dead before ready: " + t->second.status.message());
+    return Status(dead->code(), "request " + std::to_string(request_id) +
+                                    " is dead before ready: " + dead->message());
   }
   auto& slot = sources_[request_id];
   if (!slot) {
@@ -166,7 +184,7 @@ Status ContextSender::cancel(uint64_t request_id) {
   const Status why = Cancelled("request " + std::to_string(request_id) + " cancelled by context");
   auto it = sources_.find(request_id);
   if (it == sources_.end()) {
-    tombstones_[request_id] = {why, rememberUntil()};
+    tombstones_.put(request_id, why, rememberUntil());
     return OkStatus();
   }
   cancelLocked(*it->second, why);
@@ -185,7 +203,7 @@ void ContextSender::cancelLocked(Source& src, const Status& why) {
     }
   }
   freePagesLocked(src);
-  tombstones_[src.id] = {why, rememberUntil()};
+  tombstones_.put(src.id, why, rememberUntil());
 }
 
 void ContextSender::freePagesLocked(Source& src) {
@@ -260,26 +278,99 @@ void ContextSender::onHelloLocked(Peer& peer, wire::Hello hello) {
     }
   }
   peer.info = std::move(hello.rank_info);
+  peer.incarnation = hello.incarnation;
   peer.planner = std::move(*planner);
   peer.ready = true;
   metrics_.handshake(true);
   HXFER_LOG_INFO("context rank {}: generation rank {} of '{}' connected", rankName(self_.layout),
                  rankName(peer.info.layout), peer.info.instance_id);
-  sendLocked(peer.id, wire::Hello{self_, {}});  // the token was proved by the transport
+  // One connection per generation rank: an older one claiming the same rank is a previous
+  // incarnation (a restart) or a connection its rank already dropped; it must not keep asks.
+  std::vector<Peer*> older;
+  for (auto& [id, other] : peers_) {
+    if (other.get() != &peer && other->ready && other->info.instance_id == peer.info.instance_id &&
+        other->globalRank() == peer.globalRank()) {
+      older.push_back(other.get());
+    }
+  }
+  for (Peer* old : older) supersedeLocked(*old, peer);
+  sendLocked(peer.id, wire::Hello{self_, {}, incarnation_});  // the transport proved the token
+}
+
+void ContextSender::supersedeLocked(Peer& old, const Peer& newer) {
+  HXFER_LOG_WARN(
+      "context rank {}: generation rank {} of '{}' connected again (incarnation {} -> {}); "
+      "dropping its older connection {}",
+      rankName(self_.layout), rankName(newer.info.layout), newer.info.instance_id,
+      old.incarnation, newer.incarnation, old.id);
+  metrics_.connectionSuperseded();
+  const transport::PeerId id = old.id;
+  (void)agent_->disconnect(id);
+  onPeerLostLocked(id);  // its kPeerLost, when it comes, finds nothing left
+}
+
+void ContextSender::refuseRequestLocked(Peer& peer, const wire::TransferRequest& req,
+                                        const Status& why) {
+  metrics_.requestFailed(causeOf(why));
+  sendDoneLocked(peer.id,
+                 wire::TransferDone{req.request_id, why, 0, std::nullopt, {}, req.epoch});
+}
+
+Status ContextSender::checkJoinLocked(const Peer& peer, const Source& src,
+                                      const wire::TransferRequest& req) const {
+  for (const Ask& a : src.asks) {
+    if (a.instance != peer.info.instance_id) {
+      return InvalidArgument("request " + std::to_string(src.id) + " belongs to generation '" +
+                             a.instance + "'; '" + peer.info.instance_id + "' asked for it too");
+    }
+    if (a.gen_rank == peer.globalRank() && !a.peer_gone) {
+      return InvalidArgument("request id " + std::to_string(src.id) + " reused: generation rank " +
+                             rankName(peer.info.layout) + " asked for it already (epoch " +
+                             std::to_string(a.req.epoch) + ", now " + std::to_string(req.epoch) +
+                             ") and this rank still holds that request");
+    }
+  }
+  return OkStatus();
 }
 
 void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
                                     std::vector<Callback>* callbacks) {
   const uint64_t id = req.request_id;
-  Ask ask;
-  ask.peer = peer.id;
-  ask.gen_rank = peer.globalRank();
-  ask.asked_at = Clock::now();
   metrics_.requestStarted();
-  if (auto t = tombstones_.find(id); t != tombstones_.end()) {
-    sendDoneLocked(peer.id, wire::TransferDone{id, t->second.status, 0, std::nullopt, {}});
-    metrics_.requestFailed(causeOf(t->second.status));
+  // Checked on arrival, so that nothing a peer could not own waits here: the pages named are
+  // the connection's own rank's, inside its pools, each once.
+  if (Status s = wire::checkDestination(req, peer.info.layout); !s.isOk()) {
+    HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", id, peer.id,
+                   s.toString());
+    refuseRequestLocked(peer, req, s);
     return;
+  }
+  const uint64_t block_budget =
+      uint64_t{options_.max_waiting_blocks_factor} * std::max<uint32_t>(peer.info.layout.num_blocks, 1);
+  if (peer.open_asks >= options_.max_waiting_requests ||
+      peer.open_blocks + req.dst_block_ids.size() > block_budget) {
+    metrics_.requestOverLimit();
+    refuseRequestLocked(
+        peer, req,
+        ResourceExhausted("generation rank " + rankName(peer.info.layout) + " has " +
+                          std::to_string(peer.open_asks) + " requests (" +
+                          std::to_string(peer.open_blocks) +
+                          " blocks) waiting here; limits " +
+                          std::to_string(options_.max_waiting_requests) + " requests, " +
+                          std::to_string(block_budget) + " blocks"));
+    return;
+  }
+  if (const Status* dead = tombstones_.find(id)) {
+    refuseRequestLocked(peer, req, *dead);
+    return;
+  }
+  if (auto it = sources_.find(id); it != sources_.end()) {
+    if (Status s = checkJoinLocked(peer, *it->second, req); !s.isOk()) {
+      HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", id, peer.id,
+                     s.toString());
+      refuseRequestLocked(peer, req, s);
+      return;
+    }
   }
   auto& slot = sources_[id];
   if (!slot) {
@@ -302,6 +393,14 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
     callbacks->push_back(
         [cb = options_.on_request, id, n = req.num_tokens, aux = req.aux] { cb(id, n, aux); });
   }
+  Ask ask;
+  ask.peer = peer.id;
+  ask.gen_rank = peer.globalRank();
+  ask.instance = peer.info.instance_id;
+  ask.asked_at = Clock::now();
+  ask.counted = true;
+  ++peer.open_asks;
+  peer.open_blocks += req.dst_block_ids.size();
   ask.req = std::move(req);
   src.asks.push_back(std::move(ask));
   tryStartLocked(src);
@@ -326,12 +425,6 @@ void ContextSender::startAskLocked(Source& src, Ask& ask) {
   }
   Peer& peer = *pit->second;
   const wire::TransferRequest& req = ask.req;
-  if (Status s = wire::checkDestination(req, peer.info.layout); !s.isOk()) {
-    HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", src.id, ask.peer,
-                   s.toString());
-    answerLocked(src, ask, s, 0, std::nullopt);
-    return;
-  }
   auto alloc = cache_->find(src.id);
   if (!alloc.isOk()) {
     answerLocked(src, ask, alloc.status(), 0, std::nullopt);
@@ -380,12 +473,20 @@ void ContextSender::startAskLocked(Source& src, Ask& ask) {
   ask.transfer = *t;
   ask.bytes = plan->bytes;
   ask.state = Ask::State::kPosted;
+  ask.posted_at = Clock::now();
 }
 
 void ContextSender::answerLocked(Source& src, Ask& ask, const Status& status, uint64_t bytes,
                                  std::optional<uint64_t> checksum) {
   ask.state = Ask::State::kAnswered;
   src.finished.insert(ask.gen_rank);
+  if (ask.counted) {
+    ask.counted = false;
+    if (auto pit = peers_.find(ask.peer); pit != peers_.end()) {
+      --pit->second->open_asks;
+      pit->second->open_blocks -= ask.req.dst_block_ids.size();
+    }
+  }
   if (status.isOk()) {
     const auto start = std::max(ask.asked_at, src.ready_at);
     metrics_.requestOk(bytes, Clock::now() - start);
@@ -393,7 +494,7 @@ void ContextSender::answerLocked(Source& src, Ask& ask, const Status& status, ui
     metrics_.requestFailed(causeOf(status));
   }
   if (ask.peer_gone) return;
-  wire::TransferDone done{src.id, status, bytes, std::nullopt, {}};
+  wire::TransferDone done{src.id, status, bytes, std::nullopt, {}, ask.req.epoch};
   if (status.isOk()) {
     done.checksum = checksum;
     done.aux = src.aux;
@@ -401,32 +502,44 @@ void ContextSender::answerLocked(Source& src, Ask& ask, const Status& status, ui
   sendDoneLocked(ask.peer, done);
 }
 
-void ContextSender::sendDoneLocked(transport::PeerId peer, const wire::TransferDone& done) {
+void ContextSender::sendDoneLocked(transport::PeerId peer, wire::TransferDone done) {
   if (auto pit = peers_.find(peer); pit != peers_.end()) {
-    pit->second->answered[done.request_id] = rememberUntil();
+    pit->second->answered.put(done.request_id, done.epoch, rememberUntil());
+    // A peer older than minor 2 would refuse the whole message over a code it does not know.
+    if (done.status.code() == StatusCode::kExpired && pit->second->info.version_minor < 2) {
+      done.status = Timeout(done.status.message());
+    }
   }
   sendLocked(peer, done);
 }
 
 void ContextSender::onCancelLocked(Peer& peer, const wire::Cancel& cancel) {
+  // Epoch 0 (a peer older than minor 2) cancels every use of the id; otherwise only its own.
+  auto mine = [&](const Ask& a) {
+    return a.peer == peer.id && (cancel.epoch == 0 || a.req.epoch == cancel.epoch);
+  };
   auto it = sources_.find(cancel.request_id);
-  const bool asked =
-      it != sources_.end() && std::any_of(it->second->asks.begin(), it->second->asks.end(),
-                                          [&](const Ask& a) { return a.peer == peer.id; });
+  const bool asked = it != sources_.end() &&
+                     std::any_of(it->second->asks.begin(), it->second->asks.end(), mine);
   if (!asked) {
     // Messages from one peer arrive in order, so its TransferRequest was answered and forgotten
     // already, or it was lost. Answered: that Done is on its way and ends the generation
-    // rank's hold; a second one could end the hold of a later request reusing the id.
-    if (peer.answered.erase(cancel.request_id) > 0) return;
+    // rank's hold; a second one would be a duplicate.
+    const uint64_t* epoch = peer.answered.find(cancel.request_id);
+    if (epoch != nullptr && (cancel.epoch == 0 || *epoch == cancel.epoch)) {
+      peer.answered.erase(cancel.request_id);
+      return;
+    }
     // Lost: the generation rank holds the request's pages in flight until a Done arrives.
     const Status why = Cancelled("cancel of a request this rank never got");
-    sendLocked(peer.id, wire::TransferDone{cancel.request_id, why, 0, std::nullopt, {}});
+    sendLocked(peer.id,
+               wire::TransferDone{cancel.request_id, why, 0, std::nullopt, {}, cancel.epoch});
     return;
   }
   Source& src = *it->second;
   const Status why = Cancelled("cancelled by generation: " + cancel.reason);
   for (Ask& a : src.asks) {
-    if (a.peer != peer.id) continue;
+    if (!mine(a)) continue;
     if (a.state == Ask::State::kWaiting) {
       answerLocked(src, a, why, 0, std::nullopt);
     } else if (a.state == Ask::State::kPosted) {
@@ -470,7 +583,7 @@ void ContextSender::handleEventLocked(transport::Event& ev, std::vector<Callback
   }
   auto& slot = peers_[ev.peer];
   if (!slot) {
-    slot = std::make_unique<Peer>();
+    slot = std::make_unique<Peer>(options_.max_remembered_ids);
     slot->id = ev.peer;
   }
   Peer& peer = *slot;
@@ -514,6 +627,10 @@ void ContextSender::progressLocked() {
         status = *src->cancelled;
       } else if (a.cancel_requested) {
         status = Cancelled("cancelled by generation");
+      } else if (a.stalled) {
+        status = Timeout("request " + std::to_string(rid) + ": the write to generation rank " +
+                         std::to_string(a.gen_rank) + " made no progress in " +
+                         std::to_string(options_.stall_timeout.count()) + " ms");
       }
       answerLocked(*src, a, status, status.isOk() ? a.bytes : 0, a.checksum);
       touched.push_back(rid);
@@ -532,8 +649,11 @@ void ContextSender::timersLocked() {
                      src->finished.size(), src->expected ? src->expected->size() : 0);
       metrics_.leaseExpired();
       freePagesLocked(*src);
-      tombstones_[rid] = {Timeout("lease of request " + std::to_string(rid) + " expired"),
-                          rememberUntil()};
+      tombstones_.put(rid,
+                      Expired("lease of request " + std::to_string(rid) + " expired after " +
+                              std::to_string(options_.lease_timeout.count()) +
+                              " ms: the context rank freed its pages before this rank asked"),
+                      rememberUntil());
       touched.push_back(rid);
     } else if (!src->ready && !src->cancelled && now - src->created_at > options_.lease_timeout) {
       const Status why = Timeout("request " + std::to_string(rid) +
@@ -543,16 +663,42 @@ void ContextSender::timersLocked() {
       }
       src->cancelled = why;
       // Ranks asking later, and a late markReady, hear the same instead of starting over.
-      tombstones_[rid] = {why, rememberUntil()};
+      tombstones_.put(rid, why, rememberUntil());
       touched.push_back(rid);
     }
   }
   for (uint64_t rid : touched) maybeFinishLocked(rid);
-  for (auto it = tombstones_.begin(); it != tombstones_.end();) {
-    it = now > it->second.until ? tombstones_.erase(it) : std::next(it);
+  stallsLocked(now);
+  tombstones_.expire(now);
+  for (auto& [id, peer] : peers_) peer->answered.expire(now);
+}
+
+void ContextSender::stallsLocked(Clock::time_point now) {
+  std::vector<transport::PeerId> stuck;
+  for (auto& [rid, src] : sources_) {
+    for (Ask& a : src->asks) {
+      if (a.state != Ask::State::kPosted) continue;
+      const auto age = now - a.posted_at;
+      if (!a.stalled && age > options_.stall_timeout) {
+        HXFER_LOG_WARN("context: request {}: the write to generation rank {} made no progress "
+                       "in {} ms; cancelling it",
+                       rid, a.gen_rank, options_.stall_timeout.count());
+        metrics_.writeStalled();
+        a.stalled = true;
+        a.transfer.cancel();
+      } else if (a.stalled && !a.peer_gone && age > 2 * options_.stall_timeout) {
+        stuck.push_back(a.peer);
+      }
+    }
   }
-  for (auto& [id, peer] : peers_) {
-    std::erase_if(peer->answered, [&](const auto& kv) { return now > kv.second; });
+  std::sort(stuck.begin(), stuck.end());
+  stuck.erase(std::unique(stuck.begin(), stuck.end()), stuck.end());
+  for (transport::PeerId id : stuck) {
+    HXFER_LOG_WARN("context: a cancelled write to generation peer {} did not stop within {} ms; "
+                   "disconnecting it",
+                   id, 2 * options_.stall_timeout.count());
+    (void)agent_->disconnect(id);
+    onPeerLostLocked(id);
   }
 }
 

@@ -46,6 +46,7 @@
 #include "common/status.h"
 #include "engine/metrics.h"
 #include "engine/options.h"
+#include "engine/recent_ids.h"
 #include "plan/memory.h"
 #include "plan/planner.h"
 #include "transport/transport.h"
@@ -60,6 +61,18 @@ class ContextSender {
     // for within this time are freed (counted in leases_expired). Also bounds how long a
     // TransferRequest waits for markReady before it is answered with Timeout.
     std::chrono::milliseconds lease_timeout{30000};
+    // A posted write that has not finished within this time is cancelled and its request part
+    // answered with Timeout (counted in writes_stalled); one that still has not stopped after
+    // twice this time has its peer disconnected, which ends every write to it.
+    std::chrono::milliseconds stall_timeout{30000};
+    // Per generation peer, requests asked and not yet answered: at most this many, holding at
+    // most max_waiting_blocks_factor x the peer's num_blocks destination blocks together. A
+    // request past either bound is answered ResourceExhausted at once (requests_over_limit).
+    size_t max_waiting_requests = 4096;
+    uint32_t max_waiting_blocks_factor = 4;
+    // Ended request ids remembered (tombstones, answers a Cancel may still cross): each for
+    // two lease periods, and at most this many per rank and per peer (the oldest go first).
+    size_t max_remembered_ids = 65536;
     // Called on the progress thread when the first TransferRequest for a request id arrives,
     // with the prompt length and the aux payload (opaque to hxfer). It may call markReady().
     std::function<void(uint64_t request_id, uint64_t num_tokens, const Bytes& aux)> on_request;
@@ -100,6 +113,9 @@ class ContextSender {
   size_t heldRequests() const;
   // Generation peers whose handshake completed and which are still connected.
   size_t connectedPeers() const;
+  // Ended request ids remembered now: the rank's tombstones plus every peer's answer records
+  // (each bounded by max_remembered_ids).
+  size_t rememberedIds() const;
 
   // Stops the progress thread, cancels writes in flight and waits for them (bounded), frees
   // every request the sender owns and disconnects every peer. Idempotent.
@@ -109,10 +125,6 @@ class ContextSender {
   struct Peer;
   struct Ask;
   struct Source;
-  struct Tombstone {
-    Status status;
-    Clock::time_point until;
-  };
   using Callback = std::function<void()>;
 
   ContextSender(Options options, HybridCacheManager* cache,
@@ -135,7 +147,18 @@ class ContextSender {
   // Frees the pages once every expected rank is answered, and forgets a finished source.
   void maybeFinishLocked(uint64_t request_id);
   void sendLocked(transport::PeerId peer, const wire::Message& m);
-  void sendDoneLocked(transport::PeerId peer, const wire::TransferDone& done);
+  void sendDoneLocked(transport::PeerId peer, wire::TransferDone done);
+  // Answers a TransferRequest that never became an Ask (refused on arrival, or dead already).
+  void refuseRequestLocked(Peer& peer, const wire::TransferRequest& req, const Status& why);
+  // Why `req` may not join `src` (another instance's request, or an id this rank of the peer
+  // asked for already); ok when it may.
+  Status checkJoinLocked(const Peer& peer, const Source& src,
+                         const wire::TransferRequest& req) const;
+  // Drops `old`, whose generation rank a newer connection now claims: its asks end as if the
+  // connection had been lost.
+  void supersedeLocked(Peer& old, const Peer& newer);
+  // Stall handling of posted writes (stall_timeout).
+  void stallsLocked(Clock::time_point now);
   void refuseLocked(Peer& peer, const Status& why);
   bool anyInFlightLocked() const;
   // How long a tombstone or an answered-request record is kept: two leases, past any message
@@ -164,7 +187,9 @@ class ContextSender {
   bool stop_ = false;                                                   // guarded by mu_
   std::unordered_map<transport::PeerId, std::unique_ptr<Peer>> peers_;  // guarded by mu_
   std::unordered_map<uint64_t, std::unique_ptr<Source>> sources_;       // guarded by mu_
-  std::unordered_map<uint64_t, Tombstone> tombstones_;                  // guarded by mu_
+  // Ended ids whose asks are answered with this status (cancelled, lease expired, timed out).
+  RecentIds<Status> tombstones_;  // guarded by mu_
+  const uint64_t incarnation_;    // this sender's, in its Hello
   Metrics metrics_;
   std::shared_ptr<Waker> waker_ = std::make_shared<Waker>();
   std::thread thread_;

@@ -29,6 +29,7 @@ struct GenerationReceiver::CtxPeer {
   State before_connect = State::kIdle;
   Status last_error;
   wire::RankInfo info;             // valid when ready
+  uint64_t incarnation = 0;        // from its last Hello
   std::optional<Planner> planner;  // that context rank -> this rank (checksums)
 };
 
@@ -47,6 +48,7 @@ struct GenerationReceiver::Part {
 
 struct GenerationReceiver::Sink {
   uint64_t id = 0;
+  uint64_t epoch = 0;  // this use of the id; every TransferDone and Cancel for it must match
   Allocation alloc;
   uint32_t first_block = 0;
   Bytes aux;  // sent with the TransferRequest
@@ -145,7 +147,10 @@ void GenerationReceiver::Waiters::notifyAll() {
 
 GenerationReceiver::GenerationReceiver(Options options, HybridCacheManager* cache,
                                        std::unique_ptr<transport::Agent> agent)
-    : options_(std::move(options)), cache_(cache), agent_(std::move(agent)) {}
+    : options_(std::move(options)),
+      cache_(cache),
+      agent_(std::move(agent)),
+      incarnation_(newIncarnation()) {}
 
 GenerationReceiver::~GenerationReceiver() { shutdown(); }
 
@@ -254,6 +259,7 @@ StatusOr<Allocation> GenerationReceiver::startRequest(uint64_t request_id, uint3
   }
   auto sink = std::make_unique<Sink>();
   sink->id = request_id;
+  sink->epoch = next_epoch_++;
   sink->alloc = *alloc;
   const uint32_t tpb = self_.layout.tokens_per_block;
   sink->first_block = std::min<uint32_t>(prefix_tokens / tpb, sink->alloc.blocks.size());
@@ -297,6 +303,7 @@ void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
   req.first_block = sink.first_block;
   req.num_tokens = sink.alloc.num_tokens;
   req.aux = sink.aux;
+  req.epoch = sink.epoch;
   if (Status st = agent_->sendMessage(peer.id, wire::encodeMessage(req)); !st.isOk()) {
     endPartLocked(sink, part);
     part.state = Part::State::kFailed;
@@ -325,7 +332,7 @@ void GenerationReceiver::failLocked(Sink& sink, const Status& status, FailureCau
     } else if (p.state == Part::State::kSent) {
       CtxPeer& peer = *peers_[p.peer];
       if (peer.state == CtxPeer::State::kReady) {
-        sendLocked(peer.id, wire::Cancel{sink.id, status.toString()});
+        sendLocked(peer.id, wire::Cancel{sink.id, status.toString(), sink.epoch});
       }
     }
   }
@@ -389,6 +396,14 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
   auto it = sinks_.find(done.request_id);
   if (it == sinks_.end()) return;
   Sink& sink = *it->second;
+  if (done.epoch != 0 && done.epoch != sink.epoch) {
+    // The answer to an earlier use of this id (its Done crossed a Cancel, or it was delayed):
+    // it says nothing about this request.
+    HXFER_LOG_DEBUG("generation: ignoring a done of request {} epoch {} (now epoch {})", sink.id,
+                    done.epoch, sink.epoch);
+    metrics_.staleMessage();
+    return;
+  }
   Part* part = nullptr;
   for (Part& p : sink.parts) {
     if (peers_[p.peer].get() == &peer && p.state == Part::State::kSent) part = &p;
@@ -503,7 +518,14 @@ void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
     refuse(planner.status());
     return;
   }
-  if (peer.ever_ready) metrics_.reconnected();
+  if (peer.ever_ready) {
+    metrics_.reconnected();
+    if (hello.incarnation != peer.incarnation) {
+      HXFER_LOG_INFO("generation rank {}: context rank {} restarted (incarnation {} -> {})",
+                     rankName(self_.layout), peer.rank, peer.incarnation, hello.incarnation);
+    }
+  }
+  peer.incarnation = hello.incarnation;
   peer.info = std::move(hello.rank_info);
   peer.planner = std::move(*planner);
   peer.state = CtxPeer::State::kReady;
@@ -570,10 +592,13 @@ void GenerationReceiver::handleEventLocked(transport::Event& ev) {
     }
   } else if (auto* cancel = std::get_if<wire::Cancel>(&*msg)) {
     auto it = sinks_.find(cancel->request_id);
-    if (it != sinks_.end()) {
-      failLocked(*it->second, Cancelled("cancelled by context: " + cancel->reason),
-                 FailureCause::kCancelled);
+    if (it == sinks_.end()) return;
+    if (cancel->epoch != 0 && cancel->epoch != it->second->epoch) {
+      metrics_.staleMessage();
+      return;
     }
+    failLocked(*it->second, Cancelled("cancelled by context: " + cancel->reason),
+               FailureCause::kCancelled);
   }
 }
 
@@ -631,7 +656,7 @@ void GenerationReceiver::finishConnectLocked(CtxPeer& peer, StatusOr<transport::
   peer.id = *id;
   peer.state = CtxPeer::State::kHandshaking;
   peer.handshake_deadline = Clock::now() + options_.handshake_timeout;
-  sendLocked(peer.id, wire::Hello{self_, {}});  // the token was proved by the transport
+  sendLocked(peer.id, wire::Hello{self_, {}, incarnation_});  // the transport proved the token
 }
 
 void GenerationReceiver::timersLocked() {
@@ -738,12 +763,22 @@ void GenerationReceiver::shutdown() {
       stop_ = true;
     }
     if (thread_.joinable()) thread_.join();
-    std::lock_guard lock(mu_);
-    // A connect still running ends within the agent's connect timeout; what it opened is
-    // closed at once (stop_ is set).
-    for (auto& p : peers_) {
-      if (p->state == CtxPeer::State::kConnecting) finishConnectLocked(*p, p->connecting.get());
+    // A connect still running ends within the agent's connect timeout. It is waited for without
+    // the lock, so poll/wait/cancel/release answer meanwhile; what it opened is closed at once
+    // (stop_ is set).
+    std::vector<std::pair<CtxPeer*, std::future<StatusOr<transport::PeerId>>>> connecting;
+    {
+      std::lock_guard lock(mu_);
+      for (auto& p : peers_) {
+        if (p->state == CtxPeer::State::kConnecting) {
+          connecting.emplace_back(p.get(), std::move(p->connecting));
+        }
+      }
     }
+    std::vector<std::pair<CtxPeer*, StatusOr<transport::PeerId>>> connected;
+    for (auto& [peer, future] : connecting) connected.emplace_back(peer, future.get());
+    std::lock_guard lock(mu_);
+    for (auto& [peer, id] : connected) finishConnectLocked(*peer, std::move(id));
     for (auto& [id, sink] : sinks_) {
       failLocked(*sink, Cancelled("receiver shut down"), FailureCause::kCancelled);
     }

@@ -114,7 +114,8 @@ class GenerationReceiver {
   // Stops the progress thread, fails every request in progress, disconnects every peer (no
   // context rank can write any more, so quarantined pages are released) and frees the pages of
   // every request the receiver still owns. Succeeded, unreleased requests stay with the caller.
-  // A connect attempt still running is waited for (at most the agent's connect timeout).
+  // A connect attempt still running is waited for (at most the agent's connect timeout), without
+  // the receiver's lock: poll, wait, cancel and release answer at once meanwhile.
   void shutdown();
 
  private:
@@ -177,6 +178,8 @@ class GenerationReceiver {
   // while a connect is running.
   std::unordered_set<transport::PeerId> lost_while_connecting_;  // guarded by mu_
   Metrics metrics_;
+  const uint64_t incarnation_;  // this receiver's, in its Hello
+  uint64_t next_epoch_ = 1;     // guarded by mu_; the epoch of the next request started
   std::thread thread_;
   std::once_flag shutdown_once_;
 };

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <random>
 
 namespace hxfer::engine {
 
@@ -83,6 +84,13 @@ RankMemory cacheMemory(const HybridCacheManager& cache) {
 
 std::string rankName(const RankLayout& layout) {
   return "(tp " + std::to_string(layout.tp_rank) + ", pp " + std::to_string(layout.pp_rank) + ")";
+}
+
+uint64_t newIncarnation() {
+  std::random_device rd;
+  uint64_t v = 0;
+  while (v == 0) v = (uint64_t{rd()} << 32) ^ rd();
+  return v;
 }
 
 }  // namespace hxfer::engine

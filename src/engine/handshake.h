@@ -1,8 +1,8 @@
 // Helpers both sides of the transceiver share: building the RankInfo a rank publishes, the
 // "shape only" layouts used to work out which ranks of the other instance overlap this one,
-// and the end-to-end checksum of a request part.
+// the end-to-end checksum of a request part, and the incarnation a rank says in its Hello.
 //
-// Pure functions except checksumOps, which reads caller-owned memory.
+// Pure functions except checksumOps, which reads caller-owned memory, and newIncarnation.
 #pragma once
 
 #include <cstdint>
@@ -48,5 +48,9 @@ StatusOr<uint64_t> checksumOps(std::vector<CopyOp> ops, const RankMemory& mem, b
 RankMemory cacheMemory(const HybridCacheManager& cache);
 
 std::string rankName(const RankLayout& layout);  // "(tp 1, pp 0)"
+
+// A random, non-zero incarnation for a sender or receiver being created (std::random_device,
+// the kernel's generator): a rank restarted at the same address says another one.
+uint64_t newIncarnation();
 
 }  // namespace hxfer::engine

@@ -32,6 +32,7 @@ std::string_view failureCauseName(FailureCause c) {
 FailureCause causeOf(const Status& status) {
   switch (status.code()) {
     case StatusCode::kTimeout:
+    case StatusCode::kExpired:
       return FailureCause::kTimeout;
     case StatusCode::kUnavailable:
       return FailureCause::kPeerLost;
@@ -101,6 +102,10 @@ void MetricsSnapshot::merge(const MetricsSnapshot& o) {
   handshakes_refused += o.handshakes_refused;
   peers_lost += o.peers_lost;
   reconnects += o.reconnects;
+  stale_messages += o.stale_messages;
+  writes_stalled += o.writes_stalled;
+  connections_superseded += o.connections_superseded;
+  requests_over_limit += o.requests_over_limit;
   auth_failures += o.auth_failures;
   unauthenticated_dropped += o.unauthenticated_dropped;
   connections_refused += o.connections_refused;
@@ -129,6 +134,10 @@ std::string MetricsSnapshot::toJson() const {
   j["handshakes_refused"] = handshakes_refused;
   j["peers_lost"] = peers_lost;
   j["reconnects"] = reconnects;
+  j["stale_messages"] = stale_messages;
+  j["writes_stalled"] = writes_stalled;
+  j["connections_superseded"] = connections_superseded;
+  j["requests_over_limit"] = requests_over_limit;
   j["auth_failures"] = auth_failures;
   j["unauthenticated_dropped"] = unauthenticated_dropped;
   j["connections_refused"] = connections_refused;
@@ -190,6 +199,26 @@ void Metrics::peerLost() {
 void Metrics::reconnected() {
   std::lock_guard lock(mu_);
   ++s_.reconnects;
+}
+
+void Metrics::staleMessage() {
+  std::lock_guard lock(mu_);
+  ++s_.stale_messages;
+}
+
+void Metrics::writeStalled() {
+  std::lock_guard lock(mu_);
+  ++s_.writes_stalled;
+}
+
+void Metrics::connectionSuperseded() {
+  std::lock_guard lock(mu_);
+  ++s_.connections_superseded;
+}
+
+void Metrics::requestOverLimit() {
+  std::lock_guard lock(mu_);
+  ++s_.requests_over_limit;
 }
 
 MetricsSnapshot Metrics::snapshot() const {

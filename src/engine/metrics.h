@@ -70,6 +70,16 @@ struct MetricsSnapshot {
   uint64_t handshakes_refused = 0;
   uint64_t peers_lost = 0;
   uint64_t reconnects = 0;
+  // Messages about an earlier use of a request id (another epoch), ignored.
+  uint64_t stale_messages = 0;
+  // Context: posted writes that made no progress within stall_timeout and were cancelled.
+  uint64_t writes_stalled = 0;
+  // Context: connections dropped because a newer one claimed the same generation rank (a
+  // restart, or a reconnect before the old connection's loss was seen).
+  uint64_t connections_superseded = 0;
+  // Context: TransferRequests refused because their rank had too many waiting (the per-peer
+  // bounds of ContextSender::Options).
+  uint64_t requests_over_limit = 0;
   // From the transport (transport::AgentStats): what it refused before the engine saw a peer.
   uint64_t auth_failures = 0;            // handshakes refused: bad token proof, uid, timeout
   uint64_t unauthenticated_dropped = 0;  // frames from connections that had not authenticated
@@ -97,6 +107,10 @@ class Metrics {
   void handshake(bool ok);
   void peerLost();
   void reconnected();
+  void staleMessage();
+  void writeStalled();
+  void connectionSuperseded();
+  void requestOverLimit();
   MetricsSnapshot snapshot() const;
   // snapshot() with the transport's counters filled in.
   MetricsSnapshot snapshot(const transport::AgentStats& agent) const;

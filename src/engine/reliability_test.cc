@@ -45,6 +45,7 @@
 #include "model/presets.h"
 #include "plan/oracle.h"
 #include "transport/fault.h"
+#include "transport/transfer_core.h"
 #include "transport/transport.h"
 #include "wire/messages.h"
 #include "wire/rank_info.h"
@@ -240,7 +241,7 @@ StatusOr<CtxRank> startContext(
     const ModelSpec& model, const ParallelConfig& pc, uint32_t rank, const std::string& listen,
     StateLayout layout, Capacity capacity,
     std::function<std::unique_ptr<Agent>(std::unique_ptr<Agent>)> wrap = nullptr,
-    const std::string& token = "") {
+    const std::string& token = "", std::function<void(ContextSender::Options&)> tune = nullptr) {
   CtxRank c;
   ASSIGN_OR_RETURN(c.cache, HybridCacheManager::create(model, pc, rank % pc.tp, rank / pc.tp,
                                                        layout, capacity, Region::Backing::kMemfd));
@@ -259,6 +260,7 @@ StatusOr<CtxRank> startContext(
   so.on_request = [serve = c.serve](uint64_t id, uint64_t tokens, const Bytes&) {
     (*serve)(id, tokens);
   };
+  if (tune) tune(so);
   ASSIGN_OR_RETURN(c.sender, ContextSender::create(so, c.cache.get(), std::move(agent)));
   c.serve->sender = c.sender.get();
   return c;
@@ -548,6 +550,7 @@ int generationChild(int cmd, int rep, const ModelSpec& model, ParallelConfig pc,
 
 // Same TP on both sides: generation rank r reads only from context rank r, so a fault on one
 // pair leaves the other pair's requests unaffected.
+const ParallelConfig kTp1{1, 1, {}};
 const ParallelConfig kTp2{2, 1, {}};
 
 // ---------------------------------------------------------------------------------------------
@@ -871,7 +874,6 @@ TEST(Faults, PeerDelayedPastTheTimeoutFailsItsRequestWhileOthersComplete) {
 // timers go on; once the address serves again the rank connects and requests verify.
 TEST(Faults, ContextRankThatNeverAnswersTheHelloStallsNothingElse) {
   const ModelSpec model = tinyModel();
-  const ParallelConfig kTp1{1, 1, {}};
   const std::string ctx0 = uniqueName("ctx0"), ctx1 = uniqueName("ctx1");
   int hole = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   ASSERT_GE(hole, 0);
@@ -1573,6 +1575,420 @@ TEST(HostilePeer, ContextPeerWithWrongModelOrTokenOrAnswersIsRefused) {
   (*g)->rx->shutdown();
   expectPagesFree(*(*g)->cache, "gen");
   expectNoStrayBytes(**g, "gen");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Incarnations, epochs, bounds and stalls (docs/reliability.md, promises 10-12)
+
+// A raw generation peer: real pools (sentinel-filled) registered with its own agent, one
+// authenticated connection to a context rank, and a Hello naming `instance` and `incarnation`.
+struct RawGeneration {
+  std::unique_ptr<HybridCacheManager> cache;
+  std::unique_ptr<Agent> agent;
+  transport::PeerId peer = 0;
+  wire::RankInfo info;
+
+  static std::unique_ptr<RawGeneration> make(const ModelSpec& model, const ParallelConfig& pc,
+                                             uint32_t rank, const std::string& instance) {
+    auto g = std::make_unique<RawGeneration>();
+    auto cache = HybridCacheManager::create(model, pc, rank % pc.tp, rank / pc.tp,
+                                            StateLayout::kPaged, Capacity::counts(64, 8),
+                                            Region::Backing::kMemfd);
+    auto agent = shmAgent("", "raw-" + instance, "secret");
+    if (!cache.isOk() || !agent.isOk()) return nullptr;
+    g->cache = std::move(*cache);
+    g->agent = std::move(*agent);
+    for (const auto& r : g->cache->regions()) {
+      std::memset(r->data(), kSentinel, r->length());
+      if (!g->agent->registerRegion(*r, transport::RegionAccess::kRemoteWritable).isOk()) {
+        return nullptr;
+      }
+    }
+    g->info = rankInfoOf(*g->cache, *g->agent, wire::InstanceRole::kGeneration);
+    g->info.instance_id = instance;
+    return g;
+  }
+  // Connects and completes the handshake; the context rank's Hello, or why not.
+  StatusOr<wire::Hello> connect(const std::string& address, uint64_t incarnation) {
+    ASSIGN_OR_RETURN(peer, agent->connect(address));
+    ASSIGN_OR_RETURN(wire::Message answer,
+                     exchange(*agent, peer, wire::Message{wire::Hello{info, "", incarnation}}));
+    if (auto* hello = std::get_if<wire::Hello>(&answer)) return *hello;
+    return Internal("answered " + wire::summarize(answer));
+  }
+  wire::TransferRequest request(uint64_t id, uint64_t epoch, std::vector<uint32_t> blocks) const {
+    wire::TransferRequest r;
+    r.request_id = id;
+    r.epoch = epoch;
+    r.gen_tp_rank = info.layout.tp_rank;
+    r.gen_pp_rank = info.layout.pp_rank;
+    r.num_tokens = blocks.size() * info.layout.tokens_per_block;
+    r.dst_block_ids = std::move(blocks);
+    r.dst_slot = 0;
+    return r;
+  }
+  // Sends `m` and returns the TransferDone that answers it.
+  StatusOr<wire::TransferDone> ask(const wire::Message& m) {
+    ASSIGN_OR_RETURN(wire::Message answer, exchange(*agent, peer, m));
+    if (auto* done = std::get_if<wire::TransferDone>(&answer)) return *done;
+    return Internal("answered " + wire::summarize(answer));
+  }
+  // Waits for this connection's loss.
+  bool lost() {
+    const auto end = deadline();
+    while (Clock::now() < end) {
+      auto ev = agent->pollEvent(milliseconds(100));
+      if (ev && ev->peer == peer && ev->kind == transport::Event::Kind::kPeerLost) return true;
+    }
+    return false;
+  }
+};
+
+// Finding 8: a request id used again while the context rank still holds the first request, or
+// asked for by another generation instance, is refused; the old request's state is never
+// handed out a second time.
+TEST(Epochs, ReusedOrForeignRequestIdIsRefusedNotServedFromTheOldRequest) {
+  LogCapture logs;
+  const ModelSpec model = tinyModel();
+  const std::string name = uniqueName("ctx");
+  auto c = startContext(model, kTp1, 0, name, StateLayout::kPaged, Capacity::counts(128, 32),
+                        nullptr, "secret",
+                        [](ContextSender::Options& o) { o.lease_timeout = milliseconds(2000); });
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  // Generation at tp 2: request 77 stays held here until both of its ranks asked (or, as
+  // rank 1 never will, until the lease ends).
+  auto a = RawGeneration::make(model, kTp2, 0, "gen-a");
+  auto b = RawGeneration::make(model, kTp2, 1, "gen-b");
+  ASSERT_TRUE(a && b);
+  auto ha = a->connect(shmAddress(name), 1);
+  ASSERT_TRUE(ha.isOk()) << ha.status().toString();
+  EXPECT_NE(ha->incarnation, 0u);
+  ASSERT_TRUE(b->connect(shmAddress(name), 2).isOk());
+
+  auto first = a->ask(wire::Message{a->request(77, 1, {0, 1, 2})});
+  ASSERT_TRUE(first.isOk()) << first.status().toString();
+  ASSERT_TRUE(first->status.isOk()) << first->status.toString();
+  EXPECT_EQ(first->epoch, 1u);
+  EXPECT_GT(first->bytes, 0u);
+  ASSERT_EQ(c->sender->heldRequests(), 1u);
+
+  auto again = a->ask(wire::Message{a->request(77, 2, {3, 4, 5})});
+  ASSERT_TRUE(again.isOk()) << again.status().toString();
+  EXPECT_EQ(again->status.code(), StatusCode::kInvalidArgument) << again->status.toString();
+  EXPECT_NE(again->status.message().find("request id 77 reused"), std::string::npos)
+      << again->status.toString();
+  EXPECT_EQ(again->epoch, 2u);
+  EXPECT_EQ(again->bytes, 0u);
+
+  auto foreign = b->ask(wire::Message{b->request(77, 1, {0, 1, 2})});
+  ASSERT_TRUE(foreign.isOk()) << foreign.status().toString();
+  EXPECT_EQ(foreign->status.code(), StatusCode::kInvalidArgument) << foreign->status.toString();
+  EXPECT_NE(foreign->status.message().find("belongs to generation 'gen-a'"), std::string::npos)
+      << foreign->status.toString();
+  EXPECT_TRUE(logs.has({"refusing request 77"})) << logs.all();
+
+  // Nothing landed in the blocks of the refused asks.
+  auto untouched = [](RawGeneration& g, std::vector<uint32_t> blocks) {
+    const RankLayout& layout = g.cache->layout();
+    uint64_t changed = 0;
+    for (const PoolView& v : layout.views) {
+      if (v.role != Role::kKv) continue;
+      const uint8_t* base = nullptr;
+      for (const auto& r : g.cache->regions()) {
+        if (r->id() == v.region_id) base = r->data();
+      }
+      for (uint32_t blk : blocks) {
+        for (uint32_t l = 0; l < v.layers.size(); ++l) {
+          const uint8_t* rec = base + v.offset(blk, l);
+          changed += std::count_if(rec, rec + v.record_bytes, [](uint8_t x) { return x != kSentinel; });
+        }
+      }
+    }
+    return changed;
+  };
+  EXPECT_EQ(untouched(*a, {3, 4, 5}), 0u);
+  EXPECT_EQ(untouched(*b, {0, 1, 2}), 0u);
+
+  (void)a->agent->disconnect(a->peer);
+  (void)b->agent->disconnect(b->peer);
+  expectPagesFree(*c->cache, "ctx");
+  EXPECT_TRUE(c->sender->selfCheck().isOk()) << c->sender->selfCheck().toString();
+}
+
+// Finding 8, generation side: a TransferDone or Cancel of an earlier use of the id (another
+// epoch) neither completes nor fails the request now using it.
+TEST(Epochs, DoneOrCancelOfAnEarlierUseOfAnIdEndsNothing) {
+  const ModelSpec model = tinyModel();
+  auto h = HostileContext::make(model);
+  ASSERT_NE(h, nullptr);
+  auto g = startGeneration(model, kTp1, 0, StateLayout::kPaged, Capacity::counts(64, 8), kTp1,
+                           {h->agent->localAddress()}, milliseconds(60000), nullptr, "secret");
+  ASSERT_TRUE(g.isOk());
+  ASSERT_TRUE(h->acceptHello());
+  h->send(wire::Hello{rankInfoOf(*h->cache, *h->agent, wire::InstanceRole::kContext), "", 5});
+  ASSERT_TRUE((*g)->rx->waitForPeers(deadline()).isOk());
+  auto alloc = (*g)->start(5, 40);
+  ASSERT_TRUE(alloc.isOk());
+  auto ask = h->next();
+  ASSERT_TRUE(ask && std::holds_alternative<wire::TransferRequest>(*ask));
+  const uint64_t epoch = std::get<wire::TransferRequest>(*ask).epoch;
+  ASSERT_NE(epoch, 0u);
+
+  h->send(wire::TransferDone{5, Cancelled("an older request 5"), 0, std::nullopt, {}, epoch + 7});
+  h->send(wire::Cancel{5, "an older request 5", epoch + 7});
+  ASSERT_TRUE(waitUntil([&] { return (*g)->rx->metrics().stale_messages >= 2; }));
+  auto r = (*g)->rx->poll(5);
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->state, RequestResult::State::kInProgress) << r->status.toString();
+
+  const RankLayout& layout = (*g)->cache->layout();
+  const uint64_t bytes = alloc->blocks.size() * layout.kvBytesPerBlock() + layout.stateBytesPerSlot();
+  h->send(wire::TransferDone{5, OkStatus(), bytes, std::nullopt, {}, epoch});
+  r = (*g)->rx->wait(5, deadline());
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->state, RequestResult::State::kDone) << r->status.toString();
+  ASSERT_TRUE((*g)->rx->release(5).isOk());
+  (*g)->rx->shutdown();
+  expectPagesFree(*(*g)->cache, "gen");
+}
+
+// Finding 6/8: one connection per generation rank. A second one claiming the same instance and
+// rank (a restart, another incarnation) replaces the first, which is dropped with its asks.
+TEST(Epochs, NewConnectionClaimingAGenerationRankDropsTheOlderOne) {
+  LogCapture logs;
+  const ModelSpec model = tinyModel();
+  const std::string name = uniqueName("ctx");
+  auto c = startContext(model, kTp1, 0, name, StateLayout::kPaged, Capacity::counts(128, 32),
+                        nullptr, "secret");
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  auto old = RawGeneration::make(model, kTp1, 0, "gen");
+  auto fresh = RawGeneration::make(model, kTp1, 0, "gen");
+  ASSERT_TRUE(old && fresh);
+  ASSERT_TRUE(old->connect(shmAddress(name), 11).isOk());
+  ASSERT_TRUE(fresh->connect(shmAddress(name), 12).isOk());
+  EXPECT_TRUE(old->lost()) << "the older connection was kept";
+  EXPECT_EQ(c->sender->metrics().connections_superseded, 1u);
+  EXPECT_TRUE(logs.has({"connected again (incarnation 11 -> 12)"})) << logs.all();
+  EXPECT_TRUE(waitUntil([&] { return c->sender->connectedPeers() == 1; }));
+  auto done = fresh->ask(wire::Message{fresh->request(5, 1, {0, 1})});
+  ASSERT_TRUE(done.isOk()) << done.status().toString();
+  EXPECT_TRUE(done->status.isOk()) << done->status.toString();
+  (void)fresh->agent->disconnect(fresh->peer);
+  expectPagesFree(*c->cache, "ctx");
+  EXPECT_TRUE(c->sender->selfCheck().isOk()) << c->sender->selfCheck().toString();
+}
+
+// Finding 3: what one authenticated peer can make the context rank hold is bounded: requests
+// waiting for markReady, and the destination blocks they name.
+TEST(Bounds, WaitingRequestsOfOnePeerAreBoundedAndRefusedLoudly) {
+  const ModelSpec model = tinyModel();
+  const std::string name = uniqueName("ctx");
+  auto c = startContext(model, kTp1, 0, name, StateLayout::kPaged, Capacity::counts(128, 32),
+                        nullptr, "secret", [](ContextSender::Options& o) {
+                          o.on_request = nullptr;  // nobody marks anything ready
+                          o.max_waiting_requests = 4;
+                          o.max_waiting_blocks_factor = 1;
+                        });
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  auto g = RawGeneration::make(model, kTp1, 0, "gen");
+  ASSERT_TRUE(g);
+  ASSERT_TRUE(g->connect(shmAddress(name), 1).isOk());
+  const uint32_t n = g->info.layout.num_blocks;
+  // Three one-block requests and one naming n - 3 blocks wait: n blocks in all, the budget.
+  for (uint64_t id = 1; id <= 3; ++id) {
+    ASSERT_TRUE(g->agent->sendMessage(g->peer, wire::encodeMessage(g->request(id, id, {0}))).isOk());
+  }
+  std::vector<uint32_t> most;
+  for (uint32_t b = 0; b + 3 < n; ++b) most.push_back(b);
+  ASSERT_TRUE(g->agent->sendMessage(g->peer, wire::encodeMessage(g->request(4, 4, most))).isOk());
+  // Past the count, then (one cancelled: 3 waiting, n - 1 blocks) past the blocks: refused at
+  // once, each naming the bound.
+  auto over = g->ask(wire::Message{g->request(5, 5, {1})});
+  ASSERT_TRUE(over.isOk()) << over.status().toString();
+  EXPECT_EQ(over->request_id, 5u);
+  EXPECT_EQ(over->status.code(), StatusCode::kResourceExhausted) << over->status.toString();
+  EXPECT_NE(over->status.message().find("limits 4 requests"), std::string::npos)
+      << over->status.toString();
+  auto cancelled = g->ask(wire::Message{wire::Cancel{1, "done waiting", 1}});
+  ASSERT_TRUE(cancelled.isOk() && cancelled->status.code() == StatusCode::kCancelled);
+  auto blocks = g->ask(wire::Message{g->request(6, 6, {2, 3, 4})});
+  ASSERT_TRUE(blocks.isOk()) << blocks.status().toString();
+  EXPECT_EQ(blocks->status.code(), StatusCode::kResourceExhausted) << blocks->status.toString();
+  EXPECT_NE(blocks->status.message().find(std::to_string(n) + " blocks"), std::string::npos)
+      << blocks->status.toString();
+  EXPECT_EQ(c->sender->metrics().requests_over_limit, 2u);
+  (void)g->agent->disconnect(g->peer);
+  expectPagesFree(*c->cache, "ctx");
+  EXPECT_TRUE(waitUntil([&] { return c->sender->connectedPeers() == 0; }));
+  EXPECT_TRUE(c->sender->selfCheck().isOk()) << c->sender->selfCheck().toString();
+}
+
+// Finding 10: records of ended ids are bounded in number and expire on the timer, whether or
+// not anything else happens.
+TEST(Bounds, RememberedIdsAreBoundedAndExpireOnTheirOwn) {
+  const ModelSpec model = tinyModel();
+  auto c = startContext(model, kTp1, 0, uniqueName("ctx"), StateLayout::kPaged,
+                        Capacity::counts(32, 8), nullptr, "secret",
+                        [](ContextSender::Options& o) {
+                          o.max_remembered_ids = 16;
+                          o.lease_timeout = milliseconds(100);
+                        });
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  for (uint64_t id = 1; id <= 1000; ++id) ASSERT_TRUE(c->sender->cancel(id).isOk());
+  EXPECT_EQ(c->sender->rememberedIds(), 16u);
+  // The newest are the ones kept: marking one of them ready says it is dead.
+  ASSERT_TRUE(c->cache->allocate(1000, 10).isOk());
+  EXPECT_EQ(c->sender->markReady(1000).code(), StatusCode::kCancelled);
+  EXPECT_TRUE(waitUntil([&] { return c->sender->rememberedIds() == 0; }));
+  expectPagesFree(*c->cache, "ctx");
+}
+
+// Forwards to an inner agent, but every postWrite yields a transfer that never makes progress:
+// it ends only when cancelled (unless `ignore_cancel`) or when its peer is disconnected.
+class StallAgent final : public Agent {
+ public:
+  StallAgent(std::unique_ptr<Agent> inner, bool ignore_cancel)
+      : inner_(std::move(inner)), ignore_cancel_(ignore_cancel) {}
+  const transport::Capabilities& capabilities() const override { return inner_->capabilities(); }
+  std::string localAddress() const override { return inner_->localAddress(); }
+  StatusOr<std::vector<uint8_t>> registerRegion(const Region& r,
+                                                transport::RegionAccess access) override {
+    return inner_->registerRegion(r, access);
+  }
+  Status deregisterRegion(uint32_t id) override { return inner_->deregisterRegion(id); }
+  StatusOr<transport::PeerId> connect(const std::string& a) override { return inner_->connect(a); }
+  Status disconnect(transport::PeerId p) override {
+    std::vector<std::shared_ptr<transport::detail::TransferCore>> ended;
+    {
+      std::lock_guard lock(mu_);
+      auto it = held_.find(p);
+      if (it != held_.end()) {
+        ended = std::move(it->second);
+        held_.erase(it);
+      }
+    }
+    for (auto& core : ended) core->complete(Unavailable("peer disconnected"));
+    return inner_->disconnect(p);
+  }
+  Status addRemoteRegion(transport::PeerId p, uint32_t id, uint64_t len,
+                         std::span<const uint8_t> key) override {
+    return inner_->addRemoteRegion(p, id, len, key);
+  }
+  StatusOr<transport::Transfer> postWrite(transport::PeerId p,
+                                          std::vector<transport::WriteOp> ops) override {
+    uint64_t bytes = 0;
+    for (const auto& op : ops) bytes += op.bytes;
+    auto core = std::make_shared<transport::detail::TransferCore>(bytes, ops.size());
+    if (!ignore_cancel_) {
+      core->setCancelHook([weak = std::weak_ptr(core)] {
+        if (auto c = weak.lock()) c->complete(Cancelled("cancelled"));
+      });
+    }
+    std::lock_guard lock(mu_);
+    held_[p].push_back(core);
+    return transport::Transfer(core);
+  }
+  Status sendMessage(transport::PeerId p, std::span<const uint8_t> payload) override {
+    return inner_->sendMessage(p, payload);
+  }
+  std::optional<transport::Event> pollEvent(milliseconds timeout) override {
+    return inner_->pollEvent(timeout);
+  }
+  void wakeEventWaiter() override { inner_->wakeEventWaiter(); }
+
+ private:
+  std::unique_ptr<Agent> inner_;
+  const bool ignore_cancel_;
+  std::mutex mu_;
+  std::map<transport::PeerId, std::vector<std::shared_ptr<transport::detail::TransferCore>>>
+      held_;  // guarded by mu_
+};
+
+// Finding 10: a write that makes no progress ends within stall_timeout on both sides, and one
+// that does not even stop when cancelled ends with its peer's connection.
+TEST(Faults, WriteWithoutProgressIsCancelledAndBothSidesFailTheRequest) {
+  for (bool ignore_cancel : {false, true}) {
+    SCOPED_TRACE(ignore_cancel ? "cancel ignored" : "cancel honoured");
+    const ModelSpec model = tinyModel();
+    const std::string name = uniqueName("ctx");
+    auto c = startContext(
+        model, kTp1, 0, name, StateLayout::kPaged, Capacity::counts(128, 32),
+        [&](std::unique_ptr<Agent> a) {
+          return std::make_unique<StallAgent>(std::move(a), ignore_cancel);
+        },
+        "", [](ContextSender::Options& o) { o.stall_timeout = milliseconds(200); });
+    ASSERT_TRUE(c.isOk()) << c.status().toString();
+    auto g = startGeneration(model, kTp1, 0, StateLayout::kPaged, Capacity::counts(64, 8), kTp1,
+                             {shmAddress(name)}, milliseconds(60000));
+    ASSERT_TRUE(g.isOk());
+    ASSERT_TRUE((*g)->rx->waitForPeers(deadline()).isOk());
+    ASSERT_TRUE((*g)->start(1, 50).isOk());
+    auto r = (*g)->rx->wait(1, deadline());
+    ASSERT_TRUE(r.isOk());
+    ASSERT_EQ(r->state, RequestResult::State::kFailed);
+    if (ignore_cancel) {
+      EXPECT_EQ(r->status.code(), StatusCode::kUnavailable) << r->status.toString();
+    } else {
+      EXPECT_EQ(r->status.code(), StatusCode::kTimeout) << r->status.toString();
+      EXPECT_NE(r->status.message().find("made no progress in 200 ms"), std::string::npos)
+          << r->status.toString();
+    }
+    EXPECT_EQ(c->sender->metrics().writes_stalled, 1u);
+    ASSERT_TRUE((*g)->rx->release(1).isOk());
+    expectPagesFree(*c->cache, "ctx");
+    expectPagesFree(*(*g)->cache, "gen");
+    EXPECT_TRUE(c->sender->selfCheck().isOk()) << c->sender->selfCheck().toString();
+  }
+}
+
+// Finding 9: shutdown() waits for a connect that hangs (a context rank whose listener never
+// accepts) without holding the receiver's lock, so no other call waits with it.
+TEST(Faults, ShutdownWaitingForAHangingConnectBlocksNoOtherCall) {
+  const ModelSpec model = tinyModel();
+  const std::string hole_name = uniqueName("hole");
+  int hole = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(hole, 0);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path + 1, hole_name.data(), hole_name.size());
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + hole_name.size());
+  ASSERT_EQ(::bind(hole, reinterpret_cast<sockaddr*>(&sa), len), 0) << std::strerror(errno);
+  ASSERT_EQ(::listen(hole, 16), 0);  // never accepted
+
+  auto cache = HybridCacheManager::create(model, kTp1, 0, 0, StateLayout::kPaged,
+                                          Capacity::counts(64, 8), Region::Backing::kMemfd);
+  ASSERT_TRUE(cache.isOk());
+  transport::AgentConfig ac;
+  ac.backend = "shm";
+  ac.connect_timeout = milliseconds(3000);
+  auto agent = transport::createAgent(ac);
+  ASSERT_TRUE(agent.isOk());
+  GenerationReceiver::Options ro;
+  ro.model = model;
+  ro.parallel = kTp1;
+  ro.ctx_parallel = kTp1;
+  ro.ctx_addresses = {shmAddress(hole_name)};
+  auto rx = GenerationReceiver::create(ro, cache->get(), std::move(*agent));
+  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
+  ASSERT_TRUE((*rx)->startRequest(1, 50).isOk());  // queued behind the connect
+  std::this_thread::sleep_for(milliseconds(200));   // the connect is under way
+  std::atomic<bool> shut{false};
+  std::thread closer([&] {
+    (*rx)->shutdown();
+    shut = true;
+  });
+  std::this_thread::sleep_for(milliseconds(300));  // shutdown is waiting on the connect now
+  const auto t0 = Clock::now();
+  auto r = (*rx)->poll(1);
+  (void)(*rx)->activeRequests();
+  const auto took = std::chrono::duration_cast<milliseconds>(Clock::now() - t0);
+  const bool shutdown_still_waiting = !shut.load();
+  closer.join();
+  ::close(hole);
+  EXPECT_TRUE(r.isOk()) << r.status().toString();
+  EXPECT_TRUE(shutdown_still_waiting) << "the connect ended too early to prove anything";
+  EXPECT_LT(took.count(), 1500) << "poll waited for shutdown's connect";
+  expectPagesFree(**cache, "gen");
 }
 
 // UCX active-message path: the receiving agent checks every incoming write against its OWN

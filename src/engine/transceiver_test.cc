@@ -249,11 +249,14 @@ TEST_P(Transceiver, LeaseExpiresWhenNobodyAsks) {
   ASSERT_TRUE(c->prepareContext(8, 60).isOk());
   expectPagesFree(*c);
   EXPECT_EQ(c->ctxMetrics().leases_expired, 1u);
-  // A late ask is answered with the expiry, not served from freed pages.
+  // A late ask is answered with the expiry, loudly, not served from freed pages.
   ASSERT_TRUE(c->startGeneration(8, 60).isOk());
   auto r = c->receivers()[0]->wait(8, deadline());
   ASSERT_TRUE(r.isOk());
-  EXPECT_EQ(r->status.code(), StatusCode::kTimeout) << r->status.toString();
+  EXPECT_EQ(r->status.code(), StatusCode::kExpired) << r->status.toString();
+  EXPECT_NE(r->status.message().find("lease of request 8 expired"), std::string::npos)
+      << r->status.toString();
+  EXPECT_EQ(c->genMetrics().failuresBy(FailureCause::kTimeout), 1u);
   ASSERT_TRUE(c->release(8).isOk());
   expectPagesFree(*c);
 }
