@@ -303,6 +303,36 @@ TEST_P(Conformance, MessagesArriveInSendOrderBothWays) {
   EXPECT_EQ(writer_->sendMessage(to_receiver_, too_big).code(), StatusCode::kInvalidArgument);
 }
 
+// Sends do not wait for the peer (shm queues what the socket does not take): large messages
+// queued ahead of a region announcement and of the message carrying its key still arrive in
+// order, and the region is usable the moment its key arrives.
+TEST_P(Conformance, RegionSharedBehindQueuedLargeMessagesIsUsableWhenItsKeyArrives) {
+  connectPair();
+  constexpr uint32_t kBig = 12;
+  for (uint32_t i = 0; i < kBig; ++i) {
+    Bytes m;
+    putFixed32(m, i);
+    m.resize(4 << 20, static_cast<uint8_t>(i));
+    ASSERT_TRUE(receiver_->sendMessage(to_writer_, m).isOk());
+  }
+  auto dst = makeRegion(7, 1 << 20);
+  auto key = receiver_->registerRegion(*dst, RegionAccess::kRemoteWritable);
+  ASSERT_TRUE(key.isOk()) << key.status().toString();
+  ASSERT_TRUE(receiver_->sendMessage(to_writer_, encodeRegionKey(*dst, *key)).isOk());
+  for (uint32_t i = 0; i < kBig; ++i) {
+    auto e = waitForEvent(*writer_, Event::Kind::kMessage);
+    ASSERT_TRUE(e.has_value()) << "message " << i;
+    ASSERT_EQ(e->payload.size(), 4u << 20);
+    EXPECT_EQ(loadFixed32(e->payload.data()), i);
+  }
+  auto e = waitForEvent(*writer_, Event::Kind::kMessage);
+  ASSERT_TRUE(e.has_value());
+  RegionKey k = decodeRegionKey(e->payload);
+  ASSERT_EQ(k.id, 7u);
+  Status s = writer_->addRemoteRegion(to_receiver_, k.id, k.length, k.key);
+  EXPECT_TRUE(s.isOk()) << "the region was announced before the key message: " << s.toString();
+}
+
 TEST_P(Conformance, CancelledTransferStillReachesATerminalState) {
   connectPair();
   constexpr uint64_t kLen = 16 << 20;
@@ -515,6 +545,36 @@ TEST(ShmTransport, RefusesAnonymousRegions) {
   ASSERT_TRUE(r.isOk());
   EXPECT_EQ((*a)->registerRegion(**r, RegionAccess::kRemoteWritable).status().code(),
             StatusCode::kInvalidArgument);
+}
+
+// disconnect() right after sends that the socket could not take at once (the engine refuses a
+// peer with an Error message, then disconnects): the queued messages still arrive before the
+// peer sees kPeerLost.
+TEST(ShmTransport, MessagesQueuedBeforeDisconnectStillArrive) {
+  AgentConfig c = configFor(BackendCase{"shm", "shm"}, "a");
+  auto a = createAgent(c);
+  auto b = createAgent(configFor(BackendCase{"shm", "shm"}, "b"));
+  ASSERT_TRUE(a.isOk() && b.isOk());
+  auto peer = (*a)->connect((*b)->localAddress());
+  ASSERT_TRUE(peer.isOk()) << peer.status().toString();
+  auto connected = waitForEvent(**b, Event::Kind::kPeerConnected);
+  ASSERT_TRUE(connected.has_value());
+  constexpr uint32_t kCount = 8;
+  for (uint32_t i = 0; i < kCount; ++i) {
+    Bytes m;
+    putFixed32(m, i);
+    m.resize(4 << 20, 0x42);
+    ASSERT_TRUE((*a)->sendMessage(*peer, m).isOk());
+  }
+  ASSERT_TRUE((*a)->disconnect(*peer).isOk());
+  for (uint32_t i = 0; i < kCount; ++i) {
+    auto e = (*b)->pollEvent(kDeadline);
+    ASSERT_TRUE(e.has_value()) << "message " << i;
+    ASSERT_EQ(e->kind, Event::Kind::kMessage) << "message " << i << ": " << e->status.toString();
+    EXPECT_EQ(loadFixed32(e->payload.data()), i);
+  }
+  auto lost = waitForEvent(**b, Event::Kind::kPeerLost);
+  EXPECT_TRUE(lost.has_value());
 }
 
 TEST(Transport, UnknownBackendAndBadAddressesAreErrors) {

@@ -64,6 +64,14 @@ std::string errnoText(std::string_view what) {
   return std::string(what) + ": " + std::strerror(errno);
 }
 
+// Bytes of one frame not yet written to the peer's socket, and the fd that rides on its first
+// byte (a dup of the region's fd, ours until it is sent: the region may go meanwhile).
+struct OutFrame {
+  std::vector<uint8_t> bytes;
+  size_t sent = 0;
+  int fd = -1;
+};
+
 struct ShmPeer {
   PeerId id = 0;
   bool incoming = false;
@@ -74,6 +82,18 @@ struct ShmPeer {
 
   std::mutex send_mu;
   int fd = -1;  // guarded by send_mu for writers; closed only by the progress thread
+
+  // Sending never waits for the peer (docs/transport.md, "Sending"): a frame goes straight to
+  // the socket when nothing is queued and the socket takes it, else (what is left of it) joins
+  // this queue, which the progress thread writes out when the socket is writable. Frames and
+  // their fds stay one ordered stream, so a region announced before a message is still mapped
+  // at the peer before that message is delivered. Guarded by send_mu.
+  std::deque<OutFrame> out;
+  uint64_t out_bytes = 0;          // unsent bytes in `out`, at most max_send_queue_bytes
+  Clock::time_point out_progress;  // when `out` last became non-empty or shrank
+  bool in_epoll = false;           // fd is in the agent's epoll set
+  bool want_write = false;         // ... with EPOLLOUT
+  bool linger = false;             // disconnect(): write out `out` before our end shuts
 
   // Progress thread only.
   std::vector<uint8_t> rx;
@@ -154,6 +174,7 @@ class ShmAgent final : public Agent {
     }
     for (auto& p : peers) {
       std::lock_guard<std::mutex> lock(p->send_mu);
+      dropQueueLocked(*p);
       if (p->fd >= 0) close(p->fd);
       p->fd = -1;
       for (int fd : p->rx_fds) close(fd);
@@ -263,15 +284,17 @@ class ShmAgent final : public Agent {
       p->id = next_peer_++;
       peers_.emplace(p->id, p);
       fd_peers_.emplace(fd, p);
-      Bytes hello;
-      putFixed32(hello, kProtocolVersion);
-      hello.insert(hello.end(), p->connector_nonce.begin(), p->connector_nonce.end());
-      sent = sendFrame(*p, kHello, hello);
       epoll_event ev{};
       ev.events = EPOLLIN | EPOLLRDHUP;
       ev.data.fd = fd;
-      if (sent.isOk() && epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
         sent = ResourceExhausted(errnoText("epoll_ctl(ADD)"));
+      } else {
+        p->in_epoll = true;
+        Bytes hello;
+        putFixed32(hello, kProtocolVersion);
+        hello.insert(hello.end(), p->connector_nonce.begin(), p->connector_nonce.end());
+        sent = sendFrame(*p, kHello, hello);
       }
       if (!sent.isOk()) {
         // Never reached the progress thread: close here.
@@ -279,6 +302,8 @@ class ShmAgent final : public Agent {
         fd_peers_.erase(fd);
         p->lost = true;
         std::lock_guard<std::mutex> send_lock(p->send_mu);
+        if (p->in_epoll) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
+        dropQueueLocked(*p);
         close(p->fd);
         p->fd = -1;
         return sent;
@@ -304,6 +329,11 @@ class ShmAgent final : public Agent {
   Status disconnect(PeerId peer) override {
     auto p = findPeer(peer);
     if (!p) return isGone(peer) ? OkStatus() : missingPeer(peer);
+    {
+      // What the user sent before disconnecting (an Error saying why, typically) still goes.
+      std::lock_guard<std::mutex> lock(p->send_mu);
+      p->linger = true;
+    }
     markLost(p, Unavailable("peer " + std::to_string(peer) + " was disconnected"));
     return OkStatus();
   }
@@ -408,8 +438,8 @@ class ShmAgent final : public Agent {
     return false;
   }
 
-  // Checks who is at the other end (SO_PEERCRED) and makes sends blocking but bounded: a peer
-  // that stops reading fails our send after connect_timeout instead of holding it forever.
+  // Checks who is at the other end (SO_PEERCRED). The socket stays non-blocking: nothing here
+  // ever waits for the peer (sendFrame).
   Status prepareSocket(int fd, const std::string& who) {
     ucred cred{};
     socklen_t clen = sizeof(cred);
@@ -422,70 +452,168 @@ class ShmAgent final : public Agent {
                               std::to_string(getuid()) +
                               (config_.allowed_uids.empty() ? "" : " and allowed_uids"));
     }
-    const int flags = fcntl(fd, F_GETFL);
-    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
-      return Unavailable(errnoText("fcntl(F_SETFL) on the socket to " + who));
-    }
-    timeval tv{};
-    tv.tv_sec = static_cast<time_t>(config_.connect_timeout.count() / 1000);
-    tv.tv_usec = static_cast<suseconds_t>(config_.connect_timeout.count() % 1000 * 1000);
-    if (setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) != 0) {
-      return Unavailable(errnoText("SO_SNDTIMEO on the socket to " + who));
-    }
     return OkStatus();
   }
 
-  // Writes one frame (and optionally one fd) fully. Blocking; serialised per peer.
+  // One non-blocking sendmsg of `iov` with `fd` (when >= 0) on its first byte. Returns the
+  // bytes written: 0 when the socket is full (nothing, the fd included, was sent).
+  static StatusOr<size_t> writeSome(const ShmPeer& p, iovec* iov, int iov_count, int fd) {
+    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int))];
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(iov_count);
+    if (fd >= 0) {
+      std::memset(cbuf, 0, sizeof(cbuf));
+      msg.msg_control = cbuf;
+      msg.msg_controllen = sizeof(cbuf);
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+    }
+    for (;;) {
+      const ssize_t r = sendmsg(p.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (r >= 0) return static_cast<size_t>(r);
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return size_t{0};
+      return Unavailable(errnoText("send to peer " + std::to_string(p.id)));
+    }
+  }
+
+  // Sends one frame (and optionally one fd) without waiting for the peer: written at once as
+  // far as the socket takes it when nothing is queued, the rest queued for the progress
+  // thread. Unavailable when the peer is gone or the queue would exceed max_send_queue_bytes
+  // (the caller then drops the peer). Safe under mu_ (REQUIRES: not p.send_mu).
   Status sendFrame(ShmPeer& p, uint32_t type, std::span<const uint8_t> payload, int fd = -1) {
     uint8_t header[kHeaderBytes];
     storeFixed32(header, type);
     storeFixed32(header + 4, static_cast<uint32_t>(payload.size()));
+    const uint64_t frame_bytes = kHeaderBytes + payload.size();
     std::lock_guard<std::mutex> lock(p.send_mu);
     if (p.fd < 0 || p.lost) return Unavailable("peer " + std::to_string(p.id) + " is gone");
-    iovec iov[2] = {{header, kHeaderBytes}, {const_cast<uint8_t*>(payload.data()), payload.size()}};
-    size_t total = kHeaderBytes + payload.size();
     size_t sent = 0;
-    bool fd_pending = fd >= 0;
-    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int))];
-    while (sent < total) {
-      // Skip what was sent already.
-      iovec cur[2];
-      int n = 0;
-      size_t skip = sent;
-      for (auto& v : iov) {
-        if (skip >= v.iov_len) {
-          skip -= v.iov_len;
-          continue;
-        }
-        cur[n++] = {static_cast<uint8_t*>(v.iov_base) + skip, v.iov_len - skip};
-        skip = 0;
-      }
-      msghdr msg{};
-      msg.msg_iov = cur;
-      msg.msg_iovlen = n;
-      if (fd_pending) {
-        std::memset(cbuf, 0, sizeof(cbuf));
-        msg.msg_control = cbuf;
-        msg.msg_controllen = sizeof(cbuf);
-        cmsghdr* c = CMSG_FIRSTHDR(&msg);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
-      }
-      ssize_t r = sendmsg(p.fd, &msg, MSG_NOSIGNAL);
-      if (r < 0) {
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
-          return Unavailable("peer " + std::to_string(p.id) + " stopped reading: a send waited " +
-                             std::to_string(config_.connect_timeout.count()) + " ms");
-        }
-        return Unavailable(errnoText("send to peer " + std::to_string(p.id)));
-      }
-      fd_pending = false;
-      sent += static_cast<size_t>(r);
+    if (p.out.empty()) {
+      iovec iov[2] = {{header, kHeaderBytes},
+                      {const_cast<uint8_t*>(payload.data()), payload.size()}};
+      ASSIGN_OR_RETURN(sent, writeSome(p, iov, payload.empty() ? 1 : 2, fd));
+      if (sent == frame_bytes) return OkStatus();
+    } else if (p.out_bytes + frame_bytes > config_.max_send_queue_bytes) {
+      ++peers_over_limit_;
+      const std::string why =
+          "peer " + std::to_string(p.id) + " is not reading: " + std::to_string(p.out_bytes) +
+          " bytes queued for it and a frame of " + std::to_string(frame_bytes) +
+          " would exceed max_send_queue_bytes=" + std::to_string(config_.max_send_queue_bytes);
+      HXFER_LOG_WARN("shm {}: disconnecting peer {}: {}", name_, p.id, why);
+      return Unavailable(why);
     }
+    // Queue what the socket did not take; an fd already went with the first byte.
+    OutFrame f;
+    f.bytes.resize(frame_bytes - sent);
+    const size_t from_header = sent < kHeaderBytes ? kHeaderBytes - sent : 0;
+    std::memcpy(f.bytes.data(), header + (kHeaderBytes - from_header), from_header);
+    if (!payload.empty()) {
+      const size_t payload_from = sent - (kHeaderBytes - from_header);
+      std::memcpy(f.bytes.data() + from_header, payload.data() + payload_from,
+                  payload.size() - payload_from);
+    }
+    if (fd >= 0 && sent == 0) {
+      f.fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+      if (f.fd < 0)
+        return ResourceExhausted(errnoText("dup of region fd for peer " + std::to_string(p.id)));
+    }
+    if (p.out.empty()) p.out_progress = Clock::now();
+    p.out_bytes += f.bytes.size();
+    p.out.push_back(std::move(f));
+    setWriteInterestLocked(p, true);
     return OkStatus();
+  }
+
+  // Progress thread: writes queued frames while the socket takes them. A write error drops the
+  // queue and is returned (the caller marks the peer lost). REQUIRES: p.send_mu held.
+  Status flushLocked(ShmPeer& p) {
+    Status s = OkStatus();
+    while (!p.out.empty() && p.fd >= 0) {
+      OutFrame& f = p.out.front();
+      iovec iov{f.bytes.data() + f.sent, f.bytes.size() - f.sent};
+      StatusOr<size_t> r = writeSome(p, &iov, 1, f.fd);
+      if (!r.isOk()) {
+        s = r.status();
+        dropQueueLocked(p);
+        break;
+      }
+      if (*r == 0) break;
+      if (f.fd >= 0) close(f.fd);
+      f.fd = -1;
+      f.sent += *r;
+      p.out_bytes -= *r;
+      p.out_progress = Clock::now();
+      if (f.sent == f.bytes.size()) p.out.pop_front();
+    }
+    setWriteInterestLocked(p, !p.out.empty());
+    return s;
+  }
+
+  // Forgets what is queued for the peer (it will not be sent). REQUIRES: p.send_mu held.
+  void dropQueueLocked(ShmPeer& p) {
+    for (OutFrame& f : p.out) {
+      if (f.fd >= 0) close(f.fd);
+    }
+    p.out.clear();
+    p.out_bytes = 0;
+    setWriteInterestLocked(p, false);
+  }
+
+  // Watches the socket for writability while frames are queued. REQUIRES: p.send_mu held.
+  void setWriteInterestLocked(ShmPeer& p, bool on) {
+    if (p.want_write == on || p.fd < 0 || !p.in_epoll) return;
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP | (on ? EPOLLOUT : 0u);
+    ev.data.fd = p.fd;
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, p.fd, &ev) == 0) p.want_write = on;
+    if (on) {
+      uint64_t one = 1;  // the progress thread may sleep with a long timeout: recompute it
+      (void)!write(wake_fd_, &one, sizeof(one));
+    }
+  }
+
+  // Progress thread: the socket of `p` is writable.
+  void flushPeer(const std::shared_ptr<ShmPeer>& p) {
+    Status s = OkStatus();
+    {
+      std::lock_guard<std::mutex> lock(p->send_mu);
+      s = flushLocked(*p);
+    }
+    if (!s.isOk()) markLost(p, s);
+  }
+
+  // Progress thread: drops peers that read nothing of their queue for send_stall_timeout.
+  // Returns whether any peer has frames queued (the loop then wakes often enough to notice).
+  bool expireStalledSends() {
+    const auto now = Clock::now();
+    std::vector<std::pair<std::shared_ptr<ShmPeer>, uint64_t>> stalled;
+    bool queued = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [id, p] : peers_) {
+        std::lock_guard<std::mutex> send_lock(p->send_mu);
+        if (p->out.empty()) continue;
+        queued = true;
+        if (!p->lost && p->authenticated && now - p->out_progress >= config_.send_stall_timeout) {
+          stalled.emplace_back(p, p->out_bytes);
+        }
+      }
+    }
+    for (auto& [p, bytes] : stalled) {
+      ++peers_over_limit_;
+      const std::string why =
+          "peer " + std::to_string(p->id) + " read none of the " + std::to_string(bytes) +
+          " bytes queued for it within " +
+          "send_stall_timeout=" + std::to_string(config_.send_stall_timeout.count()) + " ms";
+      HXFER_LOG_WARN("shm {}: disconnecting peer {}: {}", name_, p->id, why);
+      markLost(p, Unavailable(why));
+    }
+    return queued;
   }
 
   Status sendRegion(ShmPeer& p, const Region& region) {
@@ -506,6 +634,10 @@ class ShmAgent final : public Agent {
   void markLost(const std::shared_ptr<ShmPeer>& p, const Status& why, bool queue_event = true) {
     if (p->lost.exchange(true)) return;
     if (!p->authenticated) ++auth_failures_;  // a handshake that ended before it succeeded
+    {
+      std::lock_guard<std::mutex> lock(p->send_mu);
+      if (!p->linger) dropQueueLocked(*p);
+    }
     queue_event = queue_event && p->authenticated;
     bool exported = false;
     {
@@ -555,8 +687,14 @@ class ShmAgent final : public Agent {
         continue;
       }
       if (!p->half_closed) {
-        p->half_closed = true;
         std::lock_guard<std::mutex> lock(p->send_mu);
+        // disconnect(): what was queued before it still goes, unless the peer stalls.
+        if (p->linger && !p->out.empty() && p->fd >= 0 && !p->peer_closed &&
+            Clock::now() - p->out_progress < config_.send_stall_timeout) {
+          continue;
+        }
+        dropQueueLocked(*p);
+        p->half_closed = true;
         // Keep reading when the peer may still write into our regions: its EOF is the proof.
         if (p->fd >= 0) shutdown(p->fd, announce_later ? SHUT_WR : SHUT_RDWR);
       }
@@ -575,7 +713,8 @@ class ShmAgent final : public Agent {
     if (p->peer_closed) return;
     p->peer_closed = true;
     std::lock_guard<std::mutex> lock(p->send_mu);
-    if (p->fd >= 0) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, p->fd, nullptr);
+    if (p->fd >= 0 && p->in_epoll) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, p->fd, nullptr);
+    p->in_epoll = false;
   }
 
   // Closes the socket and forgets the peer: nothing it sent stays buffered here. Transfers
@@ -584,11 +723,13 @@ class ShmAgent final : public Agent {
     std::lock_guard<std::mutex> lock(mu_);
     std::lock_guard<std::mutex> send_lock(p->send_mu);
     if (p->fd >= 0) {
-      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, p->fd, nullptr);
+      if (p->in_epoll) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, p->fd, nullptr);
+      p->in_epoll = false;
       fd_peers_.erase(p->fd);
       close(p->fd);
       p->fd = -1;
     }
+    dropQueueLocked(*p);
     for (int fd : p->rx_fds) close(fd);
     p->rx_fds.clear();
     std::vector<uint8_t>().swap(p->rx);
@@ -627,13 +768,17 @@ class ShmAgent final : public Agent {
   void progressLoop() {
     epoll_event evs[16];
     while (!stop_) {
-      // Wake often enough to end handshakes on time while any is pending.
+      // Wake often enough to end handshakes and stalled sends on time while any is pending.
       int wait_ms = closing_wait_ ? 2 : 1000;
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (wait_ms > 2 && unauthenticatedIncomingLocked() > 0) {
           wait_ms = static_cast<int>(std::clamp<int64_t>(config_.auth_timeout.count() / 4, 1, 250));
         }
+      }
+      if (sends_queued_ && wait_ms > 2) {
+        wait_ms = std::min(wait_ms, static_cast<int>(std::clamp<int64_t>(
+                                        config_.send_stall_timeout.count() / 4, 1, 250)));
       }
       int n = epoll_wait(epoll_fd_, evs, 16, wait_ms);
       if (n < 0 && errno != EINTR) {
@@ -653,9 +798,12 @@ class ShmAgent final : public Agent {
           auto it = fd_peers_.find(fd);
           if (it != fd_peers_.end()) p = it->second;
         }
-        if (p) readPeer(p);
+        if (!p) continue;
+        if (evs[i].events & EPOLLOUT) flushPeer(p);
+        if (evs[i].events & ~static_cast<uint32_t>(EPOLLOUT)) readPeer(p);
       }
       expireHandshakes();
+      sends_queued_ = expireStalledSends();
       closing_wait_ = finishClosing();
     }
   }
@@ -713,7 +861,9 @@ class ShmAgent final : public Agent {
         fd_peers_.erase(fd);
         peers_.erase(p->id);
         close(fd);
+        continue;
       }
+      p->in_epoll = true;
     }
   }
 
@@ -1017,6 +1167,7 @@ class ShmAgent final : public Agent {
   std::unordered_map<int, std::shared_ptr<ShmPeer>> fd_peers_;  // guarded by mu_
   std::unordered_map<PeerId, Status> lost_pending_;             // guarded by mu_
   bool closing_wait_ = false;  // progress thread: a lost peer waits for our copies
+  bool sends_queued_ = false;  // progress thread: some peer has frames queued
   PeerId next_peer_ = 1;       // guarded by mu_
   EventQueue events_;
   std::thread progress_;

@@ -14,9 +14,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -497,23 +499,139 @@ TEST(ShmHostile, SilentConnectionsAreClosedAndCapped) {
   EXPECT_TRUE(honest->connect(agent->localAddress()).isOk());
 }
 
-// Finding 4: a peer that stops reading blocked our sends forever; now a send gives up after
-// connect_timeout and the peer is dropped.
-TEST(ShmHostile, PeerThatStopsReadingFailsOurSendInsteadOfHangingIt) {
+// Finding 4: a peer that stops reading wedged the context rank. Engine sends went out under
+// the engine lock over blocking sockets, so every send to that peer waited out connect_timeout
+// while the progress thread, markReady and every other peer's messages queued behind the lock.
+// Now a send never waits: what the peer does not read is queued, a queue over
+// max_send_queue_bytes disconnects the peer, and an honest peer sharing the "engine lock"
+// keeps its round trips going the whole time.
+TEST(ShmHostile, PeerThatStopsReadingIsDroppedAtItsQueueBoundWhileOthersKeepTalking) {
   AgentConfig c = config("ctx");
-  c.connect_timeout = 500ms;
-  auto agent = agentOrDie(c);
-  auto raw = RawPeer::connectTo(agent->localAddress());
+  c.max_send_queue_bytes = 8 << 20;
+  c.send_stall_timeout = 120s;  // only the byte bound acts here
+  auto victim = agentOrDie(c);
+  auto honest = agentOrDie(config("gen"));
+  ASSERT_TRUE(victim && honest);
+  auto to_victim = honest->connect(victim->localAddress());
+  ASSERT_TRUE(to_victim.isOk()) << to_victim.status().toString();
+  auto first = victim->pollEvent(2000ms);
+  ASSERT_TRUE(first.has_value() && first->kind == Event::Kind::kPeerConnected);
+  const PeerId honest_peer = first->peer;
+  auto raw = RawPeer::connectTo(victim->localAddress());
   ASSERT_NE(raw, nullptr);
   ASSERT_TRUE(raw->authenticate(kToken));
-  auto connected = agent->pollEvent(2000ms);
-  ASSERT_TRUE(connected.has_value() && connected->kind == Event::Kind::kPeerConnected);
-  std::vector<uint8_t> big(8 << 20, 1);
-  const auto start = std::chrono::steady_clock::now();
+  auto second = victim->pollEvent(2000ms);
+  ASSERT_TRUE(second.has_value() && second->kind == Event::Kind::kPeerConnected);
+  const PeerId silent_peer = second->peer;
+
+  // The victim's "engine": one lock around every send, one thread answering the honest peer.
+  std::mutex engine_mu;
+  std::atomic<bool> stop{false};
+  std::atomic<bool> silent_lost{false};
+  std::atomic<bool> honest_lost{false};
+  std::thread echo([&] {
+    while (!stop) {
+      auto e = victim->pollEvent(50ms);
+      if (!e) continue;
+      if (e->kind == Event::Kind::kPeerLost)
+        (e->peer == silent_peer ? silent_lost : honest_lost) = true;
+      if (e->kind == Event::Kind::kMessage && e->peer == honest_peer) {
+        std::lock_guard<std::mutex> lock(engine_mu);
+        (void)victim->sendMessage(honest_peer, e->payload);
+      }
+    }
+  });
+  std::atomic<bool> stop_ping{false};  // the pinger stops first: its last pong still comes
+  std::atomic<int> round_trips{0};
+  std::atomic<int64_t> slowest_ms{0};
+  std::atomic<bool> honest_failed{false};
+  std::thread pinger([&] {
+    for (uint32_t i = 0; !stop_ping; ++i) {
+      std::vector<uint8_t> ping(4);
+      storeFixed32(ping.data(), i);
+      const auto start = std::chrono::steady_clock::now();
+      if (!honest->sendMessage(*to_victim, ping).isOk()) {
+        honest_failed = true;
+        return;
+      }
+      auto pong = honest->pollEvent(5000ms);
+      if (!pong || pong->kind != Event::Kind::kMessage || pong->payload != ping) {
+        honest_failed = true;
+        return;
+      }
+      const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::steady_clock::now() - start)
+                             .count();
+      slowest_ms = std::max<int64_t>(slowest_ms, ms);
+      ++round_trips;
+    }
+  });
+
+  // Flood the silent peer under the same lock. No call may wait for it.
+  const std::vector<uint8_t> big(1 << 20, 0xab);
   Status s = OkStatus();
-  for (int i = 0; i < 64 && s.isOk(); ++i) s = agent->sendMessage(connected->peer, big);
+  int sent = 0;
+  auto slowest_send = std::chrono::steady_clock::duration::zero();
+  for (; sent < 1000 && s.isOk(); ++sent) {
+    const auto start = std::chrono::steady_clock::now();
+    {
+      std::lock_guard<std::mutex> lock(engine_mu);
+      s = victim->sendMessage(silent_peer, big);
+    }
+    slowest_send = std::max(slowest_send, std::chrono::steady_clock::now() - start);
+  }
+  EXPECT_LT(slowest_send, 1s) << "a send waited for a peer that does not read";
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.toString();
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  EXPECT_NE(s.message().find("max_send_queue_bytes"), std::string::npos) << s.toString();
+  EXPECT_LE(sent, 64) << "the bound (8 MiB of 1 MiB messages) should have acted long before";
+  EXPECT_EQ(victim->agentStats().peers_over_limit, 1u);
+  EXPECT_EQ(victim->sendMessage(silent_peer, big).code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(eventually([&] { return silent_lost.load(); }, 10000ms)) << "kPeerLost follows";
+  EXPECT_TRUE(raw->waitForEof(10000ms)) << "the silent peer is disconnected";
+  // The honest peer kept going through all of it, and still does.
+  const int before = round_trips;
+  EXPECT_TRUE(eventually([&] { return round_trips >= before + 20 || honest_failed; }, 20000ms));
+  stop_ping = true;
+  pinger.join();
+  stop = true;
+  echo.join();
+  EXPECT_FALSE(honest_failed) << "the honest peer's exchange broke";
+  EXPECT_FALSE(honest_lost) << "the honest peer must not be dropped";
+  EXPECT_GE(round_trips, 20);
+  EXPECT_LT(slowest_ms, 2000) << "an honest round trip waited behind the silent peer";
+}
+
+// Finding 4, the stopped honest rank (SIGSTOP): it reads nothing, but the victim sends too
+// little to reach the byte bound. The peer is dropped once send_stall_timeout passes with no
+// byte of its queue read, and the send that queued never waited.
+TEST(ShmHostile, PeerThatReadsNothingForTheStallTimeoutIsDropped) {
+  AgentConfig c = config("ctx");
+  c.send_stall_timeout = 500ms;
+  auto victim = agentOrDie(c);
+  auto raw = RawPeer::connectTo(victim->localAddress());
+  ASSERT_NE(raw, nullptr);
+  ASSERT_TRUE(raw->authenticate(kToken));
+  auto connected = victim->pollEvent(2000ms);
+  ASSERT_TRUE(connected.has_value() && connected->kind == Event::Kind::kPeerConnected);
+  const std::vector<uint8_t> big(4 << 20, 0xcd);  // more than a socket buffer holds
+  const auto start = std::chrono::steady_clock::now();
+  Status s = victim->sendMessage(connected->peer, big);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the send waited for the peer";
+  EXPECT_TRUE(s.isOk()) << s.toString();
+  std::optional<Event> lost;
+  EXPECT_TRUE(eventually(
+      [&] {
+        lost = victim->pollEvent(10ms);
+        return lost && lost->kind == Event::Kind::kPeerLost;
+      },
+      20000ms));
+  ASSERT_TRUE(lost.has_value());
+  EXPECT_EQ(lost->peer, connected->peer);
+  EXPECT_NE(lost->status.message().find("send_stall_timeout"), std::string::npos)
+      << lost->status.toString();
+  EXPECT_EQ(victim->agentStats().peers_over_limit, 1u);
+  EXPECT_EQ(victim->sendMessage(connected->peer, big).code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(raw->waitForEof(10000ms));
 }
 
 // Finding 7: when the side that exported a region dropped the connection itself, its

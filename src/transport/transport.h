@@ -120,6 +120,15 @@ struct AgentConfig {
   // At most this many accepted connections may be authenticating at once; more are closed
   // at accept (counted in AgentStats::connections_refused).
   size_t max_unauthenticated = 32;
+
+  // Sending never waits for a peer (sendMessage below). What a peer has not read yet waits in
+  // a per-peer queue of at most this many bytes (frames and region announcements; a frame is
+  // always accepted onto an empty queue, so one message of max_message_bytes always fits).
+  // A send that would exceed it disconnects the peer (AgentStats::peers_over_limit).
+  uint64_t max_send_queue_bytes = 64ull << 20;
+  // A peer with bytes queued for it that reads none of them for this long is disconnected
+  // (AgentStats::peers_over_limit): a stopped or wedged peer goes after a bounded time.
+  std::chrono::milliseconds send_stall_timeout{10000};
 };
 
 // What a registered region is for.
@@ -235,7 +244,13 @@ class Agent {
   virtual StatusOr<Transfer> postWrite(PeerId peer, std::vector<WriteOp> ops) = 0;
 
   // Sends one message; messages to one peer are delivered in send order, after all writes of
-  // transfers that were kDone when the message was sent.
+  // transfers that were kDone when the message was sent. Never waits for the peer to read: the
+  // message is written without blocking or queued for the agent's own thread, so a caller may
+  // hold its locks across the call. A peer whose queue would exceed max_send_queue_bytes, or
+  // that reads nothing for send_stall_timeout, is disconnected with a logged reason (counted
+  // in AgentStats::peers_over_limit; kPeerLost follows): this call, and later ones, return
+  // Unavailable. Ok means accepted, not delivered: a peer lost before reading it never sees it
+  // (shm: disconnect() still sends what was queued before it, bounded by send_stall_timeout).
   virtual Status sendMessage(PeerId peer, std::span<const uint8_t> payload) = 0;
 
   // Next event, waiting up to `timeout`; nullopt when none arrived in time.

@@ -16,6 +16,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -135,6 +136,11 @@ struct UcxPeer {
   std::map<uint32_t, RemoteRegion> remote_regions;
   Status handshake_error;  // why connect() fails, when the handshake did
 
+  // Bytes of messages accepted by sendMessage whose UCX send has not completed: what the peer
+  // has not taken yet. At most max_send_queue_bytes (sendMessage); written by API threads,
+  // released by the send buffer's owner when UCX hands the request back.
+  std::atomic<uint64_t> queued_bytes{0};
+
   // Progress thread only.
   ucp_ep_h ep = nullptr;
   Handshake handshake = Handshake::kAwaitHello;
@@ -155,6 +161,14 @@ struct UcxPeer {
   uint64_t reorder_bytes = 0;                        // at most kMaxReorderBytes
   std::unordered_map<uint64_t, OutTransfer> out;
   std::unordered_map<uint64_t, InTransfer> in;  // at most kMaxInTransfers
+  // Rendezvous receives into our regions that UCX has not handed back (completed or
+  // cancelled by the endpoint's close). A lost peer's kPeerLost waits in `pending_lost` until
+  // this is 0: once the user sees it, none of the peer's writes can still land.
+  uint32_t recvs_in_flight = 0;
+  std::optional<Status> pending_lost;
+  // rkeys of a lost peer's remote regions: destroyed once its puts are terminal (`out` empty),
+  // since an rkey must outlive every operation that uses it.
+  std::vector<ucp_rkey_h> retired_rkeys;
 };
 
 // "incoming peer 3" / "ucx agent at ucx:10.0.0.2:4096", for messages about a handshake.
@@ -311,7 +325,28 @@ class UcxAgent final : public Agent {
     auto p = findWelcomedPeer(peer);
     if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
     if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
-    auto data = std::make_shared<std::vector<uint8_t>>(payload.begin(), payload.end());
+    // Bounded like shm's queue (transport.h): a peer that takes nothing costs at most
+    // max_send_queue_bytes here (one message always fits), then it is disconnected.
+    const uint64_t bytes = payload.size();
+    const uint64_t queued = p->queued_bytes.fetch_add(bytes);
+    if (queued != 0 && queued + bytes > config_.max_send_queue_bytes) {
+      p->queued_bytes -= bytes;
+      ++peers_over_limit_;
+      const std::string why =
+          "peer " + std::to_string(peer) + " is not taking messages: " + std::to_string(queued) +
+          " bytes queued for it and a message of " + std::to_string(bytes) +
+          " would exceed max_send_queue_bytes=" + std::to_string(config_.max_send_queue_bytes);
+      HXFER_LOG_WARN("ucx {}: disconnecting peer {}: {}", config_.label, peer, why);
+      post([this, p, why] { markLost(p, Unavailable(why)); });
+      return Unavailable(why);
+    }
+    // The buffer's owner gives the bytes back when UCX is done with them (or never sends).
+    std::shared_ptr<std::vector<uint8_t>> data(
+        new std::vector<uint8_t>(payload.begin(), payload.end()),
+        [weak = std::weak_ptr<UcxPeer>(p), bytes](std::vector<uint8_t>* v) {
+          if (auto q = weak.lock()) q->queued_bytes -= bytes;
+          delete v;
+        });
     post([this, p, data] {
       if (p->lost) return;
       Bytes header;
@@ -383,6 +418,7 @@ class UcxAgent final : public Agent {
   void teardown();
   std::shared_ptr<UcxPeer> addPeer(ucp_ep_h ep, bool incoming);
   void markLost(const std::shared_ptr<UcxPeer>& p, const Status& why, bool queue_event = true);
+  void destroyRetiredRkeys(UcxPeer& p);
   StatusOr<ucp_ep_h> createEp(const std::shared_ptr<UcxPeer>& p, ucp_ep_params_t params);
   void decideMode(const std::shared_ptr<UcxPeer>& p);
   void sendAm(const std::shared_ptr<UcxPeer>& p, unsigned id, Bytes header, const void* data,
@@ -455,7 +491,7 @@ struct ReqCtx {
   PeerId peer = 0;
   uint64_t transfer = 0;       // 0: not part of a transfer (a control message)
   Bytes header;                // the AM header, alive until the send completes
-  std::shared_ptr<void> keep;  // keeps a send buffer alive
+  std::shared_ptr<void> keep;  // a send buffer, kept alive; for a receive, its UcxPeer
 };
 
 template <unsigned Id>
@@ -646,8 +682,12 @@ void UcxAgent::drainLostPeers(bool force) {
   const auto now = Clock::now();
   std::erase_if(draining_, [&](auto& entry) {
     auto& [p, deadline] = entry;
-    if (p->out.empty()) return true;
+    if (p->out.empty()) {
+      destroyRetiredRkeys(*p);
+      return true;
+    }
     if (!force && now < deadline) return false;
+    // UCX did not hand every put back: its rkeys stay until teardown, when the worker is idle.
     for (auto& [tid, t] : p->out) t.core->complete(t.first_error);
     p->out.clear();
     return true;
@@ -682,6 +722,7 @@ void UcxAgent::teardown() {
       if (r.rkey != nullptr) ucp_rkey_destroy(r.rkey);
     }
     p->remote_regions.clear();
+    destroyRetiredRkeys(*p);
   }
   if (worker_ != nullptr) {
     const auto deadline = Clock::now() + std::chrono::seconds(2);
@@ -882,13 +923,16 @@ void UcxAgent::markLost(const std::shared_ptr<UcxPeer>& p, const Status& why, bo
     if (t.first_error.isOk()) t.first_error = why;
     t.remote_done = true;
   }
+  // Incoming transfers are forgotten, but their rendezvous receives still count in
+  // recvs_in_flight until UCX hands them back (the close below cancels them).
   p->in.clear();
   p->reorder.clear();
   p->reorder_bytes = 0;
   {
+    // Later postWrite / addRemoteRegion find nothing; the rkeys go once the puts are terminal.
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, r] : p->remote_regions) {
-      if (r.rkey != nullptr) ucp_rkey_destroy(r.rkey);
+      if (r.rkey != nullptr) p->retired_rkeys.push_back(r.rkey);
     }
     p->remote_regions.clear();
   }
@@ -905,14 +949,28 @@ void UcxAgent::markLost(const std::shared_ptr<UcxPeer>& p, const Status& why, bo
   std::vector<uint64_t> tids;
   for (auto& [tid, t] : p->out) tids.push_back(tid);
   for (uint64_t tid : tids) maybeFinishOut(p, tid);
-  if (!p->out.empty()) draining_.push_back({p, Clock::now() + std::chrono::seconds(5)});
+  if (!p->out.empty()) {
+    draining_.push_back({p, Clock::now() + std::chrono::seconds(5)});
+  } else {
+    destroyRetiredRkeys(*p);
+  }
   std::erase_if(closing_, [](void* r) {
     if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
     ucp_request_free(r);
     return true;
   });
   HXFER_LOG_DEBUG("ucx {}: peer {} lost: {}", config_.label, p->id, why.toString());
-  if (queue_event) pushEvent(Event{Event::Kind::kPeerLost, p->id, {}, why});
+  if (!queue_event) return;
+  if (p->recvs_in_flight != 0) {
+    p->pending_lost = why;  // onRecvDone queues it when the last receive is handed back
+    return;
+  }
+  pushEvent(Event{Event::Kind::kPeerLost, p->id, {}, why});
+}
+
+void UcxAgent::destroyRetiredRkeys(UcxPeer& p) {
+  for (ucp_rkey_h rkey : p.retired_rkeys) ucp_rkey_destroy(rkey);
+  p.retired_rkeys.clear();
 }
 
 void UcxAgent::decideMode(const std::shared_ptr<UcxPeer>& p) {
@@ -1115,8 +1173,17 @@ void UcxAgent::onFlushDone(ReqCtx* ctx, ucs_status_t st) {
 
 void UcxAgent::onRecvDone(ReqCtx* ctx, ucs_status_t st) {
   std::unique_ptr<ReqCtx> own(ctx);
-  auto p = findPeer(ctx->peer);
-  if (!p) return;
+  // The peer itself rides in the context: a lost peer may be gone from peers_ already, and its
+  // kPeerLost waits for exactly this.
+  auto p = std::static_pointer_cast<UcxPeer>(ctx->keep);
+  --p->recvs_in_flight;
+  if (p->lost) {
+    if (p->recvs_in_flight == 0 && p->pending_lost) {
+      pushEvent(Event{Event::Kind::kPeerLost, p->id, {}, *p->pending_lost});
+      p->pending_lost.reset();
+    }
+    return;
+  }
   auto it = p->in.find(ctx->transfer);
   if (it == p->in.end()) return;
   --it->second.in_flight;
@@ -1258,12 +1325,13 @@ ucs_status_t UcxAgent::onAm(unsigned id, const void* header, size_t header_lengt
         maybeAckIn(p, tid);
         return UCS_OK;
       }
-      auto* ctx = new ReqCtx{this, p->id, tid, {}, nullptr};
+      auto* ctx = new ReqCtx{this, p->id, tid, {}, p};  // keeps the peer: see onRecvDone
       ucp_request_param_t rp{};
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       rp.cb.recv_am = recvCallback;
       rp.user_data = ctx;
       ++t.in_flight;
+      ++p->recvs_in_flight;
       void* req = ucp_am_recv_data_nbx(worker_, data, dst, bytes, &rp);
       if (req == nullptr) {
         onRecvDone(ctx, UCS_OK);
