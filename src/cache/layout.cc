@@ -3,6 +3,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <tuple>
 #include <string>
 #include <utility>
 
@@ -77,7 +78,7 @@ StatusOr<Footprint> footprintOf(const PoolView& v, uint64_t end) {
   Footprint fp;
   fp.begin = v.base;
   fp.end = end;
-  fp.record = v.record_bytes;
+  fp.record = v.span();
   struct Dim {
     uint64_t stride, count;
   };
@@ -91,15 +92,15 @@ StatusOr<Footprint> footprintOf(const PoolView& v, uint64_t end) {
     return fp;
   }
   const Dim inner = dims[0];
-  if (inner.stride < v.record_bytes) {
-    return overlap("stride " + std::to_string(inner.stride) +
-                   " < record_bytes=" + std::to_string(v.record_bytes));
+  if (inner.stride < v.span()) {
+    return overlap("stride " + std::to_string(inner.stride) + " < record span " +
+                   std::to_string(v.span()));
   }
   fp.stride = inner.stride;
   if (dims.size() == 2) {
     const Dim outer = dims[1];
     // inner.stride * (count-1) + record <= the pool length, already overflow-checked.
-    const uint64_t run = inner.stride * (inner.count - 1) + v.record_bytes;
+    const uint64_t run = inner.stride * (inner.count - 1) + v.span();
     if (outer.stride < run) {
       return overlap("stride " + std::to_string(outer.stride) + " < inner run of " +
                      std::to_string(run) + " bytes");
@@ -307,16 +308,21 @@ Status RankLayout::validate() const {
     }
   }
   std::vector<Footprint> footprints;
-  std::set<std::pair<Role, uint32_t>> seen;  // (role, layer): one record place per layer
+  // (role, layer, section): one place per section of a record (a layout may keep K and V in
+  // views of their own, never one section twice).
+  std::set<std::tuple<Role, uint32_t, std::string>> seen;
   for (size_t vi = 0; vi < views.size(); ++vi) {
     const PoolView& v = views[vi];
     const std::string where =
         "view " + std::to_string(vi) + " (" + std::string(roleName(v.role)) + ")";
     if (v.layers.empty()) return InvalidArgument(where + " has no layers");
     for (uint32_t layer : v.layers) {
-      if (!seen.insert({v.role, layer}).second) {
-        return InvalidArgument(where + " layer " + std::to_string(layer) + " already has a " +
-                               std::string(roleName(v.role)) + " view");
+      for (const Section& sec : v.sections) {
+        if (!seen.insert({v.role, layer, sec.name}).second) {
+          return InvalidArgument(where + " layer " + std::to_string(layer) + " already has a " +
+                                 std::string(roleName(v.role)) + " view holding section " +
+                                 sec.name);
+        }
       }
     }
     for (size_t i = 0; i < v.layers.size(); ++i) {
@@ -346,6 +352,12 @@ Status RankLayout::validate() const {
                              " but its sections hold " + std::to_string(*bytes) + " bytes at tp=" +
                              std::to_string(tp) + " rank " + std::to_string(tp_rank));
     }
+    if (v.record) {
+      const DType dt = v.role == Role::kKv ? kv_dtype : v.role == Role::kConv ? conv_dtype : ssm_dtype;
+      Status s = checkRecordLayout(*v.record, v.kind, v.role, v.sections, tp, tp_rank,
+                                   static_cast<uint32_t>(dtypeSize(dt)), tokens_per_block);
+      if (!s.isOk()) return s.withContext(where);
+    }
     const uint32_t expect = v.role == Role::kKv ? num_blocks : num_slots;
     if (v.num_indices != expect) {
       return InvalidArgument(where + " num_indices=" + std::to_string(v.num_indices) +
@@ -359,7 +371,7 @@ Status RankLayout::validate() const {
     uint64_t a, b;
     if (!mulAdd(v.num_indices - 1, v.index_stride, v.base, &a) ||
         !mulAdd(v.layers.size() - 1, v.layer_stride, a, &b) ||
-        __builtin_add_overflow(b, v.record_bytes, &a) || a > region->length) {
+        __builtin_add_overflow(b, v.span(), &a) || a > region->length) {
       return InvalidArgument(where + " records run past region " + std::to_string(region->id) +
                              " of length " + std::to_string(region->length));
     }

@@ -18,11 +18,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "common/status.h"
+#include "cache/record_layout.h"
 #include "model/model.h"
 
 namespace hxfer {
@@ -43,11 +45,16 @@ struct PoolView {
   uint64_t index_stride = 0;
   uint64_t layer_stride = 0;
   uint32_t num_indices = 0;  // blocks (kv) or slots (conv/ssm)
+  // Where each element of a record lies (record_layout.h); absent for hxfer's own contiguous
+  // order. record_bytes stays the bytes the record holds; span() its extent in memory.
+  std::optional<RecordLayout> record;
 
   uint64_t offset(uint64_t index, uint64_t local_layer) const {
     return base + index * index_stride + local_layer * layer_stride;
   }
   bool indexedByBlock() const { return role == Role::kKv; }
+  // Bytes from a record's start to one past its last byte (record_bytes unless described).
+  uint64_t span() const { return record ? record->span() : record_bytes; }
   bool operator==(const PoolView&) const = default;
 };
 

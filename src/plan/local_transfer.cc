@@ -41,7 +41,16 @@ class Coverage {
         const uint64_t index = v.indexedByBlock() ? ids.blocks[pos] : ids.slot;
         for (uint32_t li = 0; li < v.layers.size(); ++li) {
           const uint64_t off = v.offset(index, li);
-          expected.push_back({v.region_id, off, off + v.record_bytes});
+          if (!v.record) {
+            expected.push_back({v.region_id, off, off + v.record_bytes});
+            continue;
+          }
+          // A described record: its elements' bytes, padding and gaps excluded.
+          std::vector<BoxDim> box;
+          for (const RecordDim& d : v.record->dims) box.push_back({d.size, d.stride, d.stride});
+          forEachRun(box, v.record->element_bytes, 0, off, [&](uint64_t, uint64_t b, uint64_t n) {
+            expected.push_back({v.region_id, b, b + n});
+          });
         }
       }
     }
@@ -103,14 +112,24 @@ StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const
                                                    StateLayout layout, uint32_t request_blocks,
                                                    const LocalTransferOptions& o, uint64_t salt,
                                                    bool allocate) {
+  EngineLayout e;
+  e.state = layout;
+  return makeLocalInstance(model, pc, e, request_blocks, o, salt, allocate);
+}
+
+StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const ParallelConfig& pc,
+                                                   const EngineLayout& layout,
+                                                   uint32_t request_blocks,
+                                                   const LocalTransferOptions& o, uint64_t salt,
+                                                   bool allocate) {
   std::vector<LocalRank> ranks;
   const uint32_t pool_blocks = request_blocks + o.spare_blocks;
   for (uint32_t pp = 0; pp < pc.pp; ++pp) {
     for (uint32_t tp = 0; tp < pc.tp; ++tp) {
       LocalRank r;
       ASSIGN_OR_RETURN(r.layout,
-                       buildRankLayout(model, pc, tp, pp, layout, std::max(pool_blocks, 1u),
-                                       std::max(o.num_slots, 1u)));
+                       buildEngineLayout(model, pc, tp, pp, layout, std::max(pool_blocks, 1u),
+                                         std::max(o.num_slots, 1u)));
       const uint64_t k = uint64_t{pp} * pc.tp + tp;
       r.ids.blocks = blockIds(request_blocks, std::max(pool_blocks, 1u), k, o, salt);
       r.ids.slot = static_cast<uint32_t>((k + salt) % std::max(o.num_slots, 1u));
@@ -148,10 +167,15 @@ StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
   out.blocks.first_block = o.prefix_tokens / t;
   out.blocks.num_blocks = request_blocks - out.blocks.first_block;
 
+  EngineLayout ce, ge;
+  ce.state = o.ctx_layout;
+  ge.state = o.gen_layout;
   ASSIGN_OR_RETURN(std::vector<LocalRank> ctx,
-                   makeLocalInstance(model, o.ctx, o.ctx_layout, request_blocks, o, 1, o.execute));
+                   makeLocalInstance(model, o.ctx, o.ctx_engine.value_or(ce), request_blocks, o, 1,
+                                     o.execute));
   ASSIGN_OR_RETURN(std::vector<LocalRank> gen,
-                   makeLocalInstance(model, o.gen, o.gen_layout, request_blocks, o, 2, o.execute));
+                   makeLocalInstance(model, o.gen, o.gen_engine.value_or(ge), request_blocks, o, 2,
+                                     o.execute));
   std::vector<RankLayout> ctx_layouts;
   std::vector<RankIds> ctx_ids;
   for (LocalRank& r : ctx) {

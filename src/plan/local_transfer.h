@@ -10,9 +10,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "cache/engine_layout.h"
 #include "cache/layout.h"
 #include "cache/region.h"
 #include "common/status.h"
@@ -27,6 +29,9 @@ struct LocalTransferOptions {
   ParallelConfig ctx, gen;
   StateLayout ctx_layout = StateLayout::kPaged;
   StateLayout gen_layout = StateLayout::kPaged;
+  // When set, the side is laid out as that engine keeps it (engine_layout.h) instead of
+  // hxfer's own ctx_layout / gen_layout.
+  std::optional<EngineLayout> ctx_engine, gen_engine;
   uint32_t tokens = 1024;      // request length; blocks = ceil(tokens / tokens_per_block)
   uint32_t prefix_tokens = 0;  // already on the generation side: whole blocks are not sent
   uint32_t spare_blocks = 3;   // pool blocks beyond the request's, so ids are not trivial
@@ -72,6 +77,11 @@ struct LocalRank {
 // differ between instances. Memory is allocated when `allocate`.
 StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const ParallelConfig& pc,
                                                    StateLayout layout, uint32_t request_blocks,
+                                                   const LocalTransferOptions& options,
+                                                   uint64_t salt, bool allocate);
+StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const ParallelConfig& pc,
+                                                   const EngineLayout& layout,
+                                                   uint32_t request_blocks,
                                                    const LocalTransferOptions& options,
                                                    uint64_t salt, bool allocate);
 

@@ -1,5 +1,6 @@
 #include "plan/oracle.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -79,6 +80,51 @@ void checkUnit(uint64_t seed, const uint8_t* p, uint64_t bytes, OracleReport* re
   report->bytes_checked += bytes;
 }
 
+// Bytes [begin, begin + n) of the unit with seed `seed`.
+void fillRange(uint64_t seed, uint64_t begin, uint8_t* out, uint64_t n) {
+  while (n > 0) {
+    const uint64_t off = begin % 8, take = std::min<uint64_t>(8 - off, n);
+    const uint64_t w = word(seed, begin / 8);
+    std::memcpy(out, reinterpret_cast<const uint8_t*>(&w) + off, take);
+    out += take;
+    begin += take;
+    n -= take;
+  }
+}
+
+// For a described record (view.record): calls fn(section, unit (global), seed-free byte in the
+// unit, offset in the record, bytes) for every run of every local unit, the unit's bytes taken
+// in hxfer's own order (the oracle's byte numbering) and placed where the layout puts them.
+template <typename Fn>
+void forEachDescribedRun(const RankLayout& layout, const PoolView& view, Fn&& fn) {
+  const RecordLayout& r = *view.record;
+  const LogicalDims ld = logicalDims(view.kind, view.role);
+  std::vector<uint32_t> inner, local;
+  for (const std::string& n : ld.inner) inner.push_back(r.find(n)->size);
+  std::vector<uint32_t> first;
+  for (const Section& s : view.sections) {
+    const UnitRange u = shardUnits(s.units, layout.tp, layout.tp_rank, s.name).value();
+    local.push_back(u.count);
+    first.push_back(u.first);
+  }
+  for (uint32_t s = 0; s < view.sections.size(); ++s) {
+    const uint32_t len = unitLength(view.sections[s], r.element_bytes, inner).value();
+    const SectionPlacement p = placeSection(r, ld, view.sections, local, s, len);
+    // Canonical strides inside a unit: [within][inner...], contiguous.
+    std::vector<BoxDim> box(1 + ld.inner.size());
+    uint64_t stride = r.element_bytes;
+    for (size_t i = ld.inner.size(); i-- > 0;) {
+      box[1 + i] = {inner[i], stride, r.find(ld.inner[i])->stride};
+      stride *= inner[i];
+    }
+    box[0] = {len, stride, p.within_stride};
+    for (uint32_t u = 0; u < local[s]; ++u) {
+      forEachRun(box, r.element_bytes, 0, p.base + u * p.unit_stride,
+                 [&](uint64_t a, uint64_t b, uint64_t n) { fn(s, first[s] + u, a, b, n); });
+    }
+  }
+}
+
 // Calls fn(view, local_layer, position, region, record_offset, record_ptr) for every record of
 // the request: kv records of positions [blocks.first_block, blocks.end()) and the slot records.
 template <typename Fn>
@@ -100,7 +146,7 @@ Status forEachRecord(const RankLayout& layout, const RankMemory& mem, const Rank
       }
       for (uint32_t l = 0; l < v.layers.size(); ++l) {
         const uint64_t off = v.offset(index, l);
-        ASSIGN_OR_RETURN(uint8_t * p, regionBytes(mem, v.region_id, off, v.record_bytes));
+        ASSIGN_OR_RETURN(uint8_t * p, regionBytes(mem, v.region_id, off, v.span()));
         fn(v, l, static_cast<uint32_t>(pos), v.region_id, off, p);
       }
     }
@@ -110,11 +156,13 @@ Status forEachRecord(const RankLayout& layout, const RankMemory& mem, const Rank
 
 }  // namespace
 
-uint64_t oracleUnitSeed(uint64_t request_id, uint32_t layer, Role role, uint32_t section,
-                        uint32_t unit, uint32_t position) {
+uint64_t oracleUnitSeed(uint64_t request_id, uint32_t layer, Role role,
+                        std::string_view section, uint32_t unit, uint32_t position) {
+  uint64_t name = 0xcbf29ce484222325ull;  // FNV-1a of the section's name
+  for (char c : section) name = (name ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
   uint64_t h = mix64(request_id ^ 0x6878666572ull);  // "hxfer"
   h = mix64(h ^ layer);
-  h = mix64(h ^ (uint64_t{static_cast<uint8_t>(role)} << 32 | section));
+  h = mix64(h ^ (uint64_t{static_cast<uint8_t>(role)} << 56) ^ name);
   h = mix64(h ^ unit);
   return mix64(h ^ (uint64_t{position} << 1 | 1));
 }
@@ -164,12 +212,21 @@ std::string OracleReport::toString() const {
 void fillRecord(const RankLayout& layout, const PoolView& view, uint32_t local_layer,
                 uint32_t position, uint64_t request_id, uint8_t* record) {
   const uint32_t layer = view.layers[local_layer];
+  const uint32_t pos = view.indexedByBlock() ? position : 0;
+  if (view.record) {
+    forEachDescribedRun(layout, view,
+                        [&](uint32_t s, uint32_t unit, uint64_t byte, uint64_t at, uint64_t n) {
+                          const uint64_t seed =
+                              oracleUnitSeed(request_id, layer, view.role, view.sections[s].name, unit, pos);
+                          fillRange(seed, byte, record + at, n);
+                        });
+    return;
+  }
   const std::vector<LocalSection> secs = localSections(layout, view);
   for (uint32_t s = 0; s < secs.size(); ++s) {
     const LocalSection& ls = secs[s];
     for (uint32_t u = 0; u < ls.count; ++u) {
-      const uint64_t seed = oracleUnitSeed(request_id, layer, view.role, s, ls.first + u,
-                                           view.indexedByBlock() ? position : 0);
+      const uint64_t seed = oracleUnitSeed(request_id, layer, view.role, view.sections[s].name, ls.first + u, pos);
       oracleFillUnit(seed, record + ls.offset + u * ls.unit_bytes, ls.unit_bytes);
     }
   }
@@ -184,6 +241,31 @@ void checkRecord(const RankLayout& layout, const PoolView& view, uint32_t local_
   where.role = view.role;
   where.position = view.indexedByBlock() ? position : 0;
   where.region = region;
+  if (view.record) {
+    forEachDescribedRun(
+        layout, view, [&](uint32_t s, uint32_t unit, uint64_t byte, uint64_t at, uint64_t n) {
+          const uint64_t seed =
+              oracleUnitSeed(request_id, where.layer, view.role, view.sections[s].name, unit, where.position);
+          for (uint64_t i = 0; i < n; ++i) {
+            const uint8_t expect = oracleByte(seed, byte + i);
+            if (record[at + i] == expect) continue;
+            ++report->mismatched_bytes;
+            if (!report->first) {
+              OracleMismatch m = where;
+              m.section = s;
+              m.section_name = view.sections[s].name;
+              m.unit = unit;
+              m.byte = byte + i;
+              m.expected = expect;
+              m.actual = record[at + i];
+              m.offset = record_offset + at + i;
+              report->first = m;
+            }
+          }
+          report->bytes_checked += n;
+        });
+    return;
+  }
   const std::vector<LocalSection> secs = localSections(layout, view);
   for (uint32_t s = 0; s < secs.size(); ++s) {
     const LocalSection& ls = secs[s];
@@ -192,7 +274,8 @@ void checkRecord(const RankLayout& layout, const PoolView& view, uint32_t local_
     for (uint32_t u = 0; u < ls.count; ++u) {
       where.unit = ls.first + u;
       const uint64_t seed =
-          oracleUnitSeed(request_id, where.layer, view.role, s, where.unit, where.position);
+          oracleUnitSeed(request_id, where.layer, view.role, view.sections[s].name, where.unit,
+                         where.position);
       const uint64_t at = ls.offset + u * ls.unit_bytes;
       checkUnit(seed, record + at, ls.unit_bytes, report, where, record_offset + at);
     }

@@ -62,16 +62,52 @@ Status checkDivisible(const RankLayout& l, std::string_view side) {
   return OkStatus();
 }
 
-// (global layer, role) -> (view index, local layer) of one rank.
+// (global layer, role) -> (view index, local layer) of one rank: the first view holding it.
 using RecordIndex = std::map<std::pair<uint32_t, Role>, std::pair<uint32_t, uint32_t>>;
 
 RecordIndex indexRecords(const RankLayout& l) {
   RecordIndex idx;
   for (uint32_t vi = 0; vi < l.views.size(); ++vi) {
     const PoolView& v = l.views[vi];
-    for (uint32_t li = 0; li < v.layers.size(); ++li) idx[{v.layers[li], v.role}] = {vi, li};
+    for (uint32_t li = 0; li < v.layers.size(); ++li) idx.insert({{v.layers[li], v.role}, {vi, li}});
   }
   return idx;
+}
+
+// (global layer, role, section name) -> (view index, local layer, index in the view's
+// sections) of one rank. A layout may keep a record's sections in several views (K and V).
+using SectionIndex =
+    std::map<std::tuple<uint32_t, Role, std::string>, std::tuple<uint32_t, uint32_t, size_t>>;
+
+SectionIndex indexSections(const RankLayout& l) {
+  SectionIndex idx;
+  for (uint32_t vi = 0; vi < l.views.size(); ++vi) {
+    const PoolView& v = l.views[vi];
+    for (uint32_t li = 0; li < v.layers.size(); ++li) {
+      for (size_t si = 0; si < v.sections.size(); ++si) {
+        idx[{v.layers[li], v.role, v.sections[si].name}] = {vi, li, si};
+      }
+    }
+  }
+  return idx;
+}
+
+// The sections of (layer, role) over every view holding them, in view order.
+std::vector<Section> sectionsOf(const RankLayout& l, uint32_t layer, Role role) {
+  std::vector<Section> out;
+  for (const PoolView& v : l.views) {
+    if (v.role != role || !std::binary_search(v.layers.begin(), v.layers.end(), layer)) continue;
+    out.insert(out.end(), v.sections.begin(), v.sections.end());
+  }
+  return out;
+}
+
+// The same sections, whichever views hold them.
+bool sameSections(std::vector<Section> a, std::vector<Section> b) {
+  auto byName = [](const Section& x, const Section& y) { return x.name < y.name; };
+  std::sort(a.begin(), a.end(), byName);
+  std::sort(b.begin(), b.end(), byName);
+  return a == b;
 }
 
 // The context TP rank that writes unit `u` of a section of `units` units for generation TP
@@ -116,6 +152,102 @@ inline void appendOp(std::vector<CopyOp>& ops, uint32_t src_region, uint64_t src
   ops.push_back({src_region, src_off, dst_region, dst_off, bytes});
 }
 
+// The record layout of (view v of rank l): its own, or hxfer's contiguous order with the inner
+// sizes of `other` (the same model, so the same sizes; checkCompatible checks them).
+StatusOr<RecordLayout> recordOf(const PoolView& v, const RankLayout& l, const RecordLayout& other) {
+  if (v.record) return *v.record;
+  const LogicalDims ld = logicalDims(v.kind, v.role);
+  std::vector<uint32_t> inner, local;
+  for (const std::string& n : ld.inner) inner.push_back(other.find(n)->size);
+  for (const Section& s : v.sections) {
+    ASSIGN_OR_RETURN(UnitRange r, shardUnits(s.units, l.tp, l.tp_rank, s.name));
+    local.push_back(r.count);
+  }
+  return canonicalRecordLayout(v.kind, v.role, v.sections, local, other.element_bytes, inner);
+}
+
+std::vector<uint32_t> localUnitCounts(const PoolView& v, const RankLayout& l) {
+  std::vector<uint32_t> out;
+  for (const Section& s : v.sections) {
+    out.push_back(shardUnits(s.units, l.tp, l.tp_rank, s.name).value().count);
+  }
+  return out;
+}
+
+// Byte offset of section `i` in a contiguous (undescribed) record: the earlier sections' local
+// units.
+uint64_t contiguousSectionOffset(const PoolView& v, const RankLayout& l, size_t i) {
+  uint64_t off = 0;
+  for (size_t j = 0; j < i; ++j) {
+    const Section& s = v.sections[j];
+    off += uint64_t{shardUnits(s.units, l.tp, l.tp_rank, s.name).value().count} * s.unit_bytes;
+  }
+  return off;
+}
+
+// Appends the segments of one section shared by a context record (section ci of view cv) and a
+// generation record (section gi of gv): the units both hold that this context rank writes.
+// Undescribed on both sides, a section's units are one run on each side. Otherwise they are
+// walked as a box of logical elements (unit, within-unit index, inner dims) in the
+// destination's memory order, one segment per run contiguous on both sides; Incompatible when
+// the element order inside units differs so much that every op would move one element (that
+// needs a staging phase on the generation side, not planned here).
+Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const RankLayout& g,
+                       const PoolView& gv, size_t gi, uint32_t layer,
+                       std::vector<Planner::Segment>* segs, size_t seg_begin) {
+  const Section& s = gv.sections[gi];
+  const UnitRange rg = shardUnits(s.units, g.tp, g.tp_rank, s.name).value();
+  const UnitRange rc = shardUnits(s.units, c.tp, c.tp_rank, s.name).value();
+  const uint32_t lo = std::max(rg.first, rc.first);
+  const uint32_t hi = std::min(rg.first + rg.count, rc.first + rc.count);
+  if (lo >= hi) return OkStatus();
+  // A replicated unit (units < ctx tp) is written by one chosen holder only.
+  if (s.units < c.tp && writerTpRank(lo, s.units, c.tp, g.tp, g.tp_rank, layer) != c.tp_rank) {
+    return OkStatus();
+  }
+  if (!gv.record && !cv.record) {
+    appendSegment(*segs, seg_begin,
+                  contiguousSectionOffset(cv, c, ci) + uint64_t{lo - rc.first} * s.unit_bytes,
+                  contiguousSectionOffset(gv, g, gi) + uint64_t{lo - rg.first} * s.unit_bytes,
+                  uint64_t{hi - lo} * s.unit_bytes);
+    return OkStatus();
+  }
+  const LogicalDims ld = logicalDims(gv.kind, gv.role);
+  RecordLayout g_rec, c_rec;
+  if (gv.record) {
+    g_rec = *gv.record;
+    ASSIGN_OR_RETURN(c_rec, recordOf(cv, c, g_rec));
+  } else {
+    c_rec = *cv.record;
+    ASSIGN_OR_RETURN(g_rec, recordOf(gv, g, c_rec));
+  }
+  std::vector<uint32_t> inner;
+  for (const std::string& n : ld.inner) inner.push_back(g_rec.find(n)->size);
+  const uint64_t e = g_rec.element_bytes;
+  ASSIGN_OR_RETURN(uint32_t len, unitLength(s, static_cast<uint32_t>(e), inner));
+  const SectionPlacement cp = placeSection(c_rec, ld, cv.sections, localUnitCounts(cv, c), ci, len);
+  const SectionPlacement gp = placeSection(g_rec, ld, gv.sections, localUnitCounts(gv, g), gi, len);
+  std::vector<BoxDim> box = {{hi - lo, cp.unit_stride, gp.unit_stride},
+                             {len, cp.within_stride, gp.within_stride}};
+  uint64_t unit_elements = len;
+  for (const std::string& n : ld.inner) {
+    box.push_back({g_rec.find(n)->size, c_rec.find(n)->stride, g_rec.find(n)->stride});
+    unit_elements *= g_rec.find(n)->size;
+  }
+  const uint64_t run = forEachRun(
+      box, e, cp.base + uint64_t{lo - rc.first} * cp.unit_stride,
+      gp.base + uint64_t{lo - rg.first} * gp.unit_stride,
+      [&](uint64_t a, uint64_t b, uint64_t n) { appendSegment(*segs, seg_begin, a, b, n); });
+  if (run == e && unit_elements > 1) {
+    return Incompatible(
+        "layer " + std::to_string(layer) + " " + std::string(roleName(gv.role)) + " section " +
+        s.name + ": the element order inside a unit differs (ctx " + c_rec.toString() + "; gen " +
+        g_rec.toString() + "), so every op would move one " + std::to_string(e) +
+        "-byte element; that needs a staging phase on the generation rank, which is not built");
+  }
+  return OkStatus();
+}
+
 struct PendingMap {
   bool by_block;
   uint32_t src_view, dst_view, src_layer;
@@ -123,53 +255,53 @@ struct PendingMap {
 };
 
 // The mapping from context rank `c` to generation rank `g`. REQUIRES: checkCompatible(c, g).
-Planner::SourceMap buildSourceMap(const RankLayout& c, const RankLayout& g) {
+StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayout& g) {
   Planner::SourceMap out;
-  const RecordIndex ctx_records = indexRecords(c);
+  const SectionIndex ctx_sections = indexSections(c);
   std::vector<PendingMap> pending;
   for (uint32_t gvi = 0; gvi < g.views.size(); ++gvi) {
     const PoolView& gv = g.views[gvi];
     for (uint32_t gl = 0; gl < gv.layers.size(); ++gl) {
       const uint32_t layer = gv.layers[gl];
-      auto it = ctx_records.find({layer, gv.role});
-      if (it == ctx_records.end()) continue;  // another pp stage holds this layer
-      const auto [cvi, cl] = it->second;
-      const PoolView& cv = c.views[cvi];
-      const size_t seg_begin = out.segments.size();
-      uint64_t src_sec = 0, dst_sec = 0;  // offset of the section in each record
-      for (const Section& s : gv.sections) {
-        // Both layouts are validated, so the sections shard.
-        const UnitRange rg = shardUnits(s.units, g.tp, g.tp_rank, s.name).value();
-        const UnitRange rc = shardUnits(s.units, c.tp, c.tp_rank, s.name).value();
-        const uint32_t lo = std::max(rg.first, rc.first);
-        const uint32_t hi = std::min(rg.first + rg.count, rc.first + rc.count);
-        bool writes = lo < hi;
-        // A replicated unit (units < ctx tp) is written by one chosen holder only.
-        if (writes && s.units < c.tp) {
-          writes = writerTpRank(lo, s.units, c.tp, g.tp, g.tp_rank, layer) == c.tp_rank;
-        }
-        if (writes) {
-          appendSegment(out.segments, seg_begin, src_sec + uint64_t{lo - rc.first} * s.unit_bytes,
-                        dst_sec + uint64_t{lo - rg.first} * s.unit_bytes,
-                        uint64_t{hi - lo} * s.unit_bytes);
-        }
-        src_sec += uint64_t{rc.count} * s.unit_bytes;
-        dst_sec += uint64_t{rg.count} * s.unit_bytes;
+      // The context records holding this record's sections (one, unless one side keeps K and
+      // V apart), in the order their first section appears.
+      struct Source {
+        uint32_t view, layer;
+        std::vector<std::pair<size_t, size_t>> sections;  // (ctx index, gen index)
+      };
+      std::vector<Source> sources;
+      for (size_t gi = 0; gi < gv.sections.size(); ++gi) {
+        auto it = ctx_sections.find({layer, gv.role, gv.sections[gi].name});
+        if (it == ctx_sections.end()) continue;  // another pp stage holds this layer
+        const auto [cvi, cl, ci] = it->second;
+        auto src = std::find_if(sources.begin(), sources.end(),
+                                [&](const Source& x) { return x.view == cvi && x.layer == cl; });
+        if (src == sources.end()) src = sources.insert(sources.end(), Source{cvi, cl, {}});
+        src->sections.push_back({ci, gi});
       }
-      if (out.segments.size() == seg_begin) continue;
-      Planner::RecordMap m;
-      m.src_region = cv.region_id;
-      m.dst_region = gv.region_id;
-      m.src_base = cv.offset(0, cl);
-      m.src_stride = cv.index_stride;
-      m.dst_base = gv.offset(0, gl);
-      m.dst_stride = gv.index_stride;
-      m.seg_begin = static_cast<uint32_t>(seg_begin);
-      m.seg_end = static_cast<uint32_t>(out.segments.size());
-      uint64_t bytes = 0;
-      for (uint32_t i = m.seg_begin; i < m.seg_end; ++i) bytes += out.segments[i].bytes;
-      (gv.indexedByBlock() ? out.kv_bytes_per_block : out.state_bytes) += bytes;
-      pending.push_back({gv.indexedByBlock(), cvi, gvi, cl, m});
+      for (const Source& src : sources) {
+        const PoolView& cv = c.views[src.view];
+        const uint32_t cl = src.layer, cvi = src.view;
+        const size_t seg_begin = out.segments.size();
+        for (const auto& [ci, gi] : src.sections) {
+          RETURN_IF_ERROR(
+              sectionSegments(c, cv, ci, g, gv, gi, layer, &out.segments, seg_begin));
+        }
+        if (out.segments.size() == seg_begin) continue;
+        Planner::RecordMap m;
+        m.src_region = cv.region_id;
+        m.dst_region = gv.region_id;
+        m.src_base = cv.offset(0, cl);
+        m.src_stride = cv.index_stride;
+        m.dst_base = gv.offset(0, gl);
+        m.dst_stride = gv.index_stride;
+        m.seg_begin = static_cast<uint32_t>(seg_begin);
+        m.seg_end = static_cast<uint32_t>(out.segments.size());
+        uint64_t bytes = 0;
+        for (uint32_t i = m.seg_begin; i < m.seg_end; ++i) bytes += out.segments[i].bytes;
+        (gv.indexedByBlock() ? out.kv_bytes_per_block : out.state_bytes) += bytes;
+        pending.push_back({gv.indexedByBlock(), cvi, gvi, cl, m});
+      }
     }
   }
   // kv: grouped by (source view, destination view), layers in source order, so that one
@@ -252,9 +384,32 @@ Status checkCompatible(const RankLayout& ctx, const RankLayout& gen) {
         return Incompatible(what + " kind: ctx " + std::string(layerKindName(cv.kind)) +
                             " != gen " + std::string(layerKindName(gv.kind)));
       }
-      if (cv.sections != gv.sections) {
-        return Incompatible(what + " sections: ctx " + sectionsText(cv.sections) + " != gen " +
-                            sectionsText(gv.sections));
+      const auto c_secs = sectionsOf(ctx, static_cast<uint32_t>(layer), role);
+      const auto g_secs = sectionsOf(gen, static_cast<uint32_t>(layer), role);
+      if (!sameSections(c_secs, g_secs)) {
+        return Incompatible(what + " sections: ctx " + sectionsText(c_secs) + " != gen " +
+                            sectionsText(g_secs));
+      }
+      // Described records: the same inner dims (the sections agree, so this checks how the
+      // unit bytes divide into rows, e.g. head_dim against window).
+      for (const PoolView& a : ctx.views) {
+        if (a.role != role || !a.record ||
+            !std::binary_search(a.layers.begin(), a.layers.end(), layer)) {
+          continue;
+        }
+        for (const PoolView& b : gen.views) {
+          if (b.role != role || !b.record ||
+              !std::binary_search(b.layers.begin(), b.layers.end(), layer)) {
+            continue;
+          }
+          for (const std::string& n : logicalDims(b.kind, role).inner) {
+            const uint32_t x = a.record->find(n)->size, y = b.record->find(n)->size;
+            if (x != y) {
+              return Incompatible(what + " record dim " + n + ": ctx " + std::to_string(x) +
+                                  " != gen " + std::to_string(y));
+            }
+          }
+        }
       }
     }
   }
@@ -307,7 +462,12 @@ StatusOr<Planner> Planner::build(std::vector<RankLayout> ctx, RankLayout gen) {
   p.ctx_ = std::move(ctx);
   p.gen_ = std::move(gen);
   for (uint32_t i = 0; i < p.ctx_.size(); ++i) {
-    p.maps_.push_back(buildSourceMap(p.ctx_[i], p.gen_));
+    auto map = buildSourceMap(p.ctx_[i], p.gen_);
+    if (!map.isOk()) {
+      return map.status().withContext("ctx rank " + rankName(p.ctx_[i]) + " -> gen rank " +
+                                      rankName(p.gen_));
+    }
+    p.maps_.push_back(std::move(*map));
     const SourceMap& m = p.maps_.back();
     if (!m.block_maps.empty() || !m.slot_maps.empty()) {
       p.sources_.push_back({i, m.kv_bytes_per_block, m.state_bytes});

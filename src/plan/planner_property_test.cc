@@ -10,6 +10,7 @@
 
 #include "plan/local_transfer.h"
 #include "plan/plan_test_util.h"
+#include "cache/engine_layout.h"
 
 namespace hxfer {
 namespace {
@@ -113,6 +114,121 @@ TEST(PlannerProperty, EveryKindWithReplicationEveryTpPairBothLayouts) {
     }
   }
   EXPECT_EQ(cases, 4 * 4 * 3 * 4);
+}
+
+// Every engine layout pair (docs/layouts.md) over the tp and pp pairs engines deploy: attention,
+// mamba2 (groups replicated at tp 4) and mamba1 layers, every destination byte exactly once
+// from the right unit, nothing else written (padding and gaps included). vLLM's SD conv state
+// pairs with SD only: against DS the element order inside a unit differs (refused, below).
+TEST(PlannerProperty, EveryEnginePairTpPairAndPpPairMovesEveryByteExactlyOnce) {
+  using namespace testing;
+  LayerSpec hybrid = mamba2Layer(8, 2, 2, 4, 4);
+  hybrid.attention = AttentionShape{4, 8};
+  const ModelSpec model = makeModel({attentionLayer(4, 8), mamba2Layer(8, 2, 2, 4, 4),
+                                     mamba1Layer(8, 4, 3), hybrid, attentionLayer(4, 8),
+                                     mamba2Layer(8, 2, 2, 4, 4)},
+                                    16);
+  struct Named {
+    std::string engine, kv, conv, state;
+  };
+  const std::vector<Named> ds = {{"hxfer", "", "", "paged"},   {"hxfer", "", "", "layer-major"},
+                                 {"trtllm-v1", "", "", ""},    {"trtllm-v2", "hnd", "", ""},
+                                 {"trtllm-v2", "nhd", "", ""}, {"vllm", "nhd", "ds", ""},
+                                 {"vllm", "hnd", "ds", ""},    {"sglang", "", "", ""}};
+  const std::vector<Named> sd = {{"vllm", "nhd", "sd", ""}, {"vllm", "hnd", "sd", ""}};
+  std::vector<std::pair<EngineLayout, EngineLayout>> pairs;
+  for (const auto* family : {&ds, &sd}) {
+    for (const Named& a : *family) {
+      for (const Named& b : *family) {
+        auto x = parseEngineLayout(a.engine, a.kv, a.conv, a.state);
+        auto y = parseEngineLayout(b.engine, b.kv, b.conv, b.state);
+        ASSERT_TRUE(x.isOk() && y.isOk());
+        pairs.push_back({*x, *y});
+      }
+    }
+  }
+  const std::pair<uint32_t, uint32_t> tps[] = {{1, 1}, {2, 1}, {1, 2}, {4, 1}, {1, 4}, {2, 4}};
+  const std::pair<uint32_t, uint32_t> pps[] = {{1, 1}, {2, 1}, {1, 2}};
+  int cases = 0;
+  for (const auto& [ce, ge] : pairs) {
+    for (const auto& [ctp, gtp] : tps) {
+      for (const auto& [cpp, gpp] : pps) {
+        LocalTransferOptions o;
+        o.use_regions = false;
+        o.ctx = {ctp, cpp, {}};
+        o.gen = {gtp, gpp, {}};
+        o.ctx_engine = ce;
+        o.gen_engine = ge;
+        o.tokens = 37;
+        o.prefix_tokens = cases % 3 == 0 ? 16 : 0;
+        o.seed = cases;
+        const std::string what = ce.toString() + " tp" + std::to_string(ctp) + " pp" +
+                                 std::to_string(cpp) + " -> " + ge.toString() + " tp" +
+                                 std::to_string(gtp) + " pp" + std::to_string(gpp);
+        auto r = runLocalTransfer(model, o);
+        ASSERT_TRUE(r.isOk()) << what << ": " << r.status().toString();
+        ASSERT_TRUE(r->verified()) << what << ": " << r->oracle.toString() << " / "
+                                   << r->first_coverage_error << " bytes " << r->total_bytes
+                                   << " expected " << r->expected_bytes;
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, (8 * 8 + 2 * 2) * 6 * 3);
+}
+
+// Where the element order inside a unit differs (vLLM's SD conv state against DS, vLLM's gdn
+// ssm (head_v, head_k) against hxfer's (key, value)), every op would move one element: the
+// planner refuses, naming the layer, the section and both layouts.
+TEST(PlannerProperty, ElementOrderThatDiffersInsideUnitsIsRefusedNamingBothLayouts) {
+  using namespace testing;
+  const ModelSpec mamba = makeModel({attentionLayer(4, 8), mamba2Layer(8, 2, 2, 4, 4)}, 16);
+  LocalTransferOptions o;
+  o.use_regions = false;
+  o.ctx_engine = *parseEngineLayout("vllm");  // conv sd
+  o.gen_engine = *parseEngineLayout("hxfer");
+  o.tokens = 20;
+  auto r = runLocalTransfer(mamba, o);
+  ASSERT_FALSE(r.isOk());
+  EXPECT_EQ(r.status().code(), StatusCode::kIncompatible);
+  EXPECT_NE(r.status().message().find("layer 1 conv section x: the element order inside a unit "
+                                      "differs"),
+            std::string::npos)
+      << r.status().toString();
+  EXPECT_NE(r.status().message().find("staging phase"), std::string::npos);
+
+  const ModelSpec gdn = makeModel({attentionLayer(4, 8), gdnLayer(2, 4, 4, 6, 3)}, 16);
+  o.ctx_engine = *parseEngineLayout("vllm", "", "ds");
+  r = runLocalTransfer(gdn, o);
+  ASSERT_FALSE(r.isOk());
+  EXPECT_NE(r.status().message().find("layer 1 ssm section heads"), std::string::npos)
+      << r.status().toString();
+}
+
+// NHD at a TP mismatch: every op is one token's run of the heads both ranks share, and no
+// more ops than that (runs that continue on both sides merge).
+TEST(PlannerProperty, NhdAtATpMismatchMovesOneRunPerTokenAndHalf) {
+  using namespace testing;
+  const ModelSpec m = makeModel({attentionLayer(4, 8)}, 16);
+  LocalTransferOptions o;
+  o.use_regions = false;
+  o.ctx = {1, 1, {}};
+  o.gen = {2, 1, {}};
+  o.ctx_engine = *parseEngineLayout("vllm");
+  o.gen_engine = *parseEngineLayout("vllm");
+  o.tokens = 48;  // 3 blocks
+  o.shuffle_blocks = true;
+  auto r = runLocalTransfer(m, o);
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  ASSERT_TRUE(r->verified());
+  // Per gen rank: 3 blocks x 2 halves x 16 tokens runs of 2 heads x 8 x 2 bytes.
+  EXPECT_EQ(r->total_ops, 2u * 3 * 2 * 16);
+  EXPECT_EQ(r->total_bytes, 2u * 3 * 2 * 16 * 32);
+  // Same tp: one op per block (the whole page continues on both sides).
+  o.gen = {1, 1, {}};
+  r = runLocalTransfer(m, o);
+  ASSERT_TRUE(r.isOk() && r->verified());
+  EXPECT_EQ(r->total_ops, 3u);
 }
 
 }  // namespace

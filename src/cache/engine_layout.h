@@ -1,0 +1,68 @@
+// Named engine layouts: one rank's cache laid out the way a serving engine keeps it
+// (docs/layouts.md), as a RankLayout the planner maps onto any other (DESIGN §11).
+//
+//   hxfer       hxfer's own: kv [block][layer][K|V][head][token][dim] per attention group;
+//               state paged (slot-major, equal-size conv and ssm coalesced) or layer-major.
+//   trtllm-v1   TensorRT-LLM's V1 KV block (hxfer's kv) and layer-major Mamba pools
+//               [L][S][C][k-1], [L][S][heads][head_dim][d_state]: hxfer layer-major.
+//   trtllm-v2   KVCacheManagerV2: per block, the same-size per-(layer, K|V) buffers coalesced,
+//               each HND (head, token, dim; default) or NHD (token, head, dim); Mamba V2
+//               slot-major with equal-size conv and ssm interleaved: hxfer paged.
+//   vllm        one tensor per layer. Attention: per block [K | V], each NHD (default) or HND.
+//               Mamba: per page [conv | ssm | padding], padded to the attention page size
+//               (vLLM raises the attention block size until its page holds the Mamba page);
+//               conv SD (window, channel; default) or DS (channel, window); ssm (heads,
+//               head_dim, d_state) for mamba2, (v_heads, head_v, head_k) for gdn, (d_inner,
+//               d_state) for mamba1.
+//   sglang      per attention layer k_buffer / v_buffer, token-major (token, head, dim), a page
+//               = tokens_per_block consecutive rows; a layer-major Mamba pool, conv
+//               (L, S, C, k-1), ssm (L, S, heads, head_dim, d_state).
+// Region (pool) names are stable: hxfer and trtllm-*: kv<g>, state<g> / conv<g>, ssm<g>;
+// vllm: layer.<id> (layer.<id>.attn / layer.<id>.mamba for a layer with both); sglang:
+// k.<id>, v.<id>, conv<g>, ssm<g> (<id> the global layer id, <g> the layer group).
+//
+// Pure values and functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "cache/layout.h"
+#include "common/status.h"
+#include "model/model.h"
+
+namespace hxfer {
+
+enum class Engine : uint8_t { kHxfer, kTrtllmV1, kTrtllmV2, kVllm, kSglang };
+enum class KvOrder : uint8_t { kHnd, kNhd };     // inside one K or V half of a block
+enum class ConvOrder : uint8_t { kDs, kSd };     // DS: (channel, window); SD: (window, channel)
+
+std::string_view engineName(Engine e);  // "hxfer", "trtllm-v1", "trtllm-v2", "vllm", "sglang"
+
+struct EngineLayout {
+  Engine engine = Engine::kHxfer;
+  StateLayout state = StateLayout::kPaged;  // hxfer only
+  KvOrder kv = KvOrder::kHnd;               // vllm, trtllm-v2
+  ConvOrder conv = ConvOrder::kDs;          // vllm
+  // "hxfer(paged)", "vllm(kv=nhd,conv=sd)", "sglang", ...
+  std::string toString() const;
+  bool operator==(const EngineLayout&) const = default;
+};
+
+// `engine` by name with its options; an empty option takes the engine's default (vllm: nhd,
+// sd; trtllm-v2: hnd; hxfer: paged). InvalidArgument naming the value and what is accepted,
+// also for an option the engine does not have.
+StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_view kv = "",
+                                         std::string_view conv = "",
+                                         std::string_view state = "");
+
+// The layout of rank (tp_rank, pp_rank) in `layout` with the given capacities (blocks for kv,
+// slots for state). Errors: as buildRankLayout, and for vllm a Mamba page larger than the
+// attention page (naming the block size vLLM would pick).
+StatusOr<RankLayout> buildEngineLayout(const ModelSpec& model, const ParallelConfig& pc,
+                                       uint32_t tp_rank, uint32_t pp_rank,
+                                       const EngineLayout& layout, uint32_t num_blocks,
+                                       uint32_t num_slots);
+
+}  // namespace hxfer

@@ -1,0 +1,189 @@
+// Each engine builder against the engine's own tensors: the byte strides a contiguous
+// (row-major) tensor of the engine's declared shape has — what torch.empty(shape).stride()
+// gives, times the element size — written out here independently of the builder's formulas.
+#include "cache/engine_layout.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace hxfer {
+namespace {
+
+// Row-major byte strides of `shape` with `element` bytes per element (torch's contiguous
+// strides times the element size).
+std::vector<uint64_t> rowMajor(std::vector<uint64_t> shape, uint64_t element) {
+  std::vector<uint64_t> out(shape.size());
+  uint64_t s = element;
+  for (size_t i = shape.size(); i-- > 0;) {
+    out[i] = s;
+    s *= shape[i];
+  }
+  return out;
+}
+
+// attention (4 kv heads, head_dim 8), mamba2 (8 heads x 4, 2 groups, d_state 16, d_conv 4),
+// gdn (2 k heads, 4 v heads, dk 4, dv 6, d_conv 3); 32 tokens per block; bf16 kv and conv,
+// fp32 ssm.
+ModelSpec model() {
+  ModelSpec m;
+  m.name = "engines";
+  LayerSpec attn;
+  attn.attention = AttentionShape{4, 8};
+  LayerSpec mamba;
+  mamba.recurrent = LayerKind::kMamba2;
+  mamba.mamba2 = {8, 4, 2, 16, 4};
+  LayerSpec gdn;
+  gdn.recurrent = LayerKind::kGdn;
+  gdn.gdn = {2, 4, 4, 6, 3};
+  m.layers = {attn, mamba, gdn, attn};
+  m.tokens_per_block = 32;
+  return m;
+}
+
+const PoolView* viewOf(const RankLayout& l, uint32_t layer, Role role) {
+  for (const PoolView& v : l.views) {
+    if (v.role == role && std::find(v.layers.begin(), v.layers.end(), layer) != v.layers.end()) {
+      return &v;
+    }
+  }
+  return nullptr;
+}
+
+// The strides of `names`, in that order, from the view's record.
+std::vector<uint64_t> strides(const PoolView& v, std::vector<std::string> names) {
+  std::vector<uint64_t> out;
+  for (const std::string& n : names) {
+    const RecordDim* d = v.record ? v.record->find(n) : nullptr;
+    out.push_back(d ? d->stride : 0);
+  }
+  return out;
+}
+
+std::string regionName(const RankLayout& l, const PoolView& v) { return l.findRegion(v.region_id)->name; }
+
+TEST(EngineLayout, VllmAttentionBlockIsKvThenNhdOrHndPerLayer) {
+  for (uint32_t tp : {1u, 2u}) {
+    const uint64_t H = 4 / tp, T = 32, D = 8;
+    auto nhd = buildEngineLayout(model(), {tp, 1, {}}, 0, 0, *parseEngineLayout("vllm"), 10, 3);
+    ASSERT_TRUE(nhd.isOk()) << nhd.status().toString();
+    const PoolView* kv = viewOf(*nhd, 3, Role::kKv);
+    ASSERT_NE(kv, nullptr);
+    // vLLM: kv_cache (num_blocks, 2, block_size, num_kv_heads, head_size), bf16.
+    const auto s = rowMajor({10, 2, T, H, D}, 2);
+    EXPECT_EQ(kv->index_stride, s[0]);
+    EXPECT_EQ(strides(*kv, {"kv", "token", "head", "dim"}),
+              (std::vector<uint64_t>{s[1], s[2], s[3], s[4]}));
+    EXPECT_EQ(regionName(*nhd, *kv), "layer.3");
+    EXPECT_EQ(nhd->findRegion(kv->region_id)->length, 10 * s[0]);
+
+    auto hnd = buildEngineLayout(model(), {tp, 1, {}}, 0, 0, *parseEngineLayout("vllm", "hnd"), 10,
+                                 3);
+    ASSERT_TRUE(hnd.isOk()) << hnd.status().toString();
+    kv = viewOf(*hnd, 0, Role::kKv);
+    const auto h = rowMajor({10, 2, H, T, D}, 2);  // (num_blocks, 2, heads, block_size, dim)
+    EXPECT_EQ(strides(*kv, {"kv", "head", "token", "dim"}),
+              (std::vector<uint64_t>{h[1], h[2], h[3], h[4]}));
+  }
+}
+
+TEST(EngineLayout, VllmMambaPageIsConvThenSsmPaddedToTheAttentionPage) {
+  const uint64_t tp = 2, H = 8 / tp, P = 4, G = 2 / tp, N = 16, k1 = 3;
+  const uint64_t C = H * P + 2 * G * N;  // x | B | C channels on this rank
+  auto l = buildEngineLayout(model(), {2, 1, {}}, 1, 0, *parseEngineLayout("vllm"), 10, 3);
+  ASSERT_TRUE(l.isOk()) << l.status().toString();
+  const uint64_t page = rowMajor({10, 2, 32, 2, 8}, 2)[0];  // the attention page
+  const PoolView* conv = viewOf(*l, 1, Role::kConv);
+  const PoolView* ssm = viewOf(*l, 1, Role::kSsm);
+  ASSERT_TRUE(conv && ssm);
+  EXPECT_EQ(conv->region_id, ssm->region_id);
+  EXPECT_EQ(regionName(*l, *conv), "layer.1");
+  EXPECT_EQ(conv->index_stride, page);
+  EXPECT_EQ(ssm->index_stride, page);
+  // conv_state (d_conv - 1, conv_dim) "SD", bf16.
+  const auto sd = rowMajor({k1, C}, 2);
+  EXPECT_EQ(strides(*conv, {"window", "channel"}), (std::vector<uint64_t>{sd[0], sd[1]}));
+  // ssm_state (heads, head_dim, d_state), fp32, right after the conv state.
+  EXPECT_EQ(ssm->base, k1 * C * 2);
+  EXPECT_FALSE(ssm->record.has_value());  // hxfer's own order
+  EXPECT_EQ(ssm->record_bytes, H * P * N * 4);
+  EXPECT_LE(ssm->base + ssm->record_bytes, page);  // the rest of the page is padding
+
+  auto ds = buildEngineLayout(model(), {2, 1, {}}, 1, 0, *parseEngineLayout("vllm", "", "ds"), 10,
+                              3);
+  ASSERT_TRUE(ds.isOk());
+  const auto d = rowMajor({C, k1}, 2);  // (conv_dim, d_conv - 1) "DS"
+  EXPECT_EQ(strides(*viewOf(*ds, 1, Role::kConv), {"channel", "window"}),
+            (std::vector<uint64_t>{d[0], d[1]}));
+
+  // gdn ssm (v_heads, head_v, head_k), fp32.
+  const auto g = rowMajor({4 / tp, 6, 4}, 4);
+  EXPECT_EQ(strides(*viewOf(*l, 2, Role::kSsm), {"head", "value", "key"}),
+            (std::vector<uint64_t>{g[0], g[1], g[2]}));
+}
+
+TEST(EngineLayout, VllmRefusesAMambaPageLargerThanTheAttentionPageNamingTheBlockSize) {
+  ModelSpec m = model();
+  m.tokens_per_block = 2;
+  auto l = buildEngineLayout(m, {1, 1, {}}, 0, 0, *parseEngineLayout("vllm"), 10, 3);
+  ASSERT_FALSE(l.isOk());
+  EXPECT_NE(l.status().message().find("use at least"), std::string::npos) << l.status().toString();
+}
+
+TEST(EngineLayout, SglangKeepsTokenMajorKAndVBuffersPerLayerAndALayerMajorMambaPool) {
+  const uint64_t H = 2, T = 32, D = 8;
+  auto l = buildEngineLayout(model(), {2, 1, {}}, 0, 0, *parseEngineLayout("sglang"), 10, 3);
+  ASSERT_TRUE(l.isOk()) << l.status().toString();
+  // k_buffer[layer] (num_pages * page_size, head_num, head_dim), bf16; a page = 32 rows.
+  const auto s = rowMajor({10 * T, H, D}, 2);
+  int kv_views = 0;
+  for (const PoolView& v : l->views) {
+    if (v.role != Role::kKv) continue;
+    ++kv_views;
+    ASSERT_EQ(v.sections.size(), 1u);
+    EXPECT_EQ(v.index_stride, T * s[0]);
+    EXPECT_EQ(strides(v, {"token", "head", "dim"}), (std::vector<uint64_t>{s[0], s[1], s[2]}));
+    EXPECT_EQ(regionName(*l, v), (v.sections[0].name == "K" ? "k." : "v.") +
+                                     std::to_string(v.layers[0]));
+  }
+  EXPECT_EQ(kv_views, 4);
+  // conv (layers, slots, conv_dim, d_conv - 1): hxfer's layer-major pool.
+  const PoolView* conv = viewOf(*l, 1, Role::kConv);
+  ASSERT_NE(conv, nullptr);
+  const uint64_t C = 4 * 4 + 2 * 1 * 16;
+  const auto c = rowMajor({1, 3, C, 3}, 2);
+  EXPECT_EQ(conv->index_stride, c[1]);
+  EXPECT_FALSE(conv->record.has_value());
+}
+
+TEST(EngineLayout, TrtllmV2NhdCoalescesPerLayerKAndVInsideTheBlock) {
+  const uint64_t H = 4, T = 32, D = 8;
+  auto l = buildEngineLayout(model(), {1, 1, {}}, 0, 0, *parseEngineLayout("trtllm-v2", "nhd"), 10,
+                             3);
+  ASSERT_TRUE(l.isOk()) << l.status().toString();
+  const PoolView* kv = viewOf(*l, 0, Role::kKv);
+  // One block: (layers, 2, tokens, heads, dim).
+  const auto s = rowMajor({2, 2, T, H, D}, 2);
+  EXPECT_EQ(kv->index_stride, 2 * s[0]);
+  EXPECT_EQ(kv->layer_stride, s[0]);
+  EXPECT_EQ(strides(*kv, {"kv", "token", "head", "dim"}),
+            (std::vector<uint64_t>{s[1], s[2], s[3], s[4]}));
+}
+
+TEST(EngineLayout, OptionsAnEngineDoesNotHaveAreRefusedNamingThem) {
+  EXPECT_NE(parseEngineLayout("sglang", "nhd").status().message().find("only vllm and trtllm-v2"),
+            std::string::npos);
+  EXPECT_NE(parseEngineLayout("trtllm-v2", "", "sd").status().message().find("only vllm"),
+            std::string::npos);
+  EXPECT_NE(parseEngineLayout("vllm", "xyz").status().message().find("expected nhd or hnd"),
+            std::string::npos);
+  EXPECT_NE(parseEngineLayout("tgi").status().message().find("unknown engine layout 'tgi'"),
+            std::string::npos);
+  EXPECT_EQ(parseEngineLayout("vllm")->toString(), "vllm(kv=nhd,conv=sd)");
+  EXPECT_EQ(parseEngineLayout("hxfer", "", "", "layer-major")->toString(), "hxfer(layer-major)");
+}
+
+}  // namespace
+}  // namespace hxfer
