@@ -18,6 +18,8 @@ struct PlanOptions {
   ModelOptions model;
   uint32_t ctx_tp = 1, gen_tp = 1, ctx_pp = 1, gen_pp = 1;
   std::string ctx_layout = "paged", gen_layout = "paged";
+  std::string ctx_engine = "hxfer", gen_engine = "hxfer";
+  std::string ctx_kv, ctx_conv, gen_kv, gen_conv;  // empty: the engine's default
   uint32_t tokens = 1024;
   uint32_t prefix_tokens = 0;
   std::string block_ids = "contiguous";
@@ -35,16 +37,19 @@ std::string mib(uint64_t bytes) {
 int run(const PlanOptions& o) {
   auto model = resolveModel(o.model);
   if (!model.isOk()) return reportError(model.status());
-  auto ctx_layout = parseStateLayout(o.ctx_layout);
-  if (!ctx_layout.isOk()) return reportError(ctx_layout.status().withContext("--ctx-layout"));
-  auto gen_layout = parseStateLayout(o.gen_layout);
-  if (!gen_layout.isOk()) return reportError(gen_layout.status().withContext("--gen-layout"));
+  // --ctx-layout / --gen-layout choose hxfer's own state layout; other engines have one.
+  auto ctx_layout = parseEngineLayout(o.ctx_engine, o.ctx_kv, o.ctx_conv,
+                                      o.ctx_engine == "hxfer" ? o.ctx_layout : "");
+  if (!ctx_layout.isOk()) return reportError(ctx_layout.status().withContext("--ctx-engine"));
+  auto gen_layout = parseEngineLayout(o.gen_engine, o.gen_kv, o.gen_conv,
+                                      o.gen_engine == "hxfer" ? o.gen_layout : "");
+  if (!gen_layout.isOk()) return reportError(gen_layout.status().withContext("--gen-engine"));
 
   LocalTransferOptions t;
   t.ctx = {o.ctx_tp, o.ctx_pp, {}};
   t.gen = {o.gen_tp, o.gen_pp, {}};
-  t.ctx_layout = *ctx_layout;
-  t.gen_layout = *gen_layout;
+  t.ctx_engine = *ctx_layout;
+  t.gen_engine = *gen_layout;
   t.tokens = o.tokens;
   t.prefix_tokens = o.prefix_tokens;
   t.shuffle_blocks = o.block_ids == "shuffled";
@@ -58,8 +63,8 @@ int run(const PlanOptions& o) {
   if (o.json) {
     nlohmann::json j;
     j["model"] = model->name;
-    j["ctx"] = {{"tp", o.ctx_tp}, {"pp", o.ctx_pp}, {"layout", stateLayoutName(*ctx_layout)}};
-    j["gen"] = {{"tp", o.gen_tp}, {"pp", o.gen_pp}, {"layout", stateLayoutName(*gen_layout)}};
+    j["ctx"] = {{"tp", o.ctx_tp}, {"pp", o.ctx_pp}, {"layout", ctx_layout->toString()}};
+    j["gen"] = {{"tp", o.gen_tp}, {"pp", o.gen_pp}, {"layout", gen_layout->toString()}};
     j["tokens"] = o.tokens;
     j["first_block"] = r->blocks.first_block;
     j["num_blocks"] = r->blocks.num_blocks;
@@ -88,8 +93,8 @@ int run(const PlanOptions& o) {
   } else {
     std::printf("model %s: ctx tp%u pp%u %s -> gen tp%u pp%u %s, %u tokens, blocks [%u, %u) sent\n",
                 model->name.c_str(), o.ctx_tp, o.ctx_pp,
-                std::string(stateLayoutName(*ctx_layout)).c_str(), o.gen_tp, o.gen_pp,
-                std::string(stateLayoutName(*gen_layout)).c_str(), o.tokens, r->blocks.first_block,
+                ctx_layout->toString().c_str(), o.gen_tp, o.gen_pp,
+                gen_layout->toString().c_str(), o.tokens, r->blocks.first_block,
                 static_cast<uint32_t>(r->blocks.end()));
     for (const PairStats& p : r->pairs) {
       std::printf("  ctx (tp %u, pp %u) -> gen (tp %u, pp %u): %llu ops, %llu bytes (%s)\n",
@@ -137,10 +142,25 @@ void addPlanCommand(CLI::App& app) {
   cmd->add_option("--gen-pp", o->gen_pp, "Generation pipeline parallel size")
       ->default_val(1)
       ->check(CLI::Range(1u, 1024u));
-  cmd->add_option("--ctx-layout", o->ctx_layout, "Context state layout: paged or layer-major")
+  cmd->add_option("--ctx-layout", o->ctx_layout,
+                  "Context state layout of --ctx-engine hxfer: paged or layer-major")
       ->default_val("paged");
-  cmd->add_option("--gen-layout", o->gen_layout, "Generation state layout: paged or layer-major")
+  cmd->add_option("--gen-layout", o->gen_layout,
+                  "Generation state layout of --gen-engine hxfer: paged or layer-major")
       ->default_val("paged");
+  for (const char* side : {"ctx", "gen"}) {
+    const bool ctx = std::string(side) == "ctx";
+    const std::string who = ctx ? "Context" : "Generation";
+    cmd->add_option("--" + std::string(side) + "-engine", ctx ? o->ctx_engine : o->gen_engine,
+                    who + " cache layout as an engine keeps it: hxfer, trtllm-v1, trtllm-v2, "
+                          "vllm, sglang (docs/layouts.md)")
+        ->default_val("hxfer");
+    cmd->add_option("--" + std::string(side) + "-kv-layout", ctx ? o->ctx_kv : o->gen_kv,
+                    who + " kv order inside a block half for vllm and trtllm-v2: nhd or hnd "
+                          "(default: vllm nhd, trtllm-v2 hnd)");
+    cmd->add_option("--" + std::string(side) + "-conv-layout", ctx ? o->ctx_conv : o->gen_conv,
+                    who + " conv state order for vllm: sd (window, channel; default) or ds");
+  }
   cmd->add_option("--tokens", o->tokens, "Request length in tokens")
       ->default_val(1024)
       ->check(CLI::Range(1u, 1u << 30));

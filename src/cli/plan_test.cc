@@ -1,0 +1,69 @@
+// End-to-end tests of `hxfer plan` with engine layouts (docs/cli.md, docs/layouts.md).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "cli/cli_test_util.h"
+
+namespace hxfer::cli {
+namespace {
+
+using testing::runHxfer;
+using testing::Stderr;
+
+// Every engine pair the default model can be planned between, at 2 -> 1 and 1 -> 2, verified.
+TEST(CliPlan, EngineLayoutPairsVerifyAtTpMismatchBothWays) {
+  const char* engines[] = {"--%s-engine hxfer",
+                           "--%s-engine hxfer --%s-layout layer-major",
+                           "--%s-engine trtllm-v1",
+                           "--%s-engine trtllm-v2 --%s-kv-layout nhd",
+                           "--%s-engine vllm --%s-conv-layout ds",
+                           "--%s-engine vllm --%s-kv-layout hnd --%s-conv-layout ds",
+                           "--%s-engine sglang"};
+  auto side = [](const char* fmt, const char* who) {
+    std::string out;
+    for (const char* p = fmt; *p; ++p) {
+      if (p[0] == '%' && p[1] == 's') {
+        out += who;
+        ++p;
+      } else {
+        out += *p;
+      }
+    }
+    return out;
+  };
+  int runs = 0;
+  for (const char* c : engines) {
+    for (const char* g : engines) {
+      for (const char* tp : {"--ctx-tp 2 --gen-tp 1", "--ctx-tp 1 --gen-tp 2"}) {
+        const std::string args = "plan --verify --json --tokens 100 --block-ids shuffled " +
+                                 side(c, "ctx") + " " + side(g, "gen") + " " + tp;
+        auto r = runHxfer(args, Stderr::kMerge);
+        ASSERT_EQ(r.exit_code, 0) << args << "\n" << r.out;
+        auto j = nlohmann::json::parse(r.out);
+        EXPECT_TRUE(j["verified"].get<bool>()) << args;
+        EXPECT_EQ(j["total_bytes"], j["expected_bytes"]) << args;
+        ++runs;
+      }
+    }
+  }
+  EXPECT_EQ(runs, 7 * 7 * 2);
+}
+
+TEST(CliPlan, ElementOrderMismatchAndUnknownEngineAreRefusedNamingTheField) {
+  auto r = runHxfer("plan --ctx-engine vllm --gen-engine hxfer", Stderr::kMerge);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("conv section x: the element order inside a unit differs"),
+            std::string::npos)
+      << r.out;
+  r = runHxfer("plan --ctx-engine tgi", Stderr::kMerge);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("--ctx-engine: unknown engine layout 'tgi'"), std::string::npos) << r.out;
+  r = runHxfer("plan --gen-engine sglang --gen-kv-layout nhd", Stderr::kMerge);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("only vllm and trtllm-v2"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace hxfer::cli
