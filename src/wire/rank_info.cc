@@ -260,7 +260,17 @@ Status checkRankInfoAt(const RankInfo& info, const std::string& path) {
 
 }  // namespace
 
-Status checkRankInfo(const RankInfo& info) { return checkRankInfoAt(info, "rank_info."); }
+Status checkRankInfo(const RankInfo& info) {
+  // Engine record layouts (cache/record_layout.h) have no wire form yet: refuse rather than
+  // publish a layout the peer would read as hxfer's own order.
+  for (size_t i = 0; i < info.layout.views.size(); ++i) {
+    if (info.layout.views[i].record) {
+      return InvalidArgument("rank_info.layout.views[" + std::to_string(i) +
+                             "]: a described record (engine layout) cannot travel yet");
+    }
+  }
+  return checkRankInfoAt(info, "rank_info.");
+}
 
 void encodeRankInfo(const RankInfo& info, Bytes& out) {
   putFixed16(out, info.version_major);
