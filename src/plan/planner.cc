@@ -273,7 +273,8 @@ StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayou
       for (size_t gi = 0; gi < gv.sections.size(); ++gi) {
         auto it = ctx_sections.find({layer, gv.role, gv.sections[gi].name});
         if (it == ctx_sections.end()) continue;  // another pp stage holds this layer
-        const auto [cvi, cl, ci] = it->second;
+        const uint32_t cvi = std::get<0>(it->second), cl = std::get<1>(it->second);
+        const size_t ci = std::get<2>(it->second);
         auto src = std::find_if(sources.begin(), sources.end(),
                                 [&](const Source& x) { return x.view == cvi && x.layer == cl; });
         if (src == sources.end()) src = sources.insert(sources.end(), Source{cvi, cl, {}});
