@@ -78,8 +78,7 @@ StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_vi
     } else if (conv == "ds") {
       out.conv = ConvOrder::kDs;
     } else {
-      return InvalidArgument("unknown conv layout '" + std::string(conv) +
-                             "' (expected sd or ds)");
+      return InvalidArgument("unknown conv layout '" + std::string(conv) + "' (expected sd or ds)");
     }
   }
   if (!state.empty()) {
@@ -94,25 +93,14 @@ StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_vi
 
 namespace {
 
-std::vector<uint32_t> localUnits(const std::vector<Section>& sections, uint32_t tp, uint32_t rank) {
-  std::vector<uint32_t> out;
-  for (const Section& s : sections) out.push_back(shardUnits(s.units, tp, rank, s.name).value().count);
-  return out;
-}
-
-uint32_t elementBytes(const RankLayout& l, Role role) {
-  const DType d = role == Role::kKv ? l.kv_dtype : role == Role::kConv ? l.conv_dtype : l.ssm_dtype;
-  return static_cast<uint32_t>(dtypeSize(d));
-}
-
 // The record of `view` laid out contiguously in `order`.
 StatusOr<RecordLayout> recordIn(const ModelSpec& model, const RankLayout& l, const PoolView& view,
                                 const std::vector<std::string>& order) {
   const LayerSpec& layer = model.layers[view.layers.front()];
   return contiguousRecordLayout(view.kind, view.role, view.sections,
-                                localUnits(view.sections, l.tp, l.tp_rank),
-                                elementBytes(l, view.role), innerSizes(model, layer, view.role),
-                                order);
+                                localUnitCounts(view.sections, l.tp, l.tp_rank).value(),
+                                static_cast<uint32_t>(dtypeSize(l.dtypeOf(view.role))),
+                                innerSizes(model, layer, view.role), order);
 }
 
 std::vector<std::string> kvOrder(KvOrder o, bool with_kv_dim) {
@@ -171,15 +159,16 @@ StatusOr<RankLayout> buildVllm(const ModelSpec& model, const ParallelConfig& pc,
   }
   for (size_t i = 0; i + 1 < base.views.size(); ++i) {
     if (base.views[i].role == Role::kConv) {
-      mamba_page = std::max(mamba_page, base.views[i].record_bytes + base.views[i + 1].record_bytes);
+      mamba_page =
+          std::max(mamba_page, base.views[i].record_bytes + base.views[i + 1].record_bytes);
     }
   }
   if (attention_page > 0 && mamba_page > attention_page) {
     const uint64_t need = (mamba_page + per_token - 1) / per_token;
     return InvalidArgument("vllm layout: the mamba page (" + std::to_string(mamba_page) +
                            " bytes) is larger than the attention page (" +
-                           std::to_string(attention_page) + " bytes at tokens_per_block=" +
-                           std::to_string(base.tokens_per_block) +
+                           std::to_string(attention_page) +
+                           " bytes at tokens_per_block=" + std::to_string(base.tokens_per_block) +
                            "); vLLM raises the block size until it holds it: use at least " +
                            std::to_string(need) + " tokens per block");
   }
@@ -193,7 +182,8 @@ StatusOr<RankLayout> buildVllm(const ModelSpec& model, const ParallelConfig& pc,
   };
   // Views in layer order: per layer its attention tensor, then its Mamba tensor.
   std::vector<uint32_t> layers;
-  for (const PoolView& v : base.views) layers.insert(layers.end(), v.layers.begin(), v.layers.end());
+  for (const PoolView& v : base.views)
+    layers.insert(layers.end(), v.layers.begin(), v.layers.end());
   std::sort(layers.begin(), layers.end());
   layers.erase(std::unique(layers.begin(), layers.end()), layers.end());
   for (uint32_t layer : layers) {
@@ -205,14 +195,14 @@ StatusOr<RankLayout> buildVllm(const ModelSpec& model, const ParallelConfig& pc,
         v.index_stride = page;
         ASSIGN_OR_RETURN(v.record, recordIn(model, out, v, kvOrder(e.kv, true)));
         ASSIGN_OR_RETURN(uint64_t length, times(page, num_blocks, "vllm attention tensor"));
-        v.region_id = addRegion(out, "layer." + std::to_string(layer) + (both(layer) ? ".attn" : ""),
-                                length);
+        v.region_id =
+            addRegion(out, "layer." + std::to_string(layer) + (both(layer) ? ".attn" : ""), length);
         out.views.push_back(std::move(v));
       } else if (g.role == Role::kConv) {
         const PoolView& gs = base.views[vi + 1];  // the group's ssm view follows its conv view
         ASSIGN_OR_RETURN(uint64_t length, times(page, num_slots, "vllm mamba tensor"));
-        const uint32_t region =
-            addRegion(out, "layer." + std::to_string(layer) + (both(layer) ? ".mamba" : ""), length);
+        const uint32_t region = addRegion(
+            out, "layer." + std::to_string(layer) + (both(layer) ? ".mamba" : ""), length);
         PoolView conv = oneLayer(g, layer, g.sections, out);
         conv.index_stride = page;
         conv.region_id = region;
@@ -233,12 +223,11 @@ StatusOr<RankLayout> buildVllm(const ModelSpec& model, const ParallelConfig& pc,
   return out;
 }
 
-StatusOr<RankLayout> buildSglang(const ModelSpec& model, const ParallelConfig& pc,
-                                 uint32_t tp_rank, uint32_t pp_rank, uint32_t num_blocks,
-                                 uint32_t num_slots) {
-  ASSIGN_OR_RETURN(RankLayout base, buildRankLayout(model, pc, tp_rank, pp_rank,
-                                                    StateLayout::kLayerMajor, num_blocks,
-                                                    num_slots));
+StatusOr<RankLayout> buildSglang(const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank,
+                                 uint32_t pp_rank, uint32_t num_blocks, uint32_t num_slots) {
+  ASSIGN_OR_RETURN(RankLayout base,
+                   buildRankLayout(model, pc, tp_rank, pp_rank, StateLayout::kLayerMajor,
+                                   num_blocks, num_slots));
   RankLayout out = base;
   out.regions.clear();
   out.views.clear();

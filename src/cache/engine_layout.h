@@ -35,8 +35,8 @@
 namespace hxfer {
 
 enum class Engine : uint8_t { kHxfer, kTrtllmV1, kTrtllmV2, kVllm, kSglang };
-enum class KvOrder : uint8_t { kHnd, kNhd };     // inside one K or V half of a block
-enum class ConvOrder : uint8_t { kDs, kSd };     // DS: (channel, window); SD: (window, channel)
+enum class KvOrder : uint8_t { kHnd, kNhd };  // inside one K or V half of a block
+enum class ConvOrder : uint8_t { kDs, kSd };  // DS: (channel, window); SD: (window, channel)
 
 std::string_view engineName(Engine e);  // "hxfer", "trtllm-v1", "trtllm-v2", "vllm", "sglang"
 
@@ -54,8 +54,7 @@ struct EngineLayout {
 // sd; trtllm-v2: hnd; hxfer: paged). InvalidArgument naming the value and what is accepted,
 // also for an option the engine does not have.
 StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_view kv = "",
-                                         std::string_view conv = "",
-                                         std::string_view state = "");
+                                         std::string_view conv = "", std::string_view state = "");
 
 // The layout of rank (tp_rank, pp_rank) in `layout` with the given capacities (blocks for kv,
 // slots for state). Errors: as buildRankLayout, and for vllm a Mamba page larger than the

@@ -62,7 +62,9 @@ std::vector<uint64_t> strides(const PoolView& v, std::vector<std::string> names)
   return out;
 }
 
-std::string regionName(const RankLayout& l, const PoolView& v) { return l.findRegion(v.region_id)->name; }
+std::string regionName(const RankLayout& l, const PoolView& v) {
+  return l.findRegion(v.region_id)->name;
+}
 
 TEST(EngineLayout, VllmAttentionBlockIsKvThenNhdOrHndPerLayer) {
   for (uint32_t tp : {1u, 2u}) {
@@ -79,8 +81,8 @@ TEST(EngineLayout, VllmAttentionBlockIsKvThenNhdOrHndPerLayer) {
     EXPECT_EQ(regionName(*nhd, *kv), "layer.3");
     EXPECT_EQ(nhd->findRegion(kv->region_id)->length, 10 * s[0]);
 
-    auto hnd = buildEngineLayout(model(), {tp, 1, {}}, 0, 0, *parseEngineLayout("vllm", "hnd"), 10,
-                                 3);
+    auto hnd =
+        buildEngineLayout(model(), {tp, 1, {}}, 0, 0, *parseEngineLayout("vllm", "hnd"), 10, 3);
     ASSERT_TRUE(hnd.isOk()) << hnd.status().toString();
     kv = viewOf(*hnd, 0, Role::kKv);
     const auto h = rowMajor({10, 2, H, T, D}, 2);  // (num_blocks, 2, heads, block_size, dim)
@@ -111,8 +113,8 @@ TEST(EngineLayout, VllmMambaPageIsConvThenSsmPaddedToTheAttentionPage) {
   EXPECT_EQ(ssm->record_bytes, H * P * N * 4);
   EXPECT_LE(ssm->base + ssm->record_bytes, page);  // the rest of the page is padding
 
-  auto ds = buildEngineLayout(model(), {2, 1, {}}, 1, 0, *parseEngineLayout("vllm", "", "ds"), 10,
-                              3);
+  auto ds =
+      buildEngineLayout(model(), {2, 1, {}}, 1, 0, *parseEngineLayout("vllm", "", "ds"), 10, 3);
   ASSERT_TRUE(ds.isOk());
   const auto d = rowMajor({C, k1}, 2);  // (conv_dim, d_conv - 1) "DS"
   EXPECT_EQ(strides(*viewOf(*ds, 1, Role::kConv), {"channel", "window"}),
@@ -145,8 +147,8 @@ TEST(EngineLayout, SglangKeepsTokenMajorKAndVBuffersPerLayerAndALayerMajorMambaP
     ASSERT_EQ(v.sections.size(), 1u);
     EXPECT_EQ(v.index_stride, T * s[0]);
     EXPECT_EQ(strides(v, {"token", "head", "dim"}), (std::vector<uint64_t>{s[0], s[1], s[2]}));
-    EXPECT_EQ(regionName(*l, v), (v.sections[0].name == "K" ? "k." : "v.") +
-                                     std::to_string(v.layers[0]));
+    EXPECT_EQ(regionName(*l, v),
+              (v.sections[0].name == "K" ? "k." : "v.") + std::to_string(v.layers[0]));
   }
   EXPECT_EQ(kv_views, 4);
   // conv (layers, slots, conv_dim, d_conv - 1): hxfer's layer-major pool.
@@ -160,8 +162,8 @@ TEST(EngineLayout, SglangKeepsTokenMajorKAndVBuffersPerLayerAndALayerMajorMambaP
 
 TEST(EngineLayout, TrtllmV2NhdCoalescesPerLayerKAndVInsideTheBlock) {
   const uint64_t H = 4, T = 32, D = 8;
-  auto l = buildEngineLayout(model(), {1, 1, {}}, 0, 0, *parseEngineLayout("trtllm-v2", "nhd"), 10,
-                             3);
+  auto l =
+      buildEngineLayout(model(), {1, 1, {}}, 0, 0, *parseEngineLayout("trtllm-v2", "nhd"), 10, 3);
   ASSERT_TRUE(l.isOk()) << l.status().toString();
   const PoolView* kv = viewOf(*l, 0, Role::kKv);
   // One block: (layers, 2, tokens, heads, dim).

@@ -3,8 +3,8 @@
 #include <limits>
 #include <map>
 #include <set>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace hxfer {
@@ -353,9 +353,9 @@ Status RankLayout::validate() const {
                              std::to_string(tp) + " rank " + std::to_string(tp_rank));
     }
     if (v.record) {
-      const DType dt = v.role == Role::kKv ? kv_dtype : v.role == Role::kConv ? conv_dtype : ssm_dtype;
-      Status s = checkRecordLayout(*v.record, v.kind, v.role, v.sections, tp, tp_rank,
-                                   static_cast<uint32_t>(dtypeSize(dt)), tokens_per_block);
+      Status s =
+          checkRecordLayout(*v.record, v.kind, v.role, v.sections, tp, tp_rank,
+                            static_cast<uint32_t>(dtypeSize(dtypeOf(v.role))), tokens_per_block);
       if (!s.isOk()) return s.withContext(where);
     }
     const uint32_t expect = v.role == Role::kKv ? num_blocks : num_slots;

@@ -23,8 +23,8 @@
 #include <string_view>
 #include <vector>
 
-#include "common/status.h"
 #include "cache/record_layout.h"
+#include "common/status.h"
 #include "model/model.h"
 
 namespace hxfer {
@@ -89,6 +89,10 @@ struct RankLayout {
 
   // Bytes of all kv records of one block / all conv+ssm records of one slot on this rank.
   uint64_t kvBytesPerBlock() const;
+  // The dtype of the records of `role` (kv, conv or ssm).
+  DType dtypeOf(Role role) const {
+    return role == Role::kKv ? kv_dtype : role == Role::kConv ? conv_dtype : ssm_dtype;
+  }
   uint64_t stateBytesPerSlot() const;
   const RegionSpec* findRegion(uint32_t id) const;
   bool operator==(const RankLayout&) const = default;

@@ -73,11 +73,8 @@ StatusOr<uint32_t> unitLength(const Section& s, uint32_t element_bytes,
   return static_cast<uint32_t>(s.unit_bytes / per);
 }
 
-namespace {
-
-// Local unit counts of every section on (tp, tp_rank).
-StatusOr<std::vector<uint32_t>> localUnits(const std::vector<Section>& sections, uint32_t tp,
-                                           uint32_t tp_rank) {
+StatusOr<std::vector<uint32_t>> localUnitCounts(const std::vector<Section>& sections, uint32_t tp,
+                                                uint32_t tp_rank) {
   std::vector<uint32_t> out;
   for (const Section& s : sections) {
     ASSIGN_OR_RETURN(UnitRange r, shardUnits(s.units, tp, tp_rank, s.name));
@@ -86,7 +83,11 @@ StatusOr<std::vector<uint32_t>> localUnits(const std::vector<Section>& sections,
   return out;
 }
 
-}  // namespace
+std::vector<uint32_t> innerSizesOf(const RecordLayout& r, const LogicalDims& dims) {
+  std::vector<uint32_t> out;
+  for (const std::string& n : dims.inner) out.push_back(r.find(n)->size);
+  return out;
+}
 
 Status checkRecordLayout(const RecordLayout& r, LayerKind kind, Role role,
                          const std::vector<Section>& sections, uint32_t tp, uint32_t tp_rank,
@@ -119,13 +120,12 @@ Status checkRecordLayout(const RecordLayout& r, LayerKind kind, Role role,
                              " record needs it)");
     }
   }
-  std::vector<uint32_t> inner;
-  for (const std::string& n : want.inner) inner.push_back(r.find(n)->size);
+  const std::vector<uint32_t> inner = innerSizesOf(r, want);
   if (role == Role::kKv && r.find("token")->size != tokens_per_block) {
     return InvalidArgument("record dim token has size " + std::to_string(r.find("token")->size) +
                            ", tokens_per_block=" + std::to_string(tokens_per_block));
   }
-  ASSIGN_OR_RETURN(std::vector<uint32_t> local, localUnits(sections, tp, tp_rank));
+  ASSIGN_OR_RETURN(std::vector<uint32_t> local, localUnitCounts(sections, tp, tp_rank));
   uint64_t along = 0;
   for (size_t i = 0; i < sections.size(); ++i) {
     ASSIGN_OR_RETURN(uint32_t len, unitLength(sections[i], element_bytes, inner));
@@ -195,8 +195,8 @@ StatusOr<RecordLayout> contiguousRecordLayout(LayerKind kind, Role role,
     for (size_t i = 0; i < want.inner.size(); ++i) {
       if (want.inner[i] == name) return inner_sizes[i];
     }
-    return InvalidArgument("record: " + name + " is not a dim of a " +
-                           std::string(roleName(role)) + " record");
+    return InvalidArgument("record: " + name + " is not a dim of a " + std::string(roleName(role)) +
+                           " record");
   };
   RecordLayout r;
   r.element_bytes = element_bytes;
@@ -238,8 +238,7 @@ SectionPlacement placeSection(const RecordLayout& r, const LogicalDims& dims,
     return p;
   }
   // Sections run along the unit dim: this one starts after the earlier ones' local units.
-  std::vector<uint32_t> inner;
-  for (const std::string& n : dims.inner) inner.push_back(r.find(n)->size);
+  const std::vector<uint32_t> inner = innerSizesOf(r, dims);
   uint64_t before = 0;
   for (size_t i = 0; i < section; ++i) {
     before += uint64_t{local_units[i]} * unitLength(sections[i], r.element_bytes, inner).value();

@@ -66,6 +66,13 @@ LogicalDims logicalDims(LayerKind kind, Role role);
 // order of logicalDims().inner).
 std::vector<uint32_t> innerSizes(const ModelSpec& model, const LayerSpec& layer, Role role);
 
+// Units each section holds on TP rank `tp_rank` of `tp` (shardUnits(...).count per section).
+StatusOr<std::vector<uint32_t>> localUnitCounts(const std::vector<Section>& sections, uint32_t tp,
+                                                uint32_t tp_rank);
+
+// The sizes of `r`'s inner dims, in the order of dims.inner. REQUIRES: r has every one.
+std::vector<uint32_t> innerSizesOf(const RecordLayout& r, const LogicalDims& dims);
+
 // Elements of a section's unit along the unit dim: unit_bytes / (element_bytes x the product
 // of the inner sizes). InvalidArgument when it does not divide.
 StatusOr<uint32_t> unitLength(const Section& s, uint32_t element_bytes,

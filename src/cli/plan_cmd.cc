@@ -92,9 +92,8 @@ int run(const PlanOptions& o) {
     std::printf("%s\n", j.dump(2).c_str());
   } else {
     std::printf("model %s: ctx tp%u pp%u %s -> gen tp%u pp%u %s, %u tokens, blocks [%u, %u) sent\n",
-                model->name.c_str(), o.ctx_tp, o.ctx_pp,
-                ctx_layout->toString().c_str(), o.gen_tp, o.gen_pp,
-                gen_layout->toString().c_str(), o.tokens, r->blocks.first_block,
+                model->name.c_str(), o.ctx_tp, o.ctx_pp, ctx_layout->toString().c_str(), o.gen_tp,
+                o.gen_pp, gen_layout->toString().c_str(), o.tokens, r->blocks.first_block,
                 static_cast<uint32_t>(r->blocks.end()));
     for (const PairStats& p : r->pairs) {
       std::printf("  ctx (tp %u, pp %u) -> gen (tp %u, pp %u): %llu ops, %llu bytes (%s)\n",
@@ -152,12 +151,14 @@ void addPlanCommand(CLI::App& app) {
     const bool ctx = std::string(side) == "ctx";
     const std::string who = ctx ? "Context" : "Generation";
     cmd->add_option("--" + std::string(side) + "-engine", ctx ? o->ctx_engine : o->gen_engine,
-                    who + " cache layout as an engine keeps it: hxfer, trtllm-v1, trtllm-v2, "
-                          "vllm, sglang (docs/layouts.md)")
+                    who +
+                        " cache layout as an engine keeps it: hxfer, trtllm-v1, trtllm-v2, "
+                        "vllm, sglang (docs/layouts.md)")
         ->default_val("hxfer");
     cmd->add_option("--" + std::string(side) + "-kv-layout", ctx ? o->ctx_kv : o->gen_kv,
-                    who + " kv order inside a block half for vllm and trtllm-v2: nhd or hnd "
-                          "(default: vllm nhd, trtllm-v2 hnd)");
+                    who +
+                        " kv order inside a block half for vllm and trtllm-v2: nhd or hnd "
+                        "(default: vllm nhd, trtllm-v2 hnd)");
     cmd->add_option("--" + std::string(side) + "-conv-layout", ctx ? o->ctx_conv : o->gen_conv,
                     who + " conv state order for vllm: sd (window, channel; default) or ds");
   }

@@ -170,12 +170,12 @@ StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
   EngineLayout ce, ge;
   ce.state = o.ctx_layout;
   ge.state = o.gen_layout;
-  ASSIGN_OR_RETURN(std::vector<LocalRank> ctx,
-                   makeLocalInstance(model, o.ctx, o.ctx_engine.value_or(ce), request_blocks, o, 1,
-                                     o.execute));
-  ASSIGN_OR_RETURN(std::vector<LocalRank> gen,
-                   makeLocalInstance(model, o.gen, o.gen_engine.value_or(ge), request_blocks, o, 2,
-                                     o.execute));
+  ASSIGN_OR_RETURN(
+      std::vector<LocalRank> ctx,
+      makeLocalInstance(model, o.ctx, o.ctx_engine.value_or(ce), request_blocks, o, 1, o.execute));
+  ASSIGN_OR_RETURN(
+      std::vector<LocalRank> gen,
+      makeLocalInstance(model, o.gen, o.gen_engine.value_or(ge), request_blocks, o, 2, o.execute));
   std::vector<RankLayout> ctx_layouts;
   std::vector<RankIds> ctx_ids;
   for (LocalRank& r : ctx) {

@@ -99,28 +99,24 @@ template <typename Fn>
 void forEachDescribedRun(const RankLayout& layout, const PoolView& view, Fn&& fn) {
   const RecordLayout& r = *view.record;
   const LogicalDims ld = logicalDims(view.kind, view.role);
-  std::vector<uint32_t> inner, local;
-  for (const std::string& n : ld.inner) inner.push_back(r.find(n)->size);
-  std::vector<uint32_t> first;
-  for (const Section& s : view.sections) {
-    const UnitRange u = shardUnits(s.units, layout.tp, layout.tp_rank, s.name).value();
-    local.push_back(u.count);
-    first.push_back(u.first);
-  }
+  const std::vector<uint32_t> inner = innerSizesOf(r, ld);
+  const std::vector<uint32_t> local =
+      localUnitCounts(view.sections, layout.tp, layout.tp_rank).value();
   for (uint32_t s = 0; s < view.sections.size(); ++s) {
-    const uint32_t len = unitLength(view.sections[s], r.element_bytes, inner).value();
+    const Section& sec = view.sections[s];
+    const uint32_t first = shardUnits(sec.units, layout.tp, layout.tp_rank, sec.name).value().first;
+    const uint32_t len = unitLength(sec, r.element_bytes, inner).value();
     const SectionPlacement p = placeSection(r, ld, view.sections, local, s, len);
-    // Canonical strides inside a unit: [within][inner...], contiguous.
-    std::vector<BoxDim> box(1 + ld.inner.size());
-    uint64_t stride = r.element_bytes;
-    for (size_t i = ld.inner.size(); i-- > 0;) {
-      box[1 + i] = {inner[i], stride, r.find(ld.inner[i])->stride};
-      stride *= inner[i];
+    // One unit in hxfer's own order (the oracle's byte numbering) against its placement here.
+    const RecordLayout unit =
+        canonicalRecordLayout(view.kind, view.role, {sec}, {1}, r.element_bytes, inner).value();
+    std::vector<BoxDim> box = {{len, unit.find(ld.unit_dim)->stride, p.within_stride}};
+    for (const std::string& n : ld.inner) {
+      box.push_back({r.find(n)->size, unit.find(n)->stride, r.find(n)->stride});
     }
-    box[0] = {len, stride, p.within_stride};
     for (uint32_t u = 0; u < local[s]; ++u) {
       forEachRun(box, r.element_bytes, 0, p.base + u * p.unit_stride,
-                 [&](uint64_t a, uint64_t b, uint64_t n) { fn(s, first[s] + u, a, b, n); });
+                 [&](uint64_t a, uint64_t b, uint64_t n) { fn(s, first + u, a, b, n); });
     }
   }
 }
@@ -156,8 +152,8 @@ Status forEachRecord(const RankLayout& layout, const RankMemory& mem, const Rank
 
 }  // namespace
 
-uint64_t oracleUnitSeed(uint64_t request_id, uint32_t layer, Role role,
-                        std::string_view section, uint32_t unit, uint32_t position) {
+uint64_t oracleUnitSeed(uint64_t request_id, uint32_t layer, Role role, std::string_view section,
+                        uint32_t unit, uint32_t position) {
   uint64_t name = 0xcbf29ce484222325ull;  // FNV-1a of the section's name
   for (char c : section) name = (name ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
   uint64_t h = mix64(request_id ^ 0x6878666572ull);  // "hxfer"
@@ -214,19 +210,20 @@ void fillRecord(const RankLayout& layout, const PoolView& view, uint32_t local_l
   const uint32_t layer = view.layers[local_layer];
   const uint32_t pos = view.indexedByBlock() ? position : 0;
   if (view.record) {
-    forEachDescribedRun(layout, view,
-                        [&](uint32_t s, uint32_t unit, uint64_t byte, uint64_t at, uint64_t n) {
-                          const uint64_t seed =
-                              oracleUnitSeed(request_id, layer, view.role, view.sections[s].name, unit, pos);
-                          fillRange(seed, byte, record + at, n);
-                        });
+    forEachDescribedRun(
+        layout, view, [&](uint32_t s, uint32_t unit, uint64_t byte, uint64_t at, uint64_t n) {
+          const uint64_t seed =
+              oracleUnitSeed(request_id, layer, view.role, view.sections[s].name, unit, pos);
+          fillRange(seed, byte, record + at, n);
+        });
     return;
   }
   const std::vector<LocalSection> secs = localSections(layout, view);
   for (uint32_t s = 0; s < secs.size(); ++s) {
     const LocalSection& ls = secs[s];
     for (uint32_t u = 0; u < ls.count; ++u) {
-      const uint64_t seed = oracleUnitSeed(request_id, layer, view.role, view.sections[s].name, ls.first + u, pos);
+      const uint64_t seed =
+          oracleUnitSeed(request_id, layer, view.role, view.sections[s].name, ls.first + u, pos);
       oracleFillUnit(seed, record + ls.offset + u * ls.unit_bytes, ls.unit_bytes);
     }
   }
@@ -242,13 +239,17 @@ void checkRecord(const RankLayout& layout, const PoolView& view, uint32_t local_
   where.position = view.indexedByBlock() ? position : 0;
   where.region = region;
   if (view.record) {
+    std::vector<uint8_t> expect;  // the expected bytes of one run
     forEachDescribedRun(
         layout, view, [&](uint32_t s, uint32_t unit, uint64_t byte, uint64_t at, uint64_t n) {
-          const uint64_t seed =
-              oracleUnitSeed(request_id, where.layer, view.role, view.sections[s].name, unit, where.position);
+          const uint64_t seed = oracleUnitSeed(request_id, where.layer, view.role,
+                                               view.sections[s].name, unit, where.position);
+          report->bytes_checked += n;
+          expect.resize(n);
+          fillRange(seed, byte, expect.data(), n);
+          if (std::memcmp(expect.data(), record + at, n) == 0) return;
           for (uint64_t i = 0; i < n; ++i) {
-            const uint8_t expect = oracleByte(seed, byte + i);
-            if (record[at + i] == expect) continue;
+            if (record[at + i] == expect[i]) continue;
             ++report->mismatched_bytes;
             if (!report->first) {
               OracleMismatch m = where;
@@ -256,13 +257,12 @@ void checkRecord(const RankLayout& layout, const PoolView& view, uint32_t local_
               m.section_name = view.sections[s].name;
               m.unit = unit;
               m.byte = byte + i;
-              m.expected = expect;
+              m.expected = expect[i];
               m.actual = record[at + i];
               m.offset = record_offset + at + i;
               report->first = m;
             }
           }
-          report->bytes_checked += n;
         });
     return;
   }
@@ -273,9 +273,8 @@ void checkRecord(const RankLayout& layout, const PoolView& view, uint32_t local_
     where.section_name = view.sections[s].name;
     for (uint32_t u = 0; u < ls.count; ++u) {
       where.unit = ls.first + u;
-      const uint64_t seed =
-          oracleUnitSeed(request_id, where.layer, view.role, view.sections[s].name, where.unit,
-                         where.position);
+      const uint64_t seed = oracleUnitSeed(request_id, where.layer, view.role,
+                                           view.sections[s].name, where.unit, where.position);
       const uint64_t at = ls.offset + u * ls.unit_bytes;
       checkUnit(seed, record + at, ls.unit_bytes, report, where, record_offset + at);
     }

@@ -28,8 +28,8 @@ namespace hxfer {
 // Seed of one unit. `position` is the block position in the request for kv, 0 for conv/ssm.
 // The section is named ("K", "x"), so a layout holding K and V in views of their own fills
 // the same bytes as one holding [K|V].
-uint64_t oracleUnitSeed(uint64_t request_id, uint32_t layer, Role role,
-                        std::string_view section, uint32_t unit, uint32_t position);
+uint64_t oracleUnitSeed(uint64_t request_id, uint32_t layer, Role role, std::string_view section,
+                        uint32_t unit, uint32_t position);
 // Writes `bytes` bytes of the unit with seed `seed`.
 void oracleFillUnit(uint64_t seed, uint8_t* out, uint64_t bytes);
 // Expected byte `byte` of the unit with seed `seed`.

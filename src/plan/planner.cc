@@ -69,7 +69,8 @@ RecordIndex indexRecords(const RankLayout& l) {
   RecordIndex idx;
   for (uint32_t vi = 0; vi < l.views.size(); ++vi) {
     const PoolView& v = l.views[vi];
-    for (uint32_t li = 0; li < v.layers.size(); ++li) idx.insert({{v.layers[li], v.role}, {vi, li}});
+    for (uint32_t li = 0; li < v.layers.size(); ++li)
+      idx.insert({{v.layers[li], v.role}, {vi, li}});
   }
   return idx;
 }
@@ -156,22 +157,9 @@ inline void appendOp(std::vector<CopyOp>& ops, uint32_t src_region, uint64_t src
 // sizes of `other` (the same model, so the same sizes; checkCompatible checks them).
 StatusOr<RecordLayout> recordOf(const PoolView& v, const RankLayout& l, const RecordLayout& other) {
   if (v.record) return *v.record;
-  const LogicalDims ld = logicalDims(v.kind, v.role);
-  std::vector<uint32_t> inner, local;
-  for (const std::string& n : ld.inner) inner.push_back(other.find(n)->size);
-  for (const Section& s : v.sections) {
-    ASSIGN_OR_RETURN(UnitRange r, shardUnits(s.units, l.tp, l.tp_rank, s.name));
-    local.push_back(r.count);
-  }
-  return canonicalRecordLayout(v.kind, v.role, v.sections, local, other.element_bytes, inner);
-}
-
-std::vector<uint32_t> localUnitCounts(const PoolView& v, const RankLayout& l) {
-  std::vector<uint32_t> out;
-  for (const Section& s : v.sections) {
-    out.push_back(shardUnits(s.units, l.tp, l.tp_rank, s.name).value().count);
-  }
-  return out;
+  ASSIGN_OR_RETURN(std::vector<uint32_t> local, localUnitCounts(v.sections, l.tp, l.tp_rank));
+  return canonicalRecordLayout(v.kind, v.role, v.sections, local, other.element_bytes,
+                               innerSizesOf(other, logicalDims(v.kind, v.role)));
 }
 
 // Byte offset of section `i` in a contiguous (undescribed) record: the earlier sections' local
@@ -221,12 +209,13 @@ Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const
     c_rec = *cv.record;
     ASSIGN_OR_RETURN(g_rec, recordOf(gv, g, c_rec));
   }
-  std::vector<uint32_t> inner;
-  for (const std::string& n : ld.inner) inner.push_back(g_rec.find(n)->size);
+  const std::vector<uint32_t> inner = innerSizesOf(g_rec, ld);
   const uint64_t e = g_rec.element_bytes;
   ASSIGN_OR_RETURN(uint32_t len, unitLength(s, static_cast<uint32_t>(e), inner));
-  const SectionPlacement cp = placeSection(c_rec, ld, cv.sections, localUnitCounts(cv, c), ci, len);
-  const SectionPlacement gp = placeSection(g_rec, ld, gv.sections, localUnitCounts(gv, g), gi, len);
+  const SectionPlacement cp = placeSection(
+      c_rec, ld, cv.sections, localUnitCounts(cv.sections, c.tp, c.tp_rank).value(), ci, len);
+  const SectionPlacement gp = placeSection(
+      g_rec, ld, gv.sections, localUnitCounts(gv.sections, g.tp, g.tp_rank).value(), gi, len);
   std::vector<BoxDim> box = {{hi - lo, cp.unit_stride, gp.unit_stride},
                              {len, cp.within_stride, gp.within_stride}};
   uint64_t unit_elements = len;
@@ -285,8 +274,7 @@ StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayou
         const uint32_t cl = src.layer, cvi = src.view;
         const size_t seg_begin = out.segments.size();
         for (const auto& [ci, gi] : src.sections) {
-          RETURN_IF_ERROR(
-              sectionSegments(c, cv, ci, g, gv, gi, layer, &out.segments, seg_begin));
+          RETURN_IF_ERROR(sectionSegments(c, cv, ci, g, gv, gi, layer, &out.segments, seg_begin));
         }
         if (out.segments.size() == seg_begin) continue;
         Planner::RecordMap m;

@@ -8,9 +8,9 @@
 #include <random>
 #include <string>
 
+#include "cache/engine_layout.h"
 #include "plan/local_transfer.h"
 #include "plan/plan_test_util.h"
-#include "cache/engine_layout.h"
 
 namespace hxfer {
 namespace {
@@ -124,10 +124,10 @@ TEST(PlannerProperty, EveryEnginePairTpPairAndPpPairMovesEveryByteExactlyOnce) {
   using namespace testing;
   LayerSpec hybrid = mamba2Layer(8, 2, 2, 4, 4);
   hybrid.attention = AttentionShape{4, 8};
-  const ModelSpec model = makeModel({attentionLayer(4, 8), mamba2Layer(8, 2, 2, 4, 4),
-                                     mamba1Layer(8, 4, 3), hybrid, attentionLayer(4, 8),
-                                     mamba2Layer(8, 2, 2, 4, 4)},
-                                    16);
+  const ModelSpec model =
+      makeModel({attentionLayer(4, 8), mamba2Layer(8, 2, 2, 4, 4), mamba1Layer(8, 4, 3), hybrid,
+                 attentionLayer(4, 8), mamba2Layer(8, 2, 2, 4, 4)},
+                16);
   struct Named {
     std::string engine, kv, conv, state;
   };
@@ -167,9 +167,9 @@ TEST(PlannerProperty, EveryEnginePairTpPairAndPpPairMovesEveryByteExactlyOnce) {
                                  std::to_string(gtp) + " pp" + std::to_string(gpp);
         auto r = runLocalTransfer(model, o);
         ASSERT_TRUE(r.isOk()) << what << ": " << r.status().toString();
-        ASSERT_TRUE(r->verified()) << what << ": " << r->oracle.toString() << " / "
-                                   << r->first_coverage_error << " bytes " << r->total_bytes
-                                   << " expected " << r->expected_bytes;
+        ASSERT_TRUE(r->verified())
+            << what << ": " << r->oracle.toString() << " / " << r->first_coverage_error << " bytes "
+            << r->total_bytes << " expected " << r->expected_bytes;
         ++cases;
       }
     }
