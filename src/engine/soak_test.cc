@@ -90,10 +90,10 @@ uint64_t soakSeed() {
   return seed;
 }
 
-// The faulted phase of each scenario. Sanitized builds run slower, not longer: the default is
-// the same wall time, so fewer requests.
+// The faulted phase of each scenario (seconds). Sanitized builds get less of it: their setup,
+// drain and quiescence take several times longer.
 milliseconds soakDuration() {
-  return milliseconds(1000 * envOr("HXFER_SOAK_SECONDS", kSanitized ? 3 : 4));
+  return milliseconds(1000 * envOr("HXFER_SOAK_SECONDS", kSanitized ? 2 : 3));
 }
 
 bool dropDones() { return envOr("HXFER_SOAK_DROP_DONES", 0) != 0; }
@@ -295,11 +295,13 @@ StatusOr<std::unique_ptr<Agent>> faultyAgent(const std::string& backend, const s
 struct AutoServe {
   HybridCacheManager* cache = nullptr;
   std::atomic<ContextSender*> sender{nullptr};
+  std::atomic<uint64_t> exhausted{0};  // asks answered Cancelled for want of pages
   void operator()(uint64_t id, uint64_t tokens) {
     ContextSender* s = sender.load();
     if (s == nullptr) return;
     auto a = cache->allocate(id, static_cast<uint32_t>(tokens));
     if (!a.isOk()) {
+      ++exhausted;
       (void)s->cancel(id);  // answers the ask now (Cancelled) instead of at the lease
       return;
     }
@@ -579,6 +581,8 @@ class Workload {
       }
     }
     if (l.remaining == 0) return false;
+    // A part refused on some rank leaves the others running: they still verify, and the
+    // context side frees its pages when its lease runs out (counted there).
     ++tally_.requests;
     {
       std::lock_guard lock(ids_mu_);
@@ -765,17 +769,6 @@ std::string testName() {
   return std::string(info->test_suite_name()) + "." + info->name();
 }
 
-void printFigures(const std::string& what, const Tally& t, milliseconds ran, uint64_t cancels,
-                  uint64_t drops, uint64_t disconnects) {
-  std::printf("soak %s: %s; %llu cancel calls, %llu messages dropped, %llu connections closed, "
-              "over %.1f s (seed %llu)\n",
-              what.c_str(), t.summary().c_str(), static_cast<unsigned long long>(cancels),
-              static_cast<unsigned long long>(drops),
-              static_cast<unsigned long long>(disconnects), ran.count() / 1000.0,
-              static_cast<unsigned long long>(soakSeed()));
-  std::printf("%s", t.examples().c_str());
-  std::fflush(stdout);
-}
 
 
 // Checks of the end of a scenario, shared by all: every workload violation, the quiescence of
@@ -1060,6 +1053,27 @@ uint64_t closedBy(const std::vector<CtxRank*>& ctxs, const std::vector<GenRank*>
   return n;
 }
 
+// One line of figures per scenario (docs/reliability.md quotes them), and the first failure of
+// each kind.
+void printFigures(const std::string& what, const Tally& t, milliseconds ran, uint64_t cancels,
+                  const std::vector<ChaosAgent*>& agents, const std::vector<CtxRank*>& ctxs,
+                  const std::vector<GenRank*>& gens) {
+  uint64_t exhausted = 0, leases = 0;
+  for (CtxRank* c : ctxs) {
+    exhausted += c->serve->exhausted;
+    leases += c->sender->metrics().leases_expired;
+  }
+  std::printf("soak %s: %s; %llu cancel calls, %llu messages dropped, %llu connections closed, "
+              "context: %llu asks without pages, %llu leases expired; over %.1f s (seed %llu)\n%s",
+              what.c_str(), t.summary().c_str(), static_cast<unsigned long long>(cancels),
+              static_cast<unsigned long long>(droppedBy(agents)),
+              static_cast<unsigned long long>(closedBy(ctxs, gens)),
+              static_cast<unsigned long long>(exhausted), static_cast<unsigned long long>(leases),
+              ran.count() / 1000.0, static_cast<unsigned long long>(soakSeed()),
+              t.examples().c_str());
+  std::fflush(stdout);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scenario 1: both instances in this process, every fault but kills.
 
@@ -1135,7 +1149,7 @@ TEST_P(SoakChaos, RandomFaultsAndCancelsLoseNoPageAndEveryCompletedPartVerifies)
   for (size_t i = 0; i < gens.size(); ++i) ok_seen.push_back(w.okOn(i) + probe.okOn(i));
   expectQuiet(ctxs, gens, ok_seen);
   EXPECT_GT(w.tally().parts_ok, 0u);
-  printFigures(GetParam().name, w.tally(), ran, cancels, droppedBy(agents), closedBy(ctxs, gens));
+  printFigures(GetParam().name, w.tally(), ran, cancels, agents, ctxs, gens);
   RecordProperty("seed", std::to_string(soakSeed()));
   RecordProperty("figures", w.tally().summary());
   for (auto& g : gen) g->rx->shutdown();
@@ -1257,7 +1271,7 @@ TEST_P(SoakKill, KilledContextRankFailsOnlyThePartsThatNeedItAndItsRestartServes
   EXPECT_EQ(zygote->quit(), 0) << "the last incarnation of context rank 1 was not quiet";
   EXPECT_GE(killer.kills(), 1u);
   printFigures("ctx_kill_" + backend + " (" + std::to_string(killer.kills()) + " kills)", w.tally(),
-               ran, cancels, droppedBy(agents), closedBy({&*c0}, gens));
+               ran, cancels, agents, {&*c0}, gens);
   RecordProperty("seed", std::to_string(soakSeed()));
   RecordProperty("figures", w.tally().summary());
   for (auto& g : gen) g->rx->shutdown();
@@ -1377,7 +1391,7 @@ TEST_P(SoakKill, KilledGenerationInstanceLeavesTheContextRankServingTheOther) {
   expectQuiet({&*c}, gens, ok_seen);
   EXPECT_GE(c->sender->metrics().peers_lost, 2u * killer.kills()) << "B's ranks were not seen go";
   printFigures("gen_kill_" + backend + " (" + std::to_string(killer.kills()) + " kills)",
-               w.tally(), ran, cancels, droppedBy(agents), closedBy({&*c}, gens));
+               w.tally(), ran, cancels, agents, {&*c}, gens);
   RecordProperty("seed", std::to_string(soakSeed()));
   RecordProperty("figures", w.tally().summary());
   for (auto& g : gen) g->rx->shutdown();
