@@ -3,7 +3,7 @@ BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHXFER_BUILD_TESTS=ON -DHXFER_BUILD_BENCHMARKS=ON
 
-.PHONY: all deps configure build test test-asan test-tsan demo bench fuzz format clean
+.PHONY: all deps configure build test test-asan test-tsan soak demo bench fuzz format clean
 
 all: build
 
@@ -34,9 +34,18 @@ test-tsan: deps
 	@cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DHXFER_BUILD_TESTS=ON \
 	  -DHXFER_SANITIZE=thread >/dev/null
 	@cmake --build build-tsan -j $(JOBS) --target cache_test transport_test transport_hostile_test engine_routing_test \
-	  engine_transceiver_test engine_reliability_test
+	  engine_transceiver_test engine_reliability_test engine_soak_test
 	cd build-tsan && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" UCX_MEM_MMAP_HOOK_MODE=none \
 	  ctest --output-on-failure -j $(JOBS) --timeout 900 -L '^(cache|transport|engine)$$'
+
+# The bounded soak, longer: every scenario of engine_soak_test (4 in-process fault runs, 4 with
+# rank kills) gets SOAK_SECONDS of faults. SOAK_SEED replays a schedule (printed at the start of
+# every scenario and in every failure).
+SOAK_SECONDS ?= 300
+soak: configure
+	@cmake --build $(BUILD_DIR) -j $(JOBS) --target engine_soak_test
+	HXFER_SOAK_SECONDS=$(SOAK_SECONDS) $(if $(SOAK_SEED),HXFER_SOAK_SEED=$(SOAK_SEED)) \
+	  $(BUILD_DIR)/src/engine/engine_soak_test
 
 demo: build
 	$(BUILD_DIR)/hxfer demo
