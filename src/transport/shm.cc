@@ -632,22 +632,25 @@ class ShmAgent final : public Agent {
   // copy of the peer into those regions can still run.
   // Peers that never authenticated were never announced: they leave no kPeerLost either.
   void markLost(const std::shared_ptr<ShmPeer>& p, const Status& why, bool queue_event = true) {
-    if (p->lost.exchange(true)) return;
-    if (!p->authenticated) ++auth_failures_;  // a handshake that ended before it succeeded
-    {
-      std::lock_guard<std::mutex> lock(p->send_mu);
-      if (!p->linger) dropQueueLocked(*p);
-    }
-    queue_event = queue_event && p->authenticated;
     bool exported = false;
     {
+      // `lost` and the deferred announcement change together under mu_: the progress thread
+      // (finishClosing) must never see a lost peer whose kPeerLost is not recorded yet, or it
+      // closes the peer without one and the user keeps a connection that is gone.
       std::lock_guard<std::mutex> lock(mu_);
+      if (p->lost.exchange(true)) return;
+      if (!p->authenticated) ++auth_failures_;  // a handshake that ended before it succeeded
+      queue_event = queue_event && p->authenticated;
       if (p->refusal.isOk()) p->refusal = why;
       p->imported.clear();
       p->declared.clear();
       exported = p->ready && std::any_of(regions_.begin(), regions_.end(),
                                          [](const auto& r) { return r.second.exported; });
       if (queue_event && exported) lost_pending_[p->id] = why;
+    }
+    {
+      std::lock_guard<std::mutex> lock(p->send_mu);
+      if (!p->linger) dropQueueLocked(*p);
     }
     ack_cv_.notify_all();
     if (queue_event && !exported) events_.push(Event{Event::Kind::kPeerLost, p->id, {}, why});
