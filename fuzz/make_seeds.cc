@@ -1,6 +1,7 @@
 // Writes the fuzzers' seed corpus: valid encodings from the wire examples.
 //   hxfer_fuzz_seeds DIR   ->  DIR/wire_message/<example>.bin   (frames of every message type)
 //                              DIR/rank_info/<model>_tp<T>_pp<P>_r<R>_<layout>.bin
+//                              DIR/rank_info/<model>_tp2_r1_<engine layout>.bin
 // Deterministic: the same build writes the same files, so the checked-in corpus can be
 // regenerated and diffed.
 #include <cstdio>
@@ -57,6 +58,24 @@ int main(int argc, char** argv) {
         if (!write(root / "rank_info" / (name + ".bin"), encodeRankInfo(*info))) return 1;
         ++files;
       }
+    }
+  }
+  // Every engine layout (described records, rank_info.records) at tp 2, rank 1.
+  for (const ModelSpec& model : examples::models()) {
+    for (const EngineLayout& e : allEngineLayouts()) {
+      if (e.engine == Engine::kHxfer) continue;  // above
+      auto info = examples::rankInfo(model, {2, 1, {}}, 1, e, InstanceRole::kGeneration);
+      if (!info.isOk()) {
+        std::fprintf(stderr, "%s %s: %s\n", model.name.c_str(), e.toString().c_str(),
+                     info.status().toString().c_str());
+        return 1;
+      }
+      std::string name = model.name + "_tp2_r1_" + e.toString();
+      for (char& c : name) {
+        if (c == '(' || c == ')' || c == ',' || c == '=') c = '_';
+      }
+      if (!write(root / "rank_info" / (name + ".bin"), encodeRankInfo(*info))) return 1;
+      ++files;
     }
   }
   std::printf("wrote %d seed files under %s\n", files, root.c_str());

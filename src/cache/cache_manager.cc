@@ -87,13 +87,19 @@ Status TransferLease::release() {
 StatusOr<std::unique_ptr<HybridCacheManager>> HybridCacheManager::create(
     const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank, uint32_t pp_rank,
     StateLayout state_layout, Capacity capacity, Region::Backing backing) {
+  return create(model, pc, tp_rank, pp_rank, EngineLayout{Engine::kHxfer, state_layout},
+                capacity, backing);
+}
+
+StatusOr<std::unique_ptr<HybridCacheManager>> HybridCacheManager::create(
+    const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank, uint32_t pp_rank,
+    const EngineLayout& engine, Capacity capacity, Region::Backing backing) {
   // A one-page probe says which pools the rank has and what a block and a slot cost.
-  ASSIGN_OR_RETURN(RankLayout probe,
-                   buildRankLayout(model, pc, tp_rank, pp_rank, state_layout, 1, 1));
+  ASSIGN_OR_RETURN(RankLayout probe, buildEngineLayout(model, pc, tp_rank, pp_rank, engine, 1, 1));
   uint32_t blocks = 0, slots = 0;
   RETURN_IF_ERROR(resolveCapacity(probe, capacity, &blocks, &slots));
   ASSIGN_OR_RETURN(RankLayout layout,
-                   buildRankLayout(model, pc, tp_rank, pp_rank, state_layout, blocks, slots));
+                   buildEngineLayout(model, pc, tp_rank, pp_rank, engine, blocks, slots));
   std::vector<std::unique_ptr<Region>> regions;
   regions.reserve(layout.regions.size());
   for (const RegionSpec& spec : layout.regions) {

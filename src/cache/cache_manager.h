@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "cache/id_pool.h"
+#include "cache/engine_layout.h"
 #include "cache/layout.h"
 #include "cache/region.h"
 #include "common/status.h"
@@ -127,6 +128,12 @@ class HybridCacheManager {
   static StatusOr<std::unique_ptr<HybridCacheManager>> create(
       const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank, uint32_t pp_rank,
       StateLayout state_layout, Capacity capacity,
+      Region::Backing backing = Region::Backing::kAnonymous);
+  // The same with the pools laid out as `engine` keeps them (engine_layout.h); errors also
+  // those of buildEngineLayout.
+  static StatusOr<std::unique_ptr<HybridCacheManager>> create(
+      const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank, uint32_t pp_rank,
+      const EngineLayout& engine, Capacity capacity,
       Region::Backing backing = Region::Backing::kAnonymous);
 
   HybridCacheManager(const HybridCacheManager&) = delete;

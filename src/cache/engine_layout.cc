@@ -35,6 +35,22 @@ std::string EngineLayout::toString() const {
   }
 }
 
+std::vector<EngineLayout> allEngineLayouts() {
+  std::vector<EngineLayout> out = {{Engine::kHxfer, StateLayout::kPaged},
+                                   {Engine::kHxfer, StateLayout::kLayerMajor},
+                                   {Engine::kTrtllmV1}};
+  for (KvOrder kv : {KvOrder::kHnd, KvOrder::kNhd}) {
+    out.push_back({Engine::kTrtllmV2, StateLayout::kPaged, kv});
+  }
+  for (KvOrder kv : {KvOrder::kNhd, KvOrder::kHnd}) {
+    for (ConvOrder conv : {ConvOrder::kSd, ConvOrder::kDs}) {
+      out.push_back({Engine::kVllm, StateLayout::kPaged, kv, conv});
+    }
+  }
+  out.push_back({Engine::kSglang});
+  return out;
+}
+
 StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_view kv,
                                          std::string_view conv, std::string_view state) {
   EngineLayout out;

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "cache/layout.h"
 #include "common/status.h"
@@ -55,6 +56,10 @@ struct EngineLayout {
 // also for an option the engine does not have.
 StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_view kv = "",
                                          std::string_view conv = "", std::string_view state = "");
+
+// Every engine layout with every option value, in a fixed order: hxfer(paged),
+// hxfer(layer-major), trtllm-v1, trtllm-v2 hnd and nhd, vllm nhd/hnd x sd/ds, sglang.
+std::vector<EngineLayout> allEngineLayouts();
 
 // The layout of rank (tp_rank, pp_rank) in `layout` with the given capacities (blocks for kv,
 // slots for state). Errors: as buildRankLayout, and for vllm a Mamba page larger than the

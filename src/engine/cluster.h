@@ -27,6 +27,9 @@ struct ClusterOptions {
   ParallelConfig ctx, gen;
   StateLayout ctx_layout = StateLayout::kPaged;
   StateLayout gen_layout = StateLayout::kPaged;
+  // When set, the side's pools are laid out as that engine keeps them (ctx_layout / gen_layout
+  // then unused).
+  std::optional<EngineLayout> ctx_engine, gen_engine;
   std::string backend = "inproc";
   uint32_t blocks = 64;  // per rank
   uint32_t slots = 8;    // per rank

@@ -263,6 +263,11 @@ void ContextSender::onHelloLocked(Peer& peer, wire::Hello hello) {
                                     " != generation"));
     return;
   }
+  if (Status s = wire::checkPeerReadsLayout(self_.layout, hello.rank_info.version_minor);
+      !s.isOk()) {
+    refuseLocked(peer, s);
+    return;
+  }
   auto planner = Planner::createForSource(self_.layout, hello.rank_info.layout);
   if (!planner.isOk()) {
     refuseLocked(peer, planner.status());

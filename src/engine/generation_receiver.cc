@@ -513,6 +513,10 @@ void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
                         " pp=" + std::to_string(options_.ctx_parallel.pp)));
     return;
   }
+  if (Status s = wire::checkPeerReadsLayout(self_.layout, info.version_minor); !s.isOk()) {
+    refuse(s);
+    return;
+  }
   auto planner = Planner::createForSource(info.layout, self_.layout);
   if (!planner.isOk()) {
     refuse(planner.status());

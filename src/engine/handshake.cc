@@ -30,7 +30,13 @@ StatusOr<std::vector<uint32_t>> overlappingContextRanks(const ModelSpec& model,
       ctx.push_back(std::move(l));
     }
   }
-  ASSIGN_OR_RETURN(Planner planner, Planner::create(std::move(ctx), gen));
+  // Which ranks overlap depends on layers and units only, never on how either side orders its
+  // bytes: both sides in hxfer's own layout (an engine layout of the real one may order
+  // elements differently, which only a transfer plan must handle).
+  ASSIGN_OR_RETURN(RankLayout gen_shape,
+                   shapeLayout(model, {gen.tp, gen.pp, gen.layers_per_stage}, gen.tp_rank,
+                               gen.pp_rank, StateLayout::kPaged));
+  ASSIGN_OR_RETURN(Planner planner, Planner::create(std::move(ctx), gen_shape));
   std::vector<uint32_t> out;
   for (const auto& s : planner.sources()) {
     const RankLayout& c = planner.ctxLayouts()[s.ctx_index];
@@ -44,11 +50,15 @@ StatusOr<std::vector<uint32_t>> overlappingGenerationRanks(const ModelSpec& mode
                                                            const RankLayout& ctx,
                                                            const RankLayout& gen_any) {
   ParallelConfig gen_pc{gen_any.tp, gen_any.pp, gen_any.layers_per_stage};
+  // As above: shapes on both sides.
+  ASSIGN_OR_RETURN(RankLayout ctx_shape,
+                   shapeLayout(model, {ctx.tp, ctx.pp, ctx.layers_per_stage}, ctx.tp_rank,
+                               ctx.pp_rank, StateLayout::kPaged));
   std::vector<uint32_t> out;
   for (uint32_t p = 0; p < gen_pc.pp; ++p) {
     for (uint32_t t = 0; t < gen_pc.tp; ++t) {
-      ASSIGN_OR_RETURN(RankLayout g, shapeLayout(model, gen_pc, t, p, gen_any.state_layout));
-      ASSIGN_OR_RETURN(Planner planner, Planner::createForSource(ctx, std::move(g)));
+      ASSIGN_OR_RETURN(RankLayout g, shapeLayout(model, gen_pc, t, p, StateLayout::kPaged));
+      ASSIGN_OR_RETURN(Planner planner, Planner::createForSource(ctx_shape, std::move(g)));
       if (!planner.sources().empty()) out.push_back(p * gen_pc.tp + t);
     }
   }

@@ -237,14 +237,22 @@ struct CtxRank {
 };
 
 // Starts context rank `rank` of `pc` listening on `listen`. `wrap` may decorate its agent.
+// hxfer's own layouts by StateLayout, or any engine layout.
+struct LayoutChoice {
+  EngineLayout engine;
+  LayoutChoice(StateLayout s) : engine{Engine::kHxfer, s} {}  // NOLINT: implicit on purpose
+  LayoutChoice(EngineLayout e) : engine(e) {}                 // NOLINT
+};
+
 StatusOr<CtxRank> startContext(
     const ModelSpec& model, const ParallelConfig& pc, uint32_t rank, const std::string& listen,
-    StateLayout layout, Capacity capacity,
+    LayoutChoice layout, Capacity capacity,
     std::function<std::unique_ptr<Agent>(std::unique_ptr<Agent>)> wrap = nullptr,
     const std::string& token = "", std::function<void(ContextSender::Options&)> tune = nullptr) {
   CtxRank c;
-  ASSIGN_OR_RETURN(c.cache, HybridCacheManager::create(model, pc, rank % pc.tp, rank / pc.tp,
-                                                       layout, capacity, Region::Backing::kMemfd));
+  ASSIGN_OR_RETURN(c.cache,
+                   HybridCacheManager::create(model, pc, rank % pc.tp, rank / pc.tp, layout.engine,
+                                              capacity, Region::Backing::kMemfd));
   ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent,
                    shmAgent(listen, "ctx" + std::to_string(rank), token));
   if (wrap) agent = wrap(std::move(agent));
@@ -1643,6 +1651,34 @@ struct RawGeneration {
     return false;
   }
 };
+
+// A context rank in an engine layout (described records, wire 1.3) refuses a generation peer
+// older than 1.3, which would read its records in hxfer's own order; a 1.3 peer is served.
+TEST(EngineLayouts, PeerOlderThanTheRecordsMinorIsRefusedAndACurrentOneIsServed) {
+  LogCapture logs;
+  const ModelSpec model = tinyModel();
+  const std::string name = uniqueName("ctx");
+  // conv DS: the raw peer holds hxfer's order, and SD against it would need staging.
+  auto c = startContext(model, kTp1, 0, name, *parseEngineLayout("vllm", "nhd", "ds"),
+                        Capacity::counts(128, 32), nullptr, "secret");
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  auto old_peer = RawGeneration::make(model, kTp1, 0, "gen-old");
+  ASSERT_TRUE(old_peer);
+  old_peer->info.version_minor = wire::kRecordsMinor - 1;
+  auto refused = old_peer->connect(shmAddress(name), 1);
+  ASSERT_FALSE(refused.isOk());
+  EXPECT_NE(refused.status().message().find("engine layouts need 1.3 or later"), std::string::npos)
+      << refused.status().toString();
+  EXPECT_TRUE(logs.has({"refusing generation peer", "peer speaks 1.2"})) << logs.all();
+
+  auto current = RawGeneration::make(model, kTp1, 0, "gen-new");
+  ASSERT_TRUE(current);
+  ASSERT_TRUE(current->connect(shmAddress(name), 2).isOk());
+  auto done = current->ask(wire::Message{current->request(5, 1, {0, 1})});
+  ASSERT_TRUE(done.isOk()) << done.status().toString();
+  EXPECT_TRUE(done->status.isOk()) << done->status.toString();
+  EXPECT_GT(done->bytes, 0u);
+}
 
 // Finding 8: a request id used again while the context rank still holds the first request, or
 // asked for by another generation instance, is refused; the old request's state is never

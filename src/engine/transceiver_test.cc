@@ -120,6 +120,33 @@ TEST_P(Transceiver, MixedLayoutsMapOntoEachOther) {
   expectPagesFree(*c);
 }
 
+// Engine layouts on both sides: the RankInfos carry the described records (wire 1.3), both
+// sides plan from them, and the oracle checks every byte in the generation engine's order.
+TEST_P(Transceiver, EngineLayoutsOnBothSidesMoveEveryByte) {
+  struct Case {
+    const char *ctx_engine, *ctx_kv, *ctx_conv, *gen_engine, *gen_kv, *gen_conv;
+    ParallelConfig ctx, gen;
+  };
+  const Case cases[] = {
+      {"vllm", "nhd", "sd", "vllm", "hnd", "sd", {2, 1, {}}, {1, 1, {}}},
+      {"sglang", "", "", "trtllm-v2", "nhd", "", {1, 1, {}}, {2, 1, {}}},
+      {"trtllm-v1", "", "", "vllm", "hnd", "ds", {1, 2, {}}, {2, 1, {}}},
+  };
+  for (const Case& k : cases) {
+    auto o = baseOptions(GetParam(), k.ctx, k.gen);
+    o.ctx_engine = *parseEngineLayout(k.ctx_engine, k.ctx_kv, k.ctx_conv);
+    o.gen_engine = *parseEngineLayout(k.gen_engine, k.gen_kv, k.gen_conv);
+    SCOPED_TRACE(o.ctx_engine->toString() + " -> " + o.gen_engine->toString());
+    auto c = make(o);
+    ASSERT_NE(c, nullptr);
+    bool described = false;
+    for (const PoolView& v : c->genCaches()[0]->layout().views) described |= v.record.has_value();
+    EXPECT_TRUE(described);
+    transferAndVerify(*c, 1, 3, 70);
+    expectPagesFree(*c);
+  }
+}
+
 TEST_P(Transceiver, PrefixBlocksAreNotSent) {
   auto c = make(baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}}));
   ASSERT_NE(c, nullptr);

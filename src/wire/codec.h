@@ -25,8 +25,8 @@ namespace hxfer::wire {
 // docs/wire-format.md "Versions"); another major is refused.
 inline constexpr uint16_t kWireVersionMajor = 1;
 // 1: transfer_done.aux. 2: hello.incarnation, epochs in transfer_request / transfer_done /
-// cancel, status code 11 (expired).
-inline constexpr uint16_t kWireVersionMinor = 2;
+// cancel, status code 11 (expired). 3: rank_info.records (engine layouts, record_layout.h).
+inline constexpr uint16_t kWireVersionMinor = 3;
 
 // Limits (all inclusive). Changing one is a format change: document it.
 inline constexpr uint64_t kMaxFrameBodyBytes = 16u << 20;  // one message body
@@ -44,6 +44,8 @@ inline constexpr uint64_t kMaxTokensPerBlock = 1u << 20;
 inline constexpr uint64_t kMaxRegions = 4096;
 inline constexpr uint64_t kMaxViews = 4096;
 inline constexpr uint64_t kMaxSections = 64;  // per view
+inline constexpr uint64_t kMaxRecordDims = 16;  // dims of one described record
+inline constexpr uint64_t kMaxElementBytes = 16;  // element size of a described record
 inline constexpr uint64_t kMaxBlockIds = 1u << 20;
 // Region lengths, offsets, strides and unit sizes: 2^48 bytes (256 TiB) keeps every sum of two
 // of them far from overflowing 64 bits in the planner and the transports.

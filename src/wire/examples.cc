@@ -70,10 +70,15 @@ std::vector<ModelSpec> models() {
 
 StatusOr<RankInfo> rankInfo(const ModelSpec& model, const ParallelConfig& pc, uint32_t rank,
                             StateLayout layout, InstanceRole role) {
+  return rankInfo(model, pc, rank, EngineLayout{Engine::kHxfer, layout}, role);
+}
+
+StatusOr<RankInfo> rankInfo(const ModelSpec& model, const ParallelConfig& pc, uint32_t rank,
+                            const EngineLayout& engine, InstanceRole role) {
   if (pc.tp == 0) return InvalidArgument("tp=0");
   RankInfo info;
   ASSIGN_OR_RETURN(info.layout,
-                   buildRankLayout(model, pc, rank % pc.tp, rank / pc.tp, layout, 6, 3));
+                   buildEngineLayout(model, pc, rank % pc.tp, rank / pc.tp, engine, 6, 3));
   info.role = role;
   info.instance_id = std::string(role == InstanceRole::kContext ? "ctx-" : "gen-") + model.name;
   const std::string address = "unix:@hxfer-" + info.instance_id + "-r" + std::to_string(rank);

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "cache/engine_layout.h"
 #include "cache/layout.h"
 #include "model/model.h"
 #include "wire/messages.h"
@@ -27,6 +28,9 @@ std::vector<ModelSpec> models();
 // blocks and slots, an address, and a transport key on every other region.
 StatusOr<RankInfo> rankInfo(const ModelSpec& model, const ParallelConfig& pc, uint32_t rank,
                             StateLayout layout, InstanceRole role);
+// The same with the cache laid out as `engine` keeps it (cache/engine_layout.h).
+StatusOr<RankInfo> rankInfo(const ModelSpec& model, const ParallelConfig& pc, uint32_t rank,
+                            const EngineLayout& engine, InstanceRole role);
 
 // Named examples of every message type (Hello with and without a token, requests with and
 // without a slot and aux, Done ok / failed / with checksum, Cancel, Error).

@@ -1,5 +1,6 @@
 #include "wire/rank_info.h"
 
+#include <algorithm>
 #include <string>
 
 namespace hxfer::wire {
@@ -37,6 +38,24 @@ std::string versionText(uint16_t major, uint16_t minor) {
 Status over(const std::string& field, uint64_t value, uint64_t limit) {
   return Corruption(field + "=" + std::to_string(value) + " exceeds the limit " +
                     std::to_string(limit));
+}
+
+Status checkRecordLimits(const RecordLayout& r, const std::string& path) {
+  if (r.element_bytes == 0 || r.element_bytes > kMaxElementBytes) {
+    return Corruption(path + "element_bytes=" + std::to_string(r.element_bytes) +
+                      " is not in [1, " + std::to_string(kMaxElementBytes) + "]");
+  }
+  if (r.dims.empty() || r.dims.size() > kMaxRecordDims) {
+    return Corruption(path + "dims.count=" + std::to_string(r.dims.size()) + " is not in [1, " +
+                      std::to_string(kMaxRecordDims) + "]");
+  }
+  for (size_t i = 0; i < r.dims.size(); ++i) {
+    const RecordDim& d = r.dims[i];
+    const std::string at = path + "dims[" + std::to_string(i) + "].";
+    if (d.name.size() > kMaxNameBytes) return over(at + "name.length", d.name.size(), kMaxNameBytes);
+    if (d.stride > kMaxRegionBytes) return over(at + "stride", d.stride, kMaxRegionBytes);
+  }
+  return OkStatus();
 }
 
 // The limits the decoder enforces while reading, re-checked on a whole value so that a locally
@@ -91,6 +110,7 @@ Status checkLayoutLimits(const RankLayout& l, const std::string& path) {
                           std::to_string(kMaxRegionBytes) + " bytes");
       }
     }
+    if (v.record) RETURN_IF_ERROR(checkRecordLimits(*v.record, at + "record."));
     const std::pair<const char*, uint64_t> sizes[] = {{"record_bytes", v.record_bytes},
                                                       {"base", v.base},
                                                       {"index_stride", v.index_stride},
@@ -217,6 +237,42 @@ Status readLayout(WireReader& r, RankLayout* l) {
   return OkStatus();
 }
 
+// rank_info.records (minor 3): the described records of the views, by ascending view index.
+Status readRecords(WireReader& r, RankLayout* l) {
+  size_t n = 0;
+  // Smallest entry: view, element_bytes, one dim of an empty name, size and stride = 6 bytes.
+  RETURN_IF_ERROR(r.count("records.count", l->views.size(), 6, &n));
+  size_t next_view = 0;  // views below it have been given a record or skipped
+  for (size_t i = 0; i < n; ++i) {
+    auto el = r.element("records", i);
+    uint32_t view = 0;
+    RETURN_IF_ERROR(r.varint32("view", kMaxViews, &view));
+    if (view < next_view || view >= l->views.size()) {
+      return Corruption(r.name("view") + "=" + std::to_string(view) +
+                        (view >= l->views.size()
+                             ? " names no view (the layout has " +
+                                   std::to_string(l->views.size()) + ")"
+                             : " is not above the previous entry's view " +
+                                   std::to_string(next_view - 1)));
+    }
+    next_view = size_t{view} + 1;
+    RecordLayout rec;
+    RETURN_IF_ERROR(r.varint32("element_bytes", kMaxElementBytes, &rec.element_bytes));
+    size_t dims = 0;
+    // Smallest dim: empty name, size, stride = 3 bytes.
+    RETURN_IF_ERROR(r.count("dims.count", kMaxRecordDims, 3, &dims));
+    rec.dims.resize(dims);
+    for (size_t d = 0; d < dims; ++d) {
+      auto del = r.element("dims", d);
+      RETURN_IF_ERROR(r.string("name", kMaxNameBytes, &rec.dims[d].name));
+      RETURN_IF_ERROR(r.varint32("size", UINT32_MAX, &rec.dims[d].size));
+      RETURN_IF_ERROR(r.varint("stride", kMaxRegionBytes, &rec.dims[d].stride));
+    }
+    l->views[view].record = std::move(rec);
+  }
+  return OkStatus();
+}
+
 Status checkRankInfoAt(const RankInfo& info, const std::string& path) {
   if (info.version_major != kWireVersionMajor) {
     return Incompatible(path + "version: peer speaks " +
@@ -233,6 +289,16 @@ Status checkRankInfoAt(const RankInfo& info, const std::string& path) {
   }
   if (info.address.size() > kMaxAddressBytes) {
     return over(path + "address.length", info.address.size(), kMaxAddressBytes);
+  }
+  if (info.version_minor < kRecordsMinor) {
+    for (size_t i = 0; i < info.layout.views.size(); ++i) {
+      if (info.layout.views[i].record) {
+        return Corruption(path + "layout.views[" + std::to_string(i) +
+                          "].record: a described record needs version_minor >= " +
+                          std::to_string(kRecordsMinor) + " (this rank_info says " +
+                          std::to_string(info.version_minor) + ")");
+      }
+    }
   }
   RETURN_IF_ERROR(checkLayoutLimits(info.layout, path + "layout."));
   Status valid = info.layout.validate();
@@ -260,16 +326,21 @@ Status checkRankInfoAt(const RankInfo& info, const std::string& path) {
 
 }  // namespace
 
-Status checkRankInfo(const RankInfo& info) {
-  // Engine record layouts (cache/record_layout.h) have no wire form yet: refuse rather than
-  // publish a layout the peer would read as hxfer's own order.
-  for (size_t i = 0; i < info.layout.views.size(); ++i) {
-    if (info.layout.views[i].record) {
-      return InvalidArgument("rank_info.layout.views[" + std::to_string(i) +
-                             "]: a described record (engine layout) cannot travel yet");
-    }
+Status checkRankInfo(const RankInfo& info) { return checkRankInfoAt(info, "rank_info."); }
+
+Status checkPeerReadsLayout(const RankLayout& self, uint16_t peer_minor) {
+  if (peer_minor >= kRecordsMinor) return OkStatus();
+  for (size_t i = 0; i < self.views.size(); ++i) {
+    const PoolView& v = self.views[i];
+    if (!v.record) continue;
+    return Incompatible("peer speaks " + versionText(kWireVersionMajor, peer_minor) +
+                        ", which reads every record in hxfer's own order, but this rank's views[" +
+                        std::to_string(i) + "] (" + std::string(roleName(v.role)) + " of layer " +
+                        std::to_string(v.layers.front()) + ") is an engine layout (" +
+                        v.record->toString() + "); engine layouts need " +
+                        versionText(kWireVersionMajor, kRecordsMinor) + " or later");
   }
-  return checkRankInfoAt(info, "rank_info.");
+  return OkStatus();
 }
 
 void encodeRankInfo(const RankInfo& info, Bytes& out) {
@@ -283,6 +354,22 @@ void encodeRankInfo(const RankInfo& info, Bytes& out) {
   for (const RegionKey& k : info.region_keys) {
     putVarint64(out, k.region_id);
     putBytes(out, k.key);
+  }
+  if (info.version_minor < kRecordsMinor) return;
+  const std::vector<PoolView>& views = info.layout.views;
+  putVarint64(out, std::count_if(views.begin(), views.end(),
+                                 [](const PoolView& v) { return v.record.has_value(); }));
+  for (size_t i = 0; i < views.size(); ++i) {
+    if (!views[i].record) continue;
+    const RecordLayout& r = *views[i].record;
+    putVarint64(out, i);
+    putVarint64(out, r.element_bytes);
+    putVarint64(out, r.dims.size());
+    for (const RecordDim& d : r.dims) {
+      putString(out, d.name);
+      putVarint64(out, d.size);
+      putVarint64(out, d.stride);
+    }
   }
 }
 
@@ -321,6 +408,7 @@ StatusOr<RankInfo> decodeRankInfo(std::span<const uint8_t> in, std::string path)
     RETURN_IF_ERROR(r.varint32("region_id", UINT32_MAX, &info.region_keys[i].region_id));
     RETURN_IF_ERROR(r.bytes("key", kMaxKeyBytes, &info.region_keys[i].key));
   }
+  if (info.version_minor >= kRecordsMinor) RETURN_IF_ERROR(readRecords(r, &info.layout));
   // A newer minor may append fields this build does not know: skip them. Same or older minor:
   // the body must end exactly here.
   if (info.version_minor > kWireVersionMinor) {

@@ -59,6 +59,14 @@ struct RankInfo {
 // RankInfo to get the refusal a peer would give). Errors are Corruption naming the field.
 Status checkRankInfo(const RankInfo& info);
 
+// The first minor whose rank_info carries described records (engine layouts, "records").
+inline constexpr uint16_t kRecordsMinor = 3;
+
+// Whether a peer speaking `peer_minor` of this major reads `self` as it is: a peer older than
+// kRecordsMinor drops the described records and would read every record in hxfer's own order,
+// so a layout with one is Incompatible with it (naming the view and both versions).
+Status checkPeerReadsLayout(const RankLayout& self, uint16_t peer_minor);
+
 // The rank_info grammar. REQUIRES: checkRankInfo(info) is ok (otherwise a peer refuses it).
 void encodeRankInfo(const RankInfo& info, Bytes& out);
 Bytes encodeRankInfo(const RankInfo& info);

@@ -5,7 +5,10 @@
 #include <atomic>
 #include <cstdlib>
 #include <new>
+#include <tuple>
 
+#include "cache/engine_layout.h"
+#include "common/coding.h"
 #include "model/presets.h"
 #include "wire/examples.h"
 
@@ -234,8 +237,9 @@ TEST(RankInfo, CountWithinItsLimitButBeyondTheInputIsRefusedWithoutAllocating) {
   info.layout.views.clear();
   info.region_keys.clear();
   Bytes bytes = encodeRankInfo(info);
-  // Replace the trailing "views.count=0, region_keys.count=0" by views.count=4096 and nothing.
-  bytes.resize(bytes.size() - 2);
+  // Replace the trailing "views.count=0, region_keys.count=0, records.count=0" by
+  // views.count=4096 and nothing.
+  bytes.resize(bytes.size() - 3);
   putVarint64(bytes, 4096);
   g_largest = 0;
   g_track = true;
@@ -326,6 +330,266 @@ TEST(RankInfo, CheckRankInfoGivesALocalValueThePeersVerdict) {
   EXPECT_NE(s.message().find("rank_info.instance_id.length=1025"), std::string::npos)
       << s.message();
   EXPECT_FALSE(decodeRankInfo(encodeRankInfo(info)).isOk());
+}
+
+// Engine layouts (minor 3): the described records travel in rank_info.records.
+
+RankInfo engineSample(std::string_view engine = "vllm", std::string_view kv = "",
+                      std::string_view conv = "") {
+  auto layout = parseEngineLayout(engine, kv, conv);
+  EXPECT_TRUE(layout.isOk()) << layout.status().toString();
+  auto info = examples::rankInfo(examples::models()[0], {2, 1, {}}, 1, *layout,
+                                 InstanceRole::kGeneration);
+  EXPECT_TRUE(info.isOk()) << info.status().toString();
+  return *info;
+}
+
+size_t describedViews(const RankInfo& info) {
+  size_t n = 0;
+  for (const PoolView& v : info.layout.views) n += v.record.has_value();
+  return n;
+}
+
+TEST(RankInfo, EveryEngineLayoutOfEveryExampleModelRoundTripsWithItsRecords) {
+  size_t infos = 0, described = 0;
+  for (const ModelSpec& m : examples::models()) {
+    for (const EngineLayout& e : allEngineLayouts()) {
+      for (auto [tp, pp] : {std::pair{1u, 1u}, {2u, 1u}, {4u, 2u}}) {
+        for (uint32_t rank = 0; rank < tp * pp; ++rank) {
+          auto info = examples::rankInfo(m, {tp, pp, {}}, rank, e, InstanceRole::kContext);
+          ASSERT_TRUE(info.isOk()) << m.name << " " << e.toString() << " tp=" << tp
+                                   << " pp=" << pp << ": " << info.status().toString();
+          ASSERT_TRUE(checkRankInfo(*info).isOk()) << checkRankInfo(*info).toString();
+          auto got = decodeRankInfo(encodeRankInfo(*info));
+          ASSERT_TRUE(got.isOk()) << m.name << " " << e.toString() << ": "
+                                  << got.status().toString();
+          ASSERT_EQ(*got, *info) << m.name << " " << e.toString();
+          ++infos;
+          described += describedViews(*info);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(infos, examples::models().size() * allEngineLayouts().size() * (1 + 2 + 8));
+  EXPECT_GT(described, infos);  // most engine layouts describe several views of each rank
+}
+
+TEST(RankInfo, HxferLayoutsCarryNoRecordsAndAnEmptyRecordsList) {
+  RankInfo info = sample();
+  ASSERT_EQ(describedViews(info), 0u);
+  RankInfo older = info;
+  older.version_minor = kRecordsMinor - 1;
+  // The only difference at minor 3 is the trailing records.count = 0.
+  const Bytes now = encodeRankInfo(info), before = encodeRankInfo(older);
+  ASSERT_EQ(now.size(), before.size() + 1);
+  EXPECT_EQ(now.back(), 0);
+  auto got = decodeRankInfo(before);
+  ASSERT_TRUE(got.isOk()) << got.status().toString();
+  EXPECT_EQ(*got, older);
+}
+
+TEST(RankInfo, DescribedRecordNeedsMinorThreeAndAnOlderPeerIsRefusedNamingTheView) {
+  RankInfo info = engineSample();
+  ASSERT_GT(describedViews(info), 0u);
+  info.version_minor = kRecordsMinor - 1;
+  Status s = checkRankInfo(info);
+  EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  EXPECT_NE(s.message().find("record: a described record needs version_minor >= 3"),
+            std::string::npos)
+      << s.message();
+  // A 1.2 encoding of the same layout drops the records; a 1.3 reader reads hxfer's order
+  // back, which validate() refuses (its records are laid out otherwise) or, where the bytes
+  // agree, is a different layout: never the described one.
+  Bytes old_bytes;
+  {
+    RankInfo stripped = info;
+    for (PoolView& v : stripped.layout.views) v.record.reset();
+    old_bytes = encodeRankInfo(stripped);
+  }
+  auto got = decodeRankInfo(old_bytes);
+  if (got.isOk()) {
+    EXPECT_NE(got->layout, engineSample().layout);
+  }
+
+  const RankLayout self = engineSample().layout;
+  Status peer = checkPeerReadsLayout(self, 2);
+  EXPECT_EQ(peer.code(), StatusCode::kIncompatible);
+  EXPECT_NE(peer.message().find("peer speaks 1.2, which reads every record in hxfer's own order"),
+            std::string::npos)
+      << peer.message();
+  EXPECT_NE(peer.message().find("views["), std::string::npos) << peer.message();
+  EXPECT_NE(peer.message().find("need 1.3 or later"), std::string::npos) << peer.message();
+  EXPECT_TRUE(checkPeerReadsLayout(self, 3).isOk());
+  EXPECT_TRUE(checkPeerReadsLayout(sample().layout, 0).isOk());
+}
+
+TEST(RankInfo, EverySingleByteChangeOfTheRecordsIsRefusedOrReencodesIdentically) {
+  for (auto [engine, kv, conv] : {std::tuple{"vllm", "hnd", "ds"}, {"sglang", "", ""},
+                                  {"trtllm-v2", "nhd", ""}}) {
+    const RankInfo info = engineSample(engine, kv, conv);
+    const Bytes good = encodeRankInfo(info);
+    RankInfo plain = info;
+    for (PoolView& v : plain.layout.views) v.record.reset();
+    // Everything after the (empty) records list of the same layout without descriptions.
+    const size_t from = encodeRankInfo(plain).size() - 1;
+    ASSERT_LT(from, good.size());
+    size_t accepted = 0, refused = 0;
+    Bytes bad = good;
+    for (size_t i = from; i < good.size(); ++i) {
+      for (int v = 0; v < 256; ++v) {
+        if (v == good[i]) continue;
+        bad[i] = static_cast<uint8_t>(v);
+        auto got = decodeRankInfo(bad);
+        if (got.isOk()) {
+          ++accepted;
+          ASSERT_EQ(encodeRankInfo(*got), bad) << engine << " byte " << i << " = " << v;
+        } else {
+          ++refused;
+          ASSERT_EQ(got.status().code(), StatusCode::kCorruption) << got.status().toString();
+        }
+      }
+      bad[i] = good[i];
+    }
+    EXPECT_GT(refused, 0u) << engine;
+    // Dim names are free bytes only where the name stays one of the logical names: almost
+    // every change is refused.
+    EXPECT_LT(accepted, refused / 10) << engine;
+    for (size_t n = from; n < good.size(); ++n) {
+      ASSERT_FALSE(decodeRankInfo(std::span<const uint8_t>(good.data(), n)).isOk())
+          << engine << ": prefix of " << n << " bytes accepted";
+    }
+  }
+}
+
+// Builds a rank_info whose records list is `records` (the bytes after region_keys).
+Bytes withRecords(const RankInfo& info, const Bytes& records) {
+  RankInfo plain = info;
+  for (PoolView& v : plain.layout.views) v.record.reset();
+  Bytes out = encodeRankInfo(plain);
+  out.pop_back();  // records.count = 0
+  out.insert(out.end(), records.begin(), records.end());
+  return out;
+}
+
+void putDim(Bytes& out, std::string_view name, uint64_t size, uint64_t stride) {
+  putString(out, std::string(name));
+  putVarint64(out, size);
+  putVarint64(out, stride);
+}
+
+TEST(RankInfo, HostileRecordsAreRefusedNamingTheField) {
+  const RankInfo info = sample();  // hxfer views: [0] kv, [1] conv, [2] ssm, ...
+  const PoolView& conv = info.layout.views[1];
+  ASSERT_EQ(conv.role, Role::kConv);
+  const ModelSpec model = examples::models()[0];
+  const uint32_t window =
+      innerSizes(model, model.layers[conv.layers.front()], Role::kConv).at(0);
+  const uint32_t el = static_cast<uint32_t>(dtypeSize(info.layout.conv_dtype));
+  const uint64_t channels = conv.record_bytes / el / window;
+  // (window, channel): vLLM's SD order.
+  auto sd = [&](Bytes& out) {
+    putVarint64(out, el);
+    putVarint64(out, 2);
+    putDim(out, "window", window, channels * el);
+    putDim(out, "channel", channels, el);
+  };
+  {
+    Bytes r;
+    putVarint64(r, 1);
+    putVarint64(r, 1);
+    sd(r);
+    auto got = decodeRankInfo(withRecords(info, r));
+    ASSERT_TRUE(got.isOk()) << got.status().toString();
+    ASSERT_TRUE(got->layout.views[1].record.has_value());
+    EXPECT_EQ(got->layout.views[1].record->toString().substr(0, 6), "window");
+  }
+  {  // two entries for one view
+    Bytes r;
+    putVarint64(r, 2);
+    putVarint64(r, 1);
+    sd(r);
+    putVarint64(r, 1);
+    sd(r);
+    expectCorruption(withRecords(info, r),
+                     "rank_info.records[1].view=1 is not above the previous entry's view 1");
+  }
+  {  // a view past the layout's
+    Bytes r;
+    putVarint64(r, 1);
+    putVarint64(r, info.layout.views.size());
+    sd(r);
+    expectCorruption(withRecords(info, r), "names no view (the layout has");
+  }
+  {  // more entries than views
+    Bytes r;
+    putVarint64(r, info.layout.views.size() + 1);
+    expectCorruption(withRecords(info, r), "rank_info.records.count");
+  }
+  {  // element size 0, and one of 17 bytes
+    for (uint64_t bytes : {0ull, 17ull}) {
+      Bytes r;
+      putVarint64(r, 1);
+      putVarint64(r, 1);
+      putVarint64(r, bytes);
+      putVarint64(r, 2);
+      putDim(r, "window", window, channels * el);
+      putDim(r, "channel", channels, el);
+      expectCorruption(withRecords(info, r), "element_bytes");
+    }
+  }
+  {  // 17 dims
+    Bytes r;
+    putVarint64(r, 1);
+    putVarint64(r, 1);
+    putVarint64(r, el);
+    putVarint64(r, 17);
+    for (int i = 0; i < 17; ++i) putDim(r, "window", 1, 1);
+    expectCorruption(withRecords(info, r), "rank_info.records[0].dims.count");
+  }
+  {  // a dim name the conv record does not have
+    Bytes r;
+    putVarint64(r, 1);
+    putVarint64(r, 1);
+    putVarint64(r, el);
+    putVarint64(r, 2);
+    putDim(r, "token", window, channels * el);
+    putDim(r, "channel", channels, el);
+    expectCorruption(withRecords(info, r), "token");
+  }
+  {  // strides that make two elements share a byte
+    Bytes r;
+    putVarint64(r, 1);
+    putVarint64(r, 1);
+    putVarint64(r, el);
+    putVarint64(r, 2);
+    putDim(r, "window", window, el);
+    putDim(r, "channel", channels, el);
+    auto got = decodeRankInfo(withRecords(info, r));
+    ASSERT_FALSE(got.isOk());
+    EXPECT_EQ(got.status().code(), StatusCode::kCorruption);
+  }
+  {  // a stride past the byte limit
+    Bytes r;
+    putVarint64(r, 1);
+    putVarint64(r, 1);
+    putVarint64(r, el);
+    putVarint64(r, 2);
+    putDim(r, "window", window, kMaxRegionBytes + 1);
+    putDim(r, "channel", channels, el);
+    expectCorruption(withRecords(info, r), "rank_info.records[0].dims[0].stride");
+  }
+  {  // a record whose span runs past its region
+    Bytes r;
+    putVarint64(r, 1);
+    putVarint64(r, 1);
+    putVarint64(r, el);
+    putVarint64(r, 2);
+    putDim(r, "window", window, uint64_t{1} << 40);
+    putDim(r, "channel", channels, el);
+    auto got = decodeRankInfo(withRecords(info, r));
+    ASSERT_FALSE(got.isOk());
+    EXPECT_EQ(got.status().code(), StatusCode::kCorruption) << got.status().toString();
+  }
 }
 
 TEST(RankInfo, InstanceRoleNamesParseBack) {
