@@ -87,6 +87,13 @@ Json layoutJson(const wire::RankInfo& info) {
     vj["index_stride"] = v.index_stride;
     vj["layer_stride"] = v.layer_stride;
     vj["num_indices"] = v.num_indices;
+    if (v.record) {
+      Json dims = Json::array();
+      for (const RecordDim& d : v.record->dims) {
+        dims.push_back(Json{{"name", d.name}, {"size", d.size}, {"stride", d.stride}});
+      }
+      vj["record"] = Json{{"element_bytes", v.record->element_bytes}, {"dims", std::move(dims)}};
+    }
     views.push_back(std::move(vj));
   }
   j["views"] = std::move(views);
@@ -205,6 +212,19 @@ void printHello(const Json& j) {
                formatIdList(v["layers"].get<std::vector<uint32_t>>()), secs});
   }
   views.print(stdout, 2);
+  // Engine layouts: where each element of a described record lies (docs/layouts.md).
+  i = 0;
+  for (const Json& v : l["views"]) {
+    const size_t view = i++;
+    if (!v.contains("record")) continue;
+    std::string dims;
+    for (const Json& d : v["record"]["dims"]) {
+      if (!dims.empty()) dims += ", ";
+      dims += str(d["name"]) + " " + str(d["size"]) + " @" + str(d["stride"]);
+    }
+    std::printf("  view %zu record: %s (element %s B)\n", view, dims.c_str(),
+                str(v["record"]["element_bytes"]).c_str());
+  }
 }
 
 void printHuman(const Json& j) {

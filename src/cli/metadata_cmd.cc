@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cache/cache_manager.h"
+#include "cache/engine_layout.h"
 #include "cli/commands.h"
 #include "cli/model_options.h"
 #include "wire/messages.h"
@@ -22,6 +23,7 @@ struct MetadataOptions {
   uint32_t pp = 1;
   uint32_t rank = 0;  // global: tp_rank = rank % tp, pp_rank = rank / tp
   std::string layout = "paged";
+  std::string engine = "hxfer", kv_layout, conv_layout;
   uint32_t blocks = 16;
   uint32_t slots = 4;
   std::string role = "context";
@@ -47,8 +49,9 @@ Status run(const MetadataOptions& o) {
     return InvalidArgument("--rank " + std::to_string(o.rank) +
                            " >= tp*pp=" + std::to_string(pc.worldSize()));
   }
-  auto layout = parseStateLayout(o.layout);
-  if (!layout.isOk()) return layout.status().withContext("--layout");
+  auto layout = parseEngineLayout(o.engine, o.kv_layout, o.conv_layout,
+                                  o.engine == "hxfer" ? o.layout : "");
+  if (!layout.isOk()) return layout.status().withContext("--engine");
   auto role = wire::parseInstanceRole(o.role);
   if (!role.isOk()) return role.status().withContext("--role");
 
@@ -87,6 +90,13 @@ void addMetadataCommand(CLI::App& app) {
       ->default_val(0);
   cmd->add_option("--layout", o->layout, "State layout: paged or layer-major")
       ->default_val("paged");
+  cmd->add_option("--engine", o->engine,
+                  "Engine layout of the pools: hxfer, trtllm-v1, trtllm-v2, vllm, sglang "
+                  "(docs/layouts.md)")
+      ->default_val("hxfer");
+  cmd->add_option("--kv-layout", o->kv_layout,
+                  "KV order inside a K or V half: nhd or hnd (vllm, trtllm-v2)");
+  cmd->add_option("--conv-layout", o->conv_layout, "Conv state order: sd or ds (vllm)");
   cmd->add_option("--blocks", o->blocks, "KV blocks to allocate")->default_val(16);
   cmd->add_option("--slots", o->slots, "Recurrent-state slots to allocate")->default_val(4);
   cmd->add_option("--role", o->role, "Instance role: context or generation")

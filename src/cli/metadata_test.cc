@@ -4,6 +4,7 @@
 
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -102,6 +103,38 @@ TEST(CliMetadata, ModelOptionsReachTheLayout) {
   EXPECT_EQ(layout["kv_dtype"], "fp8");
   EXPECT_EQ(layout["tokens_per_block"], 64);
   EXPECT_EQ(layout["num_blocks"], 3);
+  std::remove(f.c_str());
+}
+
+// An engine layout travels with its described records (wire 1.3) and inspect shows them.
+TEST(CliMetadata, EngineLayoutRecordsTravelAndInspectShowsThem) {
+  const std::string f = tempFile("vllm_hnd.bin");
+  CmdResult w = runHxfer("metadata --model tiny-hybrid --engine vllm --kv-layout hnd --out " + f,
+                         Stderr::kMerge);
+  ASSERT_EQ(w.exit_code, 0) << w.out;
+  EXPECT_NE(w.out.find("version=1.3"), std::string::npos) << w.out;
+  Json j = inspectJson(f);
+  bool kv_hnd = false, conv_sd = false;
+  for (const Json& v : j["rank_info"]["layout"]["views"]) {
+    // vllm's kv and conv records are described; its mamba2 ssm is in hxfer's own order.
+    if (v["role"] == "ssm") continue;
+    ASSERT_TRUE(v.contains("record")) << v.dump();
+    const Json& dims = v["record"]["dims"];
+    std::vector<std::string> names;
+    for (const Json& d : dims) names.push_back(d["name"]);
+    if (v["role"] == "kv") kv_hnd |= names == std::vector<std::string>{"kv", "head", "token", "dim"};
+    if (v["role"] == "conv") conv_sd |= names == std::vector<std::string>{"window", "channel"};
+  }
+  EXPECT_TRUE(kv_hnd) << j.dump();
+  EXPECT_TRUE(conv_sd) << j.dump();
+  CmdResult human = runHxfer("inspect " + f);
+  ASSERT_EQ(human.exit_code, 0) << human.out;
+  EXPECT_NE(human.out.find("record: kv 2 @"), std::string::npos) << human.out;
+
+  CmdResult bad = runHxfer("metadata --engine vllm --kv-layout xyz --out " + f, Stderr::kMerge);
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.out.find("--engine"), std::string::npos) << bad.out;
+  EXPECT_NE(bad.out.find("expected nhd or hnd"), std::string::npos) << bad.out;
   std::remove(f.c_str());
 }
 
