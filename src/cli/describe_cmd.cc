@@ -1,6 +1,7 @@
 // `hxfer describe`: the state layout of one model on every rank of a (tp, pp) instance: per
 // layer and role the record bytes and their sections with the units each rank holds, and with
-// --layout the pool views of buildRankLayout. The JSON form is built first and the human
+// --layout or --engine the pool views (buildEngineLayout) with where each element of a record
+// lies. The JSON form is built first and the human
 // table is printed from it, so both always agree.
 #include <cstdio>
 #include <memory>
@@ -9,7 +10,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cache/engine_layout.h"
 #include "cache/layout.h"
+#include "cache/record_layout.h"
 #include "cli/commands.h"
 #include "cli/model_options.h"
 #include "cli/table.h"
@@ -23,13 +26,25 @@ struct DescribeOptions {
   ModelOptions model;
   uint32_t tp = 1;
   uint32_t pp = 1;
-  std::string layout;  // empty: no pools
+  std::string layout;  // empty: no pools (unless --engine)
+  std::string engine, kv_layout, conv_layout;
   uint32_t blocks = 16;
   uint32_t slots = 4;
   bool json = false;
 };
 
-Json poolJson(const RankLayout& layout, const PoolView& v) {
+// Where each element of v's records lies: the described record, or hxfer's own contiguous
+// order (canonicalRecordLayout) for a view without one.
+StatusOr<RecordLayout> recordOf(const ModelSpec& m, const RankLayout& layout, const PoolView& v) {
+  if (v.record) return *v.record;
+  ASSIGN_OR_RETURN(std::vector<uint32_t> units,
+                   localUnitCounts(v.sections, layout.tp, layout.tp_rank));
+  return canonicalRecordLayout(v.kind, v.role, v.sections, units,
+                               static_cast<uint32_t>(dtypeSize(layout.dtypeOf(v.role))),
+                               innerSizes(m, m.layers.at(v.layers.front()), v.role));
+}
+
+StatusOr<Json> poolJson(const ModelSpec& m, const RankLayout& layout, const PoolView& v) {
   const RegionSpec* region = layout.findRegion(v.region_id);
   Json p;
   p["region_id"] = v.region_id;
@@ -44,11 +59,23 @@ Json poolJson(const RankLayout& layout, const PoolView& v) {
   p["num_indices"] = v.num_indices;
   p["indexed_by"] = v.indexedByBlock() ? "block" : "slot";
   p["layers"] = v.layers;
+  // One record: its extent and the byte stride of each dim, outermost first; `described` is
+  // false for hxfer's own contiguous order. Records are `span` bytes at a pitch of
+  // index_stride (and layer_stride); bytes between them are padding, never copied.
+  ASSIGN_OR_RETURN(RecordLayout r, recordOf(m, layout, v));
+  Json dims = Json::array();
+  for (const RecordDim& d : r.dims) {
+    dims.push_back(Json{{"name", d.name}, {"size", d.size}, {"stride", d.stride}});
+  }
+  p["record"] = Json{{"described", v.record.has_value()},
+                     {"element_bytes", r.element_bytes},
+                     {"span", v.span()},
+                     {"dims", std::move(dims)}};
   return p;
 }
 
 StatusOr<Json> describe(const ModelSpec& m, const ParallelConfig& pc,
-                        std::optional<StateLayout> layout, uint32_t blocks, uint32_t slots) {
+                        std::optional<EngineLayout> layout, uint32_t blocks, uint32_t slots) {
   RETURN_IF_ERROR(pc.validate(m.numLayers()));
   RETURN_IF_ERROR(checkShardable(m, pc));
   Json doc;
@@ -62,7 +89,8 @@ StatusOr<Json> describe(const ModelSpec& m, const ParallelConfig& pc,
   doc["conv_dtype"] = dtypeName(m.conv_dtype);
   doc["ssm_dtype"] = dtypeName(m.ssm_dtype);
   if (layout) {
-    doc["state_layout"] = stateLayoutName(*layout);
+    doc["engine_layout"] = layout->toString();
+    doc["state_layout"] = stateLayoutName(layout->state);
     doc["blocks"] = blocks;
     doc["slots"] = slots;
   }
@@ -120,9 +148,12 @@ StatusOr<Json> describe(const ModelSpec& m, const ParallelConfig& pc,
       rank["layers"] = std::move(layers);
       if (layout) {
         ASSIGN_OR_RETURN(RankLayout rl,
-                         buildRankLayout(m, pc, tp_rank, pp_rank, *layout, blocks, slots));
+                         buildEngineLayout(m, pc, tp_rank, pp_rank, *layout, blocks, slots));
         Json pools = Json::array();
-        for (const PoolView& v : rl.views) pools.push_back(poolJson(rl, v));
+        for (const PoolView& v : rl.views) {
+          ASSIGN_OR_RETURN(Json pool, poolJson(m, rl, v));
+          pools.push_back(std::move(pool));
+        }
         rank["pools"] = std::move(pools);
       }
       ranks.push_back(std::move(rank));
@@ -196,7 +227,7 @@ void printHuman(const ModelSpec& m, const Json& doc) {
       std::printf("  layers without cache: %s\n", formatIdList(cacheless).c_str());
     }
     if (rank.contains("pools")) {
-      std::printf("  pools (%s, %s blocks, %s slots):\n", str(doc["state_layout"]).c_str(),
+      std::printf("  pools (%s, %s blocks, %s slots):\n", str(doc["engine_layout"]).c_str(),
                   str(doc["blocks"]).c_str(), str(doc["slots"]).c_str());
       Table p({"region", "region_bytes", "role", "kind", "base", "index_stride", "layer_stride",
                "record_bytes", "layers"},
@@ -207,6 +238,17 @@ void printHuman(const ModelSpec& m, const Json& doc) {
                str(v["record_bytes"]), formatIdList(v["layers"].get<std::vector<uint32_t>>())});
       }
       p.print(stdout, 4);
+      for (const Json& v : rank["pools"]) {
+        if (!v["record"]["described"].get<bool>()) continue;
+        std::string dims;
+        for (const Json& d : v["record"]["dims"]) {
+          if (!dims.empty()) dims += ", ";
+          dims += str(d["name"]) + " " + str(d["size"]) + " @" + str(d["stride"]);
+        }
+        std::printf("    %s %s record: %s (element %s B, span %s B)\n", str(v["region"]).c_str(),
+                    str(v["role"]).c_str(), dims.c_str(), str(v["record"]["element_bytes"]).c_str(),
+                    str(v["record"]["span"]).c_str());
+      }
     }
   }
 }
@@ -223,6 +265,13 @@ void addDescribeCommand(CLI::App& app) {
       ->default_val(1);
   cmd->add_option("--layout", opts->layout,
                   "Also show the pool views for this state layout: paged or layer-major");
+  cmd->add_option("--engine", opts->engine,
+                  "Also show the pool views as this engine keeps them: hxfer, trtllm-v1, "
+                  "trtllm-v2, vllm, sglang (docs/layouts.md)");
+  cmd->add_option("--kv-layout", opts->kv_layout,
+                  "With --engine: KV order inside a K or V half, nhd or hnd (vllm, trtllm-v2)");
+  cmd->add_option("--conv-layout", opts->conv_layout,
+                  "With --engine: conv state order, sd or ds (vllm)");
   cmd->add_option("--blocks", opts->blocks, "KV blocks per rank for --layout")->default_val(16);
   cmd->add_option("--slots", opts->slots, "State slots per rank for --layout")->default_val(4);
   cmd->add_flag("--json", opts->json, "Print JSON (top-level \"ranks\" array)");
@@ -230,11 +279,21 @@ void addDescribeCommand(CLI::App& app) {
     auto fail = [](const Status& s) { throw CLI::RuntimeError(reportError(s)); };
     auto m = resolveModel(opts->model);
     if (!m.isOk()) fail(m.status());
-    std::optional<StateLayout> layout;
-    if (!opts->layout.empty()) {
+    std::optional<EngineLayout> layout;
+    if (!opts->engine.empty() || !opts->kv_layout.empty() || !opts->conv_layout.empty()) {
+      const std::string engine = opts->engine.empty() ? "hxfer" : opts->engine;
+      if (engine != "hxfer" && !opts->layout.empty()) {
+        fail(InvalidArgument("--layout " + opts->layout +
+                             ": a state layout applies to --engine hxfer only (" + engine +
+                             " lays its state out its own way)"));
+      }
+      auto l = parseEngineLayout(engine, opts->kv_layout, opts->conv_layout, opts->layout);
+      if (!l.isOk()) fail(l.status().withContext("--engine"));
+      layout = *l;
+    } else if (!opts->layout.empty()) {
       auto l = parseStateLayout(opts->layout);
       if (!l.isOk()) fail(l.status().withContext("--layout"));
-      layout = *l;
+      layout = EngineLayout{Engine::kHxfer, *l};
     }
     auto doc =
         describe(*m, ParallelConfig{opts->tp, opts->pp, {}}, layout, opts->blocks, opts->slots);

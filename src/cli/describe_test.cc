@@ -1,8 +1,10 @@
 // Runs the built `hxfer` binary: `describe` and `models` end to end, output parsed as JSON.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -159,6 +161,50 @@ const RankBytes kRankBytes[] = {
     {"tiny-hybrid", 1, 2 * 2 * 4 * 8 * 2, 4 * ((8 * 4 + 2 * 2 * 8) * 3 * 2 + 8 * 4 * 8 * 4)},
     {"tiny-hybrid", 4, 2 * 2 * 1 * 8 * 2, 4 * ((2 * 4 + 2 * 1 * 8) * 3 * 2 + 2 * 4 * 8 * 4)},
 };
+
+// --engine sglang: per attention layer a k.<id> and a v.<id> pool, token-major rows; a page is
+// tokens_per_block rows. tiny-hybrid at tp 2: 2 local kv heads of dim 8, 32 tokens per block,
+// fp16. The strides are those of a contiguous (token, head, dim) tensor, written out here.
+TEST(CliDescribe, EngineListsEveryPoolWithItsRecordShapeAndStrides) {
+  Json j = describeJson("--model tiny-hybrid --tp 2 --engine sglang --blocks 10 --slots 3");
+  EXPECT_EQ(j["engine_layout"], "sglang");
+  for (const Json& rank : j["ranks"]) {
+    std::vector<std::string> names;
+    for (const Json& pool : rank["pools"]) {
+      names.push_back(pool["region"]);
+      if (pool["role"] != "kv") continue;
+      const Json& r = pool["record"];
+      EXPECT_TRUE(r["described"].get<bool>());
+      EXPECT_EQ(r["element_bytes"], 2);
+      EXPECT_EQ(r["dims"], Json::parse(R"([{"name":"token","size":32,"stride":32},
+                                           {"name":"head","size":2,"stride":16},
+                                           {"name":"dim","size":8,"stride":2}])"))
+          << r.dump();
+      EXPECT_EQ(r["span"], 32 * 2 * 8 * 2);
+      EXPECT_EQ(pool["index_stride"], 32 * 2 * 8 * 2);  // the next block: the next 32 rows
+      EXPECT_EQ(pool["record_bytes"], 32 * 2 * 8 * 2);
+    }
+    for (const char* want : {"k.3", "v.3", "k.7", "v.7"}) {
+      EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
+    }
+  }
+  // hxfer's own pools: undescribed, in hxfer's order [kv][head][token][dim].
+  Json h = describeJson("--model tiny-hybrid --tp 2 --engine hxfer --blocks 10 --slots 3");
+  const Json& kv = h["ranks"][0]["pools"][0];
+  EXPECT_FALSE(kv["record"]["described"].get<bool>());
+  EXPECT_EQ(kv["record"]["dims"][0]["name"], "kv");
+  EXPECT_EQ(kv["record"]["dims"][3], Json::parse(R"({"name":"dim","size":8,"stride":2})"));
+  CmdResult human = runHxfer("describe --model tiny-hybrid --engine vllm --kv-layout hnd");
+  ASSERT_EQ(human.exit_code, 0) << human.out;
+  EXPECT_NE(human.out.find("pools (vllm(kv=hnd,conv=sd)"), std::string::npos) << human.out;
+  EXPECT_NE(human.out.find("kv record: kv 2 @"), std::string::npos) << human.out;
+  for (const char* args : {"--engine sglang --layout layer-major", "--engine tgi",
+                           "--engine vllm --kv-layout xyz"}) {
+    CmdResult r = runHxfer(std::string("describe ") + args, Stderr::kMerge);
+    EXPECT_EQ(r.exit_code, 1) << args;
+    EXPECT_EQ(r.out.find('\n'), r.out.size() - 1) << args << ": " << r.out;
+  }
+}
 
 TEST(CliDescribe, EveryPresetAtTp124PrintsHandComputedBytes) {
   for (const RankBytes& e : kRankBytes) {
