@@ -22,17 +22,34 @@ std::atomic<size_t> g_largest{0};
 // Replaced as a pair with malloc/free; GCC cannot see that they match.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-void* operator new(size_t n) {
+// Every form a test can reach (std::stable_sort's buffer uses the nothrow one), so that no
+// block is allocated by one allocator and freed by the other.
+namespace {
+void* trackedMalloc(size_t n) {
   if (g_track.load(std::memory_order_relaxed)) {
     size_t prev = g_largest.load(std::memory_order_relaxed);
     while (n > prev && !g_largest.compare_exchange_weak(prev, n)) {
     }
   }
-  if (void* p = std::malloc(n ? n : 1)) return p;
+  return std::malloc(n ? n : 1);
+}
+}  // namespace
+void* operator new(size_t n) {
+  if (void* p = trackedMalloc(n)) return p;
   throw std::bad_alloc();
 }
+void* operator new[](size_t n) {
+  if (void* p = trackedMalloc(n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(size_t n, const std::nothrow_t&) noexcept { return trackedMalloc(n); }
+void* operator new[](size_t n, const std::nothrow_t&) noexcept { return trackedMalloc(n); }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, size_t) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete[](void* p, size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 #pragma GCC diagnostic pop
 
 namespace hxfer::wire {
