@@ -87,8 +87,8 @@ Status TransferLease::release() {
 StatusOr<std::unique_ptr<HybridCacheManager>> HybridCacheManager::create(
     const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank, uint32_t pp_rank,
     StateLayout state_layout, Capacity capacity, Region::Backing backing) {
-  return create(model, pc, tp_rank, pp_rank, EngineLayout{Engine::kHxfer, state_layout},
-                capacity, backing);
+  return create(model, pc, tp_rank, pp_rank, EngineLayout{Engine::kHxfer, state_layout}, capacity,
+                backing);
 }
 
 StatusOr<std::unique_ptr<HybridCacheManager>> HybridCacheManager::create(

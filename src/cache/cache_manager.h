@@ -34,8 +34,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cache/id_pool.h"
 #include "cache/engine_layout.h"
+#include "cache/id_pool.h"
 #include "cache/layout.h"
 #include "cache/region.h"
 #include "common/status.h"

@@ -198,8 +198,8 @@ TEST(CliDescribe, EngineListsEveryPoolWithItsRecordShapeAndStrides) {
   ASSERT_EQ(human.exit_code, 0) << human.out;
   EXPECT_NE(human.out.find("pools (vllm(kv=hnd,conv=sd)"), std::string::npos) << human.out;
   EXPECT_NE(human.out.find("kv record: kv 2 @"), std::string::npos) << human.out;
-  for (const char* args : {"--engine sglang --layout layer-major", "--engine tgi",
-                           "--engine vllm --kv-layout xyz"}) {
+  for (const char* args :
+       {"--engine sglang --layout layer-major", "--engine tgi", "--engine vllm --kv-layout xyz"}) {
     CmdResult r = runHxfer(std::string("describe ") + args, Stderr::kMerge);
     EXPECT_EQ(r.exit_code, 1) << args;
     EXPECT_EQ(r.out.find('\n'), r.out.size() - 1) << args << ": " << r.out;

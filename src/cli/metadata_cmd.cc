@@ -49,8 +49,8 @@ Status run(const MetadataOptions& o) {
     return InvalidArgument("--rank " + std::to_string(o.rank) +
                            " >= tp*pp=" + std::to_string(pc.worldSize()));
   }
-  auto layout = parseEngineLayout(o.engine, o.kv_layout, o.conv_layout,
-                                  o.engine == "hxfer" ? o.layout : "");
+  auto layout =
+      parseEngineLayout(o.engine, o.kv_layout, o.conv_layout, o.engine == "hxfer" ? o.layout : "");
   if (!layout.isOk()) return layout.status().withContext("--engine");
   auto role = wire::parseInstanceRole(o.role);
   if (!role.isOk()) return role.status().withContext("--role");

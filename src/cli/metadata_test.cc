@@ -122,7 +122,8 @@ TEST(CliMetadata, EngineLayoutRecordsTravelAndInspectShowsThem) {
     const Json& dims = v["record"]["dims"];
     std::vector<std::string> names;
     for (const Json& d : dims) names.push_back(d["name"]);
-    if (v["role"] == "kv") kv_hnd |= names == std::vector<std::string>{"kv", "head", "token", "dim"};
+    if (v["role"] == "kv")
+      kv_hnd |= names == std::vector<std::string>{"kv", "head", "token", "dim"};
     if (v["role"] == "conv") conv_sd |= names == std::vector<std::string>{"window", "channel"};
   }
   EXPECT_TRUE(kv_hnd) << j.dump();

@@ -21,11 +21,11 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(ClusterOptions o) {
   std::vector<std::string> addresses;
   for (uint32_t p = 0; p < opt.ctx.pp; ++p) {
     for (uint32_t t = 0; t < opt.ctx.tp; ++t) {
-      ASSIGN_OR_RETURN(
-          auto cache, HybridCacheManager::create(opt.model, opt.ctx, t, p,
-                                                 opt.ctx_engine.value_or(EngineLayout{
-                                                     Engine::kHxfer, opt.ctx_layout}),
-                                                 Capacity::counts(opt.blocks, opt.slots), backing));
+      ASSIGN_OR_RETURN(auto cache,
+                       HybridCacheManager::create(
+                           opt.model, opt.ctx, t, p,
+                           opt.ctx_engine.value_or(EngineLayout{Engine::kHxfer, opt.ctx_layout}),
+                           Capacity::counts(opt.blocks, opt.slots), backing));
       ASSIGN_OR_RETURN(auto agent, makeAgent("ctx", opt.ctx_token));
       ContextSender::Options so;
       so.instance_id = "ctx";
@@ -43,11 +43,11 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(ClusterOptions o) {
   }
   for (uint32_t p = 0; p < opt.gen.pp; ++p) {
     for (uint32_t t = 0; t < opt.gen.tp; ++t) {
-      ASSIGN_OR_RETURN(
-          auto cache, HybridCacheManager::create(opt.model, opt.gen, t, p,
-                                                 opt.gen_engine.value_or(EngineLayout{
-                                                     Engine::kHxfer, opt.gen_layout}),
-                                                 Capacity::counts(opt.blocks, opt.slots), backing));
+      ASSIGN_OR_RETURN(auto cache,
+                       HybridCacheManager::create(
+                           opt.model, opt.gen, t, p,
+                           opt.gen_engine.value_or(EngineLayout{Engine::kHxfer, opt.gen_layout}),
+                           Capacity::counts(opt.blocks, opt.slots), backing));
       ASSIGN_OR_RETURN(auto agent, makeAgent("gen", opt.gen_token));
       GenerationReceiver::Options ro;
       ro.instance_id = "gen";

@@ -306,8 +306,8 @@ void ContextSender::supersedeLocked(Peer& old, const Peer& newer) {
   HXFER_LOG_WARN(
       "context rank {}: generation rank {} of '{}' connected again (incarnation {} -> {}); "
       "dropping its older connection {}",
-      rankName(self_.layout), rankName(newer.info.layout), newer.info.instance_id,
-      old.incarnation, newer.incarnation, old.id);
+      rankName(self_.layout), rankName(newer.info.layout), newer.info.instance_id, old.incarnation,
+      newer.incarnation, old.id);
   metrics_.connectionSuperseded();
   const transport::PeerId id = old.id;
   (void)agent_->disconnect(id);
@@ -317,8 +317,7 @@ void ContextSender::supersedeLocked(Peer& old, const Peer& newer) {
 void ContextSender::refuseRequestLocked(Peer& peer, const wire::TransferRequest& req,
                                         const Status& why) {
   metrics_.requestFailed(causeOf(why));
-  sendDoneLocked(peer.id,
-                 wire::TransferDone{req.request_id, why, 0, std::nullopt, {}, req.epoch});
+  sendDoneLocked(peer.id, wire::TransferDone{req.request_id, why, 0, std::nullopt, {}, req.epoch});
 }
 
 Status ContextSender::checkJoinLocked(const Peer& peer, const Source& src,
@@ -350,8 +349,8 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
     refuseRequestLocked(peer, req, s);
     return;
   }
-  const uint64_t block_budget =
-      uint64_t{options_.max_waiting_blocks_factor} * std::max<uint32_t>(peer.info.layout.num_blocks, 1);
+  const uint64_t block_budget = uint64_t{options_.max_waiting_blocks_factor} *
+                                std::max<uint32_t>(peer.info.layout.num_blocks, 1);
   if (peer.open_asks >= options_.max_waiting_requests ||
       peer.open_blocks + req.dst_block_ids.size() > block_budget) {
     metrics_.requestOverLimit();
@@ -359,8 +358,7 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
         peer, req,
         ResourceExhausted("generation rank " + rankName(peer.info.layout) + " has " +
                           std::to_string(peer.open_asks) + " requests (" +
-                          std::to_string(peer.open_blocks) +
-                          " blocks) waiting here; limits " +
+                          std::to_string(peer.open_blocks) + " blocks) waiting here; limits " +
                           std::to_string(options_.max_waiting_requests) + " requests, " +
                           std::to_string(block_budget) + " blocks"));
     return;
@@ -524,8 +522,8 @@ void ContextSender::onCancelLocked(Peer& peer, const wire::Cancel& cancel) {
     return a.peer == peer.id && (cancel.epoch == 0 || a.req.epoch == cancel.epoch);
   };
   auto it = sources_.find(cancel.request_id);
-  const bool asked = it != sources_.end() &&
-                     std::any_of(it->second->asks.begin(), it->second->asks.end(), mine);
+  const bool asked =
+      it != sources_.end() && std::any_of(it->second->asks.begin(), it->second->asks.end(), mine);
   if (!asked) {
     // Messages from one peer arrive in order, so its TransferRequest was answered and forgotten
     // already, or it was lost. Answered: that Done is on its way and ends the generation
@@ -685,9 +683,10 @@ void ContextSender::stallsLocked(Clock::time_point now) {
       if (a.state != Ask::State::kPosted) continue;
       const auto age = now - a.posted_at;
       if (!a.stalled && age > options_.stall_timeout) {
-        HXFER_LOG_WARN("context: request {}: the write to generation rank {} made no progress "
-                       "in {} ms; cancelling it",
-                       rid, a.gen_rank, options_.stall_timeout.count());
+        HXFER_LOG_WARN(
+            "context: request {}: the write to generation rank {} made no progress "
+            "in {} ms; cancelling it",
+            rid, a.gen_rank, options_.stall_timeout.count());
         metrics_.writeStalled();
         a.stalled = true;
         a.transfer.cancel();
@@ -699,9 +698,10 @@ void ContextSender::stallsLocked(Clock::time_point now) {
   std::sort(stuck.begin(), stuck.end());
   stuck.erase(std::unique(stuck.begin(), stuck.end()), stuck.end());
   for (transport::PeerId id : stuck) {
-    HXFER_LOG_WARN("context: a cancelled write to generation peer {} did not stop within {} ms; "
-                   "disconnecting it",
-                   id, 2 * options_.stall_timeout.count());
+    HXFER_LOG_WARN(
+        "context: a cancelled write to generation peer {} did not stop within {} ms; "
+        "disconnecting it",
+        id, 2 * options_.stall_timeout.count());
     (void)agent_->disconnect(id);
     onPeerLostLocked(id);
   }

@@ -1599,9 +1599,9 @@ struct RawGeneration {
   static std::unique_ptr<RawGeneration> make(const ModelSpec& model, const ParallelConfig& pc,
                                              uint32_t rank, const std::string& instance) {
     auto g = std::make_unique<RawGeneration>();
-    auto cache = HybridCacheManager::create(model, pc, rank % pc.tp, rank / pc.tp,
-                                            StateLayout::kPaged, Capacity::counts(64, 8),
-                                            Region::Backing::kMemfd);
+    auto cache =
+        HybridCacheManager::create(model, pc, rank % pc.tp, rank / pc.tp, StateLayout::kPaged,
+                                   Capacity::counts(64, 8), Region::Backing::kMemfd);
     auto agent = shmAgent("", "raw-" + instance, "secret");
     if (!cache.isOk() || !agent.isOk()) return nullptr;
     g->cache = std::move(*cache);
@@ -1736,7 +1736,8 @@ TEST(Epochs, ReusedOrForeignRequestIdIsRefusedNotServedFromTheOldRequest) {
       for (uint32_t blk : blocks) {
         for (uint32_t l = 0; l < v.layers.size(); ++l) {
           const uint8_t* rec = base + v.offset(blk, l);
-          changed += std::count_if(rec, rec + v.record_bytes, [](uint8_t x) { return x != kSentinel; });
+          changed +=
+              std::count_if(rec, rec + v.record_bytes, [](uint8_t x) { return x != kSentinel; });
         }
       }
     }
@@ -1778,7 +1779,8 @@ TEST(Epochs, DoneOrCancelOfAnEarlierUseOfAnIdEndsNothing) {
   EXPECT_EQ(r->state, RequestResult::State::kInProgress) << r->status.toString();
 
   const RankLayout& layout = (*g)->cache->layout();
-  const uint64_t bytes = alloc->blocks.size() * layout.kvBytesPerBlock() + layout.stateBytesPerSlot();
+  const uint64_t bytes =
+      alloc->blocks.size() * layout.kvBytesPerBlock() + layout.stateBytesPerSlot();
   h->send(wire::TransferDone{5, OkStatus(), bytes, std::nullopt, {}, epoch});
   r = (*g)->rx->wait(5, deadline());
   ASSERT_TRUE(r.isOk());
@@ -1832,7 +1834,8 @@ TEST(Bounds, WaitingRequestsOfOnePeerAreBoundedAndRefusedLoudly) {
   const uint32_t n = g->info.layout.num_blocks;
   // Three one-block requests and one naming n - 3 blocks wait: n blocks in all, the budget.
   for (uint64_t id = 1; id <= 3; ++id) {
-    ASSERT_TRUE(g->agent->sendMessage(g->peer, wire::encodeMessage(g->request(id, id, {0}))).isOk());
+    ASSERT_TRUE(
+        g->agent->sendMessage(g->peer, wire::encodeMessage(g->request(id, id, {0}))).isOk());
   }
   std::vector<uint32_t> most;
   for (uint32_t b = 0; b + 3 < n; ++b) most.push_back(b);
@@ -1864,8 +1867,7 @@ TEST(Bounds, WaitingRequestsOfOnePeerAreBoundedAndRefusedLoudly) {
 TEST(Bounds, RememberedIdsAreBoundedAndExpireOnTheirOwn) {
   const ModelSpec model = tinyModel();
   auto c = startContext(model, kTp1, 0, uniqueName("ctx"), StateLayout::kPaged,
-                        Capacity::counts(32, 8), nullptr, "secret",
-                        [](ContextSender::Options& o) {
+                        Capacity::counts(32, 8), nullptr, "secret", [](ContextSender::Options& o) {
                           o.max_remembered_ids = 16;
                           o.lease_timeout = milliseconds(100);
                         });
@@ -2007,7 +2009,7 @@ TEST(Faults, ShutdownWaitingForAHangingConnectBlocksNoOtherCall) {
   auto rx = GenerationReceiver::create(ro, cache->get(), std::move(*agent));
   ASSERT_TRUE(rx.isOk()) << rx.status().toString();
   ASSERT_TRUE((*rx)->startRequest(1, 50).isOk());  // queued behind the connect
-  std::this_thread::sleep_for(milliseconds(200));   // the connect is under way
+  std::this_thread::sleep_for(milliseconds(200));  // the connect is under way
   std::atomic<bool> shut{false};
   std::thread closer([&] {
     (*rx)->shutdown();

@@ -43,8 +43,8 @@ inline constexpr uint64_t kMaxLayers = 1u << 16;  // global layers of a model, a
 inline constexpr uint64_t kMaxTokensPerBlock = 1u << 20;
 inline constexpr uint64_t kMaxRegions = 4096;
 inline constexpr uint64_t kMaxViews = 4096;
-inline constexpr uint64_t kMaxSections = 64;  // per view
-inline constexpr uint64_t kMaxRecordDims = 16;  // dims of one described record
+inline constexpr uint64_t kMaxSections = 64;      // per view
+inline constexpr uint64_t kMaxRecordDims = 16;    // dims of one described record
 inline constexpr uint64_t kMaxElementBytes = 16;  // element size of a described record
 inline constexpr uint64_t kMaxBlockIds = 1u << 20;
 // Region lengths, offsets, strides and unit sizes: 2^48 bytes (256 TiB) keeps every sum of two

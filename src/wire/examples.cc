@@ -121,8 +121,9 @@ std::vector<std::pair<std::string, Message>> messages() {
                                                  Bytes{0x2a, 0, 0, 0}, 3});
   out.emplace_back("transfer_done_failed",
                    TransferDone{8, Unavailable("context rank 1 is gone"), 0, std::nullopt, {}, 0});
-  out.emplace_back("transfer_done_expired",
-                   TransferDone{10, Expired("lease of request 10 expired"), 0, std::nullopt, {}, 1});
+  out.emplace_back(
+      "transfer_done_expired",
+      TransferDone{10, Expired("lease of request 10 expired"), 0, std::nullopt, {}, 1});
   out.emplace_back("cancel", Cancel{9, "client disconnected", 200});
   out.emplace_back("error", Error{Incompatible("ctx ssm dtype fp32 != gen ssm dtype bf16")});
   return out;

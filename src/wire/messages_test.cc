@@ -254,7 +254,8 @@ TEST(Messages, ErrorMustCarryAFailureAndAKnownCode) {
 
 TEST(Messages, TransferDoneCarriesEveryStatusCodeButPermissionDenied) {
   for (int c = 0; c <= static_cast<int>(StatusCode::kExpired); ++c) {
-    TransferDone done{42, Status(static_cast<StatusCode>(c), c ? "why" : ""), 99, std::nullopt, {}, 0};
+    TransferDone done{42, Status(static_cast<StatusCode>(c), c ? "why" : ""), 99, std::nullopt, {},
+                      0};
     if (static_cast<StatusCode>(c) == StatusCode::kPermissionDenied) {
       EXPECT_EQ(checkMessage(done).code(), StatusCode::kCorruption);
       continue;

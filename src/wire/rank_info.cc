@@ -52,7 +52,8 @@ Status checkRecordLimits(const RecordLayout& r, const std::string& path) {
   for (size_t i = 0; i < r.dims.size(); ++i) {
     const RecordDim& d = r.dims[i];
     const std::string at = path + "dims[" + std::to_string(i) + "].";
-    if (d.name.size() > kMaxNameBytes) return over(at + "name.length", d.name.size(), kMaxNameBytes);
+    if (d.name.size() > kMaxNameBytes)
+      return over(at + "name.length", d.name.size(), kMaxNameBytes);
     if (d.stride > kMaxRegionBytes) return over(at + "stride", d.stride, kMaxRegionBytes);
   }
   return OkStatus();
@@ -248,12 +249,11 @@ Status readRecords(WireReader& r, RankLayout* l) {
     uint32_t view = 0;
     RETURN_IF_ERROR(r.varint32("view", kMaxViews, &view));
     if (view < next_view || view >= l->views.size()) {
-      return Corruption(r.name("view") + "=" + std::to_string(view) +
-                        (view >= l->views.size()
-                             ? " names no view (the layout has " +
-                                   std::to_string(l->views.size()) + ")"
-                             : " is not above the previous entry's view " +
-                                   std::to_string(next_view - 1)));
+      return Corruption(
+          r.name("view") + "=" + std::to_string(view) +
+          (view >= l->views.size()
+               ? " names no view (the layout has " + std::to_string(l->views.size()) + ")"
+               : " is not above the previous entry's view " + std::to_string(next_view - 1)));
     }
     next_view = size_t{view} + 1;
     RecordLayout rec;
@@ -293,10 +293,10 @@ Status checkRankInfoAt(const RankInfo& info, const std::string& path) {
   if (info.version_minor < kRecordsMinor) {
     for (size_t i = 0; i < info.layout.views.size(); ++i) {
       if (info.layout.views[i].record) {
-        return Corruption(path + "layout.views[" + std::to_string(i) +
-                          "].record: a described record needs version_minor >= " +
-                          std::to_string(kRecordsMinor) + " (this rank_info says " +
-                          std::to_string(info.version_minor) + ")");
+        return Corruption(
+            path + "layout.views[" + std::to_string(i) +
+            "].record: a described record needs version_minor >= " + std::to_string(kRecordsMinor) +
+            " (this rank_info says " + std::to_string(info.version_minor) + ")");
       }
     }
   }

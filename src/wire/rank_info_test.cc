@@ -355,8 +355,8 @@ RankInfo engineSample(std::string_view engine = "vllm", std::string_view kv = ""
                       std::string_view conv = "") {
   auto layout = parseEngineLayout(engine, kv, conv);
   EXPECT_TRUE(layout.isOk()) << layout.status().toString();
-  auto info = examples::rankInfo(examples::models()[0], {2, 1, {}}, 1, *layout,
-                                 InstanceRole::kGeneration);
+  auto info =
+      examples::rankInfo(examples::models()[0], {2, 1, {}}, 1, *layout, InstanceRole::kGeneration);
   EXPECT_TRUE(info.isOk()) << info.status().toString();
   return *info;
 }
@@ -374,8 +374,8 @@ TEST(RankInfo, EveryEngineLayoutOfEveryExampleModelRoundTripsWithItsRecords) {
       for (auto [tp, pp] : {std::pair{1u, 1u}, {2u, 1u}, {4u, 2u}}) {
         for (uint32_t rank = 0; rank < tp * pp; ++rank) {
           auto info = examples::rankInfo(m, {tp, pp, {}}, rank, e, InstanceRole::kContext);
-          ASSERT_TRUE(info.isOk()) << m.name << " " << e.toString() << " tp=" << tp
-                                   << " pp=" << pp << ": " << info.status().toString();
+          ASSERT_TRUE(info.isOk()) << m.name << " " << e.toString() << " tp=" << tp << " pp=" << pp
+                                   << ": " << info.status().toString();
           ASSERT_TRUE(checkRankInfo(*info).isOk()) << checkRankInfo(*info).toString();
           auto got = decodeRankInfo(encodeRankInfo(*info));
           ASSERT_TRUE(got.isOk()) << m.name << " " << e.toString() << ": "
@@ -441,8 +441,8 @@ TEST(RankInfo, DescribedRecordNeedsMinorThreeAndAnOlderPeerIsRefusedNamingTheVie
 }
 
 TEST(RankInfo, EverySingleByteChangeOfTheRecordsIsRefusedOrReencodesIdentically) {
-  for (auto [engine, kv, conv] : {std::tuple{"vllm", "hnd", "ds"}, {"sglang", "", ""},
-                                  {"trtllm-v2", "nhd", ""}}) {
+  for (auto [engine, kv, conv] :
+       {std::tuple{"vllm", "hnd", "ds"}, {"sglang", "", ""}, {"trtllm-v2", "nhd", ""}}) {
     const RankInfo info = engineSample(engine, kv, conv);
     const Bytes good = encodeRankInfo(info);
     RankInfo plain = info;
@@ -494,117 +494,77 @@ void putDim(Bytes& out, std::string_view name, uint64_t size, uint64_t stride) {
   putVarint64(out, stride);
 }
 
+struct DimBytes {
+  std::string name;
+  uint64_t size = 0, stride = 0;
+};
+
+// A records list of one entry for `view`.
+Bytes oneRecord(uint64_t view, uint64_t element_bytes, const std::vector<DimBytes>& dims) {
+  Bytes r;
+  putVarint64(r, 1);
+  putVarint64(r, view);
+  putVarint64(r, element_bytes);
+  putVarint64(r, dims.size());
+  for (const DimBytes& d : dims) putDim(r, d.name, d.size, d.stride);
+  return r;
+}
+
 TEST(RankInfo, HostileRecordsAreRefusedNamingTheField) {
   const RankInfo info = sample();  // hxfer views: [0] kv, [1] conv, [2] ssm, ...
   const PoolView& conv = info.layout.views[1];
   ASSERT_EQ(conv.role, Role::kConv);
   const ModelSpec model = examples::models()[0];
-  const uint32_t window =
-      innerSizes(model, model.layers[conv.layers.front()], Role::kConv).at(0);
+  const uint32_t window = innerSizes(model, model.layers[conv.layers.front()], Role::kConv).at(0);
   const uint32_t el = static_cast<uint32_t>(dtypeSize(info.layout.conv_dtype));
   const uint64_t channels = conv.record_bytes / el / window;
   // (window, channel): vLLM's SD order.
-  auto sd = [&](Bytes& out) {
-    putVarint64(out, el);
-    putVarint64(out, 2);
-    putDim(out, "window", window, channels * el);
-    putDim(out, "channel", channels, el);
-  };
+  const std::vector<DimBytes> sd = {{"window", window, channels * el}, {"channel", channels, el}};
   {
-    Bytes r;
-    putVarint64(r, 1);
-    putVarint64(r, 1);
-    sd(r);
-    auto got = decodeRankInfo(withRecords(info, r));
+    auto got = decodeRankInfo(withRecords(info, oneRecord(1, el, sd)));
     ASSERT_TRUE(got.isOk()) << got.status().toString();
     ASSERT_TRUE(got->layout.views[1].record.has_value());
     EXPECT_EQ(got->layout.views[1].record->toString().substr(0, 6), "window");
   }
   {  // two entries for one view
-    Bytes r;
-    putVarint64(r, 2);
-    putVarint64(r, 1);
-    sd(r);
-    putVarint64(r, 1);
-    sd(r);
+    Bytes r = oneRecord(1, el, sd);
+    r[0] = 2;
+    const Bytes second = oneRecord(1, el, sd);
+    r.insert(r.end(), second.begin() + 1, second.end());
     expectCorruption(withRecords(info, r),
                      "rank_info.records[1].view=1 is not above the previous entry's view 1");
   }
-  {  // a view past the layout's
-    Bytes r;
-    putVarint64(r, 1);
-    putVarint64(r, info.layout.views.size());
-    sd(r);
-    expectCorruption(withRecords(info, r), "names no view (the layout has");
-  }
+  // a view past the layout's
+  expectCorruption(withRecords(info, oneRecord(info.layout.views.size(), el, sd)),
+                   "names no view (the layout has");
   {  // more entries than views
     Bytes r;
     putVarint64(r, info.layout.views.size() + 1);
     expectCorruption(withRecords(info, r), "rank_info.records.count");
   }
-  {  // element size 0, and one of 17 bytes
-    for (uint64_t bytes : {0ull, 17ull}) {
-      Bytes r;
-      putVarint64(r, 1);
-      putVarint64(r, 1);
-      putVarint64(r, bytes);
-      putVarint64(r, 2);
-      putDim(r, "window", window, channels * el);
-      putDim(r, "channel", channels, el);
-      expectCorruption(withRecords(info, r), "element_bytes");
-    }
+  // element size 0, and one of 17 bytes
+  for (uint64_t bytes : {0ull, 17ull}) {
+    expectCorruption(withRecords(info, oneRecord(1, bytes, sd)), "element_bytes");
   }
-  {  // 17 dims
-    Bytes r;
-    putVarint64(r, 1);
-    putVarint64(r, 1);
-    putVarint64(r, el);
-    putVarint64(r, 17);
-    for (int i = 0; i < 17; ++i) putDim(r, "window", 1, 1);
-    expectCorruption(withRecords(info, r), "rank_info.records[0].dims.count");
-  }
-  {  // a dim name the conv record does not have
-    Bytes r;
-    putVarint64(r, 1);
-    putVarint64(r, 1);
-    putVarint64(r, el);
-    putVarint64(r, 2);
-    putDim(r, "token", window, channels * el);
-    putDim(r, "channel", channels, el);
-    expectCorruption(withRecords(info, r), "token");
-  }
-  {  // strides that make two elements share a byte
-    Bytes r;
-    putVarint64(r, 1);
-    putVarint64(r, 1);
-    putVarint64(r, el);
-    putVarint64(r, 2);
-    putDim(r, "window", window, el);
-    putDim(r, "channel", channels, el);
-    auto got = decodeRankInfo(withRecords(info, r));
-    ASSERT_FALSE(got.isOk());
-    EXPECT_EQ(got.status().code(), StatusCode::kCorruption);
-  }
-  {  // a stride past the byte limit
-    Bytes r;
-    putVarint64(r, 1);
-    putVarint64(r, 1);
-    putVarint64(r, el);
-    putVarint64(r, 2);
-    putDim(r, "window", window, kMaxRegionBytes + 1);
-    putDim(r, "channel", channels, el);
-    expectCorruption(withRecords(info, r), "rank_info.records[0].dims[0].stride");
-  }
-  {  // a record whose span runs past its region
-    Bytes r;
-    putVarint64(r, 1);
-    putVarint64(r, 1);
-    putVarint64(r, el);
-    putVarint64(r, 2);
-    putDim(r, "window", window, uint64_t{1} << 40);
-    putDim(r, "channel", channels, el);
-    auto got = decodeRankInfo(withRecords(info, r));
-    ASSERT_FALSE(got.isOk());
+  // 17 dims
+  expectCorruption(withRecords(info, oneRecord(1, el, std::vector<DimBytes>(17, {"window", 1, 1}))),
+                   "rank_info.records[0].dims.count");
+  // a dim name the conv record does not have
+  expectCorruption(
+      withRecords(info,
+                  oneRecord(1, el, {{"token", window, channels * el}, {"channel", channels, el}})),
+      "token");
+  // a stride past the byte limit
+  expectCorruption(
+      withRecords(
+          info,
+          oneRecord(1, el, {{"window", window, kMaxRegionBytes + 1}, {"channel", channels, el}})),
+      "rank_info.records[0].dims[0].stride");
+  // strides that make two elements share a byte, and a record whose span runs past its region
+  for (uint64_t window_stride : {uint64_t{el}, uint64_t{1} << 40}) {
+    auto got = decodeRankInfo(withRecords(
+        info, oneRecord(1, el, {{"window", window, window_stride}, {"channel", channels, el}})));
+    ASSERT_FALSE(got.isOk()) << window_stride;
     EXPECT_EQ(got.status().code(), StatusCode::kCorruption) << got.status().toString();
   }
 }
