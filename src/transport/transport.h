@@ -144,6 +144,10 @@ struct AgentStats {
   uint64_t unauthenticated_dropped = 0;  // frames / messages from a peer not yet authenticated
   uint64_t connections_refused = 0;      // over max_unauthenticated, or at the fd limit
   uint64_t peers_over_limit = 0;         // peers disconnected for exceeding a per-peer bound
+  // ucx: the context has UCP_FEATURE_RMA, so its worker answers puts (ucx_mode put, or auto
+  // where a real RMA transport exists). Over tcp or shared memory UCX emulates put with a
+  // handler that writes wherever its sender says: only on a network of trusted hosts.
+  bool accepts_put = false;
 };
 
 // One write: bytes from (local region, offset) to (remote region, offset) on one peer.

@@ -7,6 +7,7 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -157,6 +158,11 @@ struct UcxPeer {
   Clock::time_point auth_deadline;  // listener: closed if not authenticated by then
   uint64_t next_send_seq = 0;
   uint64_t next_recv_seq = 0;
+  // Messages posted to UCX and not handed back, and when UCX last handed one back (or the
+  // first was posted): a peer with messages outstanding and none taken for
+  // send_stall_timeout is dropped.
+  uint32_t messages_in_flight = 0;
+  Clock::time_point message_progress;
   std::map<uint64_t, std::vector<uint8_t>> reorder;  // at most kMaxReorderMessages
   uint64_t reorder_bytes = 0;                        // at most kMaxReorderBytes
   std::unordered_map<uint64_t, OutTransfer> out;
@@ -232,6 +238,14 @@ class UcxAgent final : public Agent {
         regions_[region.id()] = LocalRegion{&region, memh, access};
         return std::vector<uint8_t>{};
       }
+      std::vector<uint8_t> key;
+      putFixed64(key, reinterpret_cast<uint64_t>(region.data()));
+      putFixed64(key, region.length());
+      if (!accepts_put_) {  // no rkey: a writer to this region uses am
+        std::lock_guard<std::mutex> lock(mu_);
+        regions_[region.id()] = LocalRegion{&region, memh, access};
+        return key;
+      }
       void* rkey_buf = nullptr;
       size_t rkey_len = 0;
       st = ucp_rkey_pack(context_, memh, &rkey_buf, &rkey_len);
@@ -239,9 +253,6 @@ class UcxAgent final : public Agent {
         ucp_mem_unmap(context_, memh);
         return ucxError("ucp_rkey_pack of region " + std::to_string(region.id()), st);
       }
-      std::vector<uint8_t> key;
-      putFixed64(key, reinterpret_cast<uint64_t>(region.data()));
-      putFixed64(key, region.length());
       key.insert(key.end(), static_cast<uint8_t*>(rkey_buf),
                  static_cast<uint8_t*>(rkey_buf) + rkey_len);
       ucp_rkey_buffer_release(rkey_buf);
@@ -302,6 +313,22 @@ class UcxAgent final : public Agent {
                return Unavailable("peer " + std::to_string(peer) + " is gone");
              }
              RemoteRegion rr{length, address, nullptr};
+             if (p->use_put && rkey_bytes.empty()) {
+               if (config_.ucx_mode == UcxMode::kPut) {
+                 return Incompatible(
+                     "remote region id=" + std::to_string(region_id) +
+                     ": the peer does not accept put (its ucx mode leaves RMA off); "
+                     "ucx_mode put needs put on both sides");
+               }
+               if (!p->out.empty()) {
+                 return Incompatible("remote region id=" + std::to_string(region_id) +
+                                     ": the peer does not accept put, and puts to it are "
+                                     "in flight");
+               }
+               p->use_put = false;
+               HXFER_LOG_INFO("ucx {}: peer {} data mode am (the peer does not accept put)",
+                              config_.label, p->id);
+             }
              if (p->use_put) {
                ucs_status_t st = ucp_ep_rkey_unpack(p->ep, rkey_bytes.data(), &rr.rkey);
                if (st != UCS_OK) {
@@ -369,12 +396,16 @@ class UcxAgent final : public Agent {
     s.unauthenticated_dropped = unauthenticated_dropped_.load();
     s.connections_refused = connections_refused_.load();
     s.peers_over_limit = peers_over_limit_.load();
+    s.accepts_put = accepts_put_;
     return s;
   }
 
   // --- progress-thread callbacks (static trampolines call these) ---
   void onConnRequest(ucp_conn_request_h req);
   void onEpError(UcxPeer* raw, ucp_ep_h ep, ucs_status_t st);
+  // Progress thread, at most every send_stall_timeout / 4: drops peers that took none of their
+  // outstanding messages for send_stall_timeout.
+  void dropStalledSenders();
   ucs_status_t onAm(unsigned id, const void* header, size_t header_length, void* data,
                     size_t length, const ucp_am_recv_param_t* param);
   void onSendDone(ReqCtx* ctx, ucs_status_t st);
@@ -445,6 +476,8 @@ class UcxAgent final : public Agent {
   const AgentConfig config_;
   Capabilities caps_;
   std::string address_;
+  bool accepts_put_ = false;            // UCP_FEATURE_RMA in context_; set by init()
+  Clock::time_point next_stall_check_;  // progress thread
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
@@ -492,6 +525,7 @@ struct ReqCtx {
   uint64_t transfer = 0;       // 0: not part of a transfer (a control message)
   Bytes header;                // the AM header, alive until the send completes
   std::shared_ptr<void> keep;  // a send buffer, kept alive; for a receive, its UcxPeer
+  bool message = false;        // a kAmMessage: counted in the peer's messages_in_flight
 };
 
 template <unsigned Id>
@@ -550,6 +584,28 @@ StatusOr<sockaddr_in> parseIpPort(const std::string& s) {
 
 // Ep lanes that do real one-sided RMA; put over anything else (tcp, shared-memory emulation
 // in UCX 1.13) was measured far slower than active messages.
+// True when ucp_context_print_info lists a resource whose transport does RMA in hardware (or
+// through a real device path): the only case where `auto` turns on UCP_FEATURE_RMA.
+bool contextHasRealRma(const std::string& info) {
+  for (const char* tl : {"rc_verbs/", "rc_mlx5/", "dc_mlx5/", "rc_x/", "dc_x/", "cuda_ipc/",
+                         "rocm_ipc/", "gdr_copy/"}) {
+    if (info.find(tl) != std::string::npos) return true;
+  }
+  return false;
+}
+
+std::string printed(const std::function<void(FILE*)>& print) {
+  char* buf = nullptr;
+  size_t len = 0;
+  FILE* f = open_memstream(&buf, &len);
+  if (f == nullptr) return {};
+  print(f);
+  std::fclose(f);
+  std::string text(buf, len);
+  std::free(buf);
+  return text;
+}
+
 bool lanesDoRealRma(const std::string& info) {
   for (const char* tl : {"rc_verbs", "rc_mlx5", "dc_mlx5", "rc_x", "dc_x", "cuda_ipc", "rocm_ipc",
                          "gdr_copy", "ud_mlx5"}) {
@@ -574,13 +630,34 @@ Status UcxAgent::init() {
       return InvalidArgument("ucx option " + name + "=" + value + ": " + ucs_status_string(st));
     }
   }
+  // UCP_FEATURE_RMA installs UCX's handler for emulated put (tcp, shared memory), which writes
+  // wherever its sender says, for any endpoint, before any hello: only a writer that puts
+  // needs it on the other side. `am` never enables it; `auto` only where a real RMA
+  // transport (with hardware-checked rkeys) exists; `put` does, and says so.
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 0;
+  accepts_put_ = config_.ucx_mode == UcxMode::kPut;
+  if (accepts_put_) params.features |= UCP_FEATURE_RMA;
   st = ucp_init(&params, cfg, &context_);
+  if (st == UCS_OK && config_.ucx_mode == UcxMode::kAuto &&
+      contextHasRealRma(printed([&](FILE* f) { ucp_context_print_info(context_, f); }))) {
+    ucp_cleanup(context_);
+    context_ = nullptr;
+    accepts_put_ = true;
+    params.features |= UCP_FEATURE_RMA;
+    st = ucp_init(&params, cfg, &context_);
+  }
   ucp_config_release(cfg);
   if (st != UCS_OK) return ucxError("ucp_init", st);
+  if (accepts_put_) {
+    HXFER_LOG_WARN(
+        "ucx {}: RMA enabled (ucx mode {}): this worker answers puts, and UCX's emulated put "
+        "(tcp, shared memory lanes) honours any endpoint at any address; use only on a network "
+        "of trusted hosts",
+        config_.label, config_.ucx_mode == UcxMode::kPut ? "put" : "auto, a real RMA transport");
+  }
 
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -662,6 +739,7 @@ void UcxAgent::progressLoop() {
     while (ucp_worker_progress(worker_) != 0) ++progressed;
     if (!draining_.empty()) drainLostPeers(/*force=*/false);
     if (!pending_auth_.empty()) expireHandshakes();
+    dropStalledSenders();
     if (stopping_) break;
     if (progressed != 0 || !cmds.empty()) continue;
     {
@@ -899,6 +977,31 @@ void UcxAgent::expireHandshakes() {
   }
 }
 
+void UcxAgent::dropStalledSenders() {
+  const auto now = Clock::now();
+  if (config_.send_stall_timeout.count() <= 0 || now < next_stall_check_) return;
+  next_stall_check_ = now + std::clamp(config_.send_stall_timeout / 4, std::chrono::milliseconds(1),
+                                       std::chrono::milliseconds(250));
+  std::vector<std::shared_ptr<UcxPeer>> stalled;
+  for (const auto& [ep, p] : ep_peers_) {
+    if (!p->lost && p->messages_in_flight != 0 &&
+        now - p->message_progress >= config_.send_stall_timeout) {
+      stalled.push_back(p);
+    }
+  }
+  for (const auto& p : stalled) {
+    ++peers_over_limit_;
+    const std::string why =
+        "peer " + std::to_string(p->id) + " took none of its " +
+        std::to_string(p->messages_in_flight) + " outstanding messages (" +
+        std::to_string(p->queued_bytes.load()) +
+        " bytes) for send_stall_timeout=" + std::to_string(config_.send_stall_timeout.count()) +
+        " ms";
+    HXFER_LOG_WARN("ucx {}: disconnecting peer {}: {}", config_.label, p->id, why);
+    markLost(p, Unavailable(why));
+  }
+}
+
 void UcxAgent::onEpError(UcxPeer* raw, ucp_ep_h ep, ucs_status_t st) {
   auto p = peerOfEp(ep);
   if (!p) return;
@@ -981,18 +1084,11 @@ void UcxAgent::decideMode(const std::shared_ptr<UcxPeer>& p) {
   } else if (config_.ucx_mode == UcxMode::kAm) {
     p->use_put = false;
     reason = "forced by config";
+  } else if (!accepts_put_) {
+    p->use_put = false;
+    reason = "no real RMA transport here, RMA left off";
   } else {
-    char* buf = nullptr;
-    size_t len = 0;
-    FILE* f = open_memstream(&buf, &len);
-    std::string info;
-    if (f != nullptr) {
-      ucp_ep_print_info(p->ep, f);
-      std::fclose(f);
-      info.assign(buf, len);
-      std::free(buf);
-    }
-    p->use_put = lanesDoRealRma(info);
+    p->use_put = lanesDoRealRma(printed([&](FILE* f) { ucp_ep_print_info(p->ep, f); }));
     reason = p->use_put ? "the endpoint's RMA lanes are real RMA"
                         : "put would be emulated on these lanes (tcp / shared memory)";
   }
@@ -1004,6 +1100,10 @@ void UcxAgent::sendAm(const std::shared_ptr<UcxPeer>& p, unsigned id, Bytes head
                       const void* data, size_t length, std::shared_ptr<void> keep, uint32_t flags,
                       uint64_t transfer) {
   auto* ctx = new ReqCtx{this, p->id, transfer, std::move(header), std::move(keep)};
+  if (id == kAmMessage) {
+    ctx->message = true;
+    if (p->messages_in_flight++ == 0) p->message_progress = Clock::now();
+  }
   if (p->ep == nullptr) {
     onSendDone(ctx, UCS_ERR_NOT_CONNECTED);
     return;
@@ -1137,6 +1237,12 @@ void UcxAgent::deliverMessages(const std::shared_ptr<UcxPeer>& p) {
 
 void UcxAgent::onSendDone(ReqCtx* ctx, ucs_status_t st) {
   std::unique_ptr<ReqCtx> own(ctx);
+  if (ctx->message) {
+    if (auto p = findPeer(ctx->peer); p && p->messages_in_flight != 0) {
+      --p->messages_in_flight;
+      p->message_progress = Clock::now();
+    }
+  }
   if (ctx->transfer == 0) {
     if (st != UCS_OK && st != UCS_ERR_CANCELED) {
       HXFER_LOG_DEBUG("ucx {}: control message to peer {} failed: {}", config_.label, ctx->peer,

@@ -217,6 +217,37 @@ class RawClient {
     progressUntil([] { return false; }, d);
   }
 
+  // A ucp_put_nbx of `data` to `remote_address` in the agent's process, with an rkey this client
+  // packed from a buffer of its own (it never saw one of the agent's). Over tcp UCX emulates
+  // put with its own active message, whose handler copies to whatever address it is given.
+  // Progresses until the flush completed or `timeout` passed; true when UCX said it landed.
+  bool putRaw(uint64_t remote_address, const Bytes& data,
+              std::chrono::milliseconds timeout = 3000ms) {
+    static uint8_t own[4096];
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    mp.address = own;
+    mp.length = sizeof(own);
+    ucp_mem_h memh = nullptr;
+    if (ucp_mem_map(context_, &mp, &memh) != UCS_OK) return false;
+    void* packed = nullptr;
+    size_t packed_len = 0;
+    ucp_rkey_h rkey = nullptr;
+    bool landed = false;
+    if (ucp_rkey_pack(context_, memh, &packed, &packed_len) == UCS_OK) {
+      if (ucp_ep_rkey_unpack(ep_, packed, &rkey) == UCS_OK) {
+        ucp_request_param_t rp{};
+        void* put = ucp_put_nbx(ep_, data.data(), data.size(), remote_address, rkey, &rp);
+        void* flush = ucp_ep_flush_nbx(ep_, &rp);
+        landed = waitRequest(put, timeout) && waitRequest(flush, timeout);
+        ucp_rkey_destroy(rkey);
+      }
+      ucp_rkey_buffer_release(packed);
+    }
+    ucp_mem_unmap(context_, memh);
+    return landed;
+  }
+
   const Received* find(unsigned id) const {
     for (const auto& r : received_) {
       if (r.id == id) return &r;
@@ -258,6 +289,24 @@ class RawClient {
   }
 
  private:
+  // Progresses until `request` (a ucp_*_nbx result) is terminal or `timeout` passed; frees it.
+  bool waitRequest(void* request, std::chrono::milliseconds timeout) {
+    if (request == nullptr) return true;
+    if (UCS_PTR_IS_ERR(request)) return false;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    ucs_status_t st = UCS_INPROGRESS;
+    while ((st = ucp_request_check_status(request)) == UCS_INPROGRESS &&
+           std::chrono::steady_clock::now() < deadline) {
+      ucp_worker_progress(worker_);
+    }
+    if (st == UCS_INPROGRESS) {
+      ucp_request_cancel(worker_, request);
+      while (ucp_request_check_status(request) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+    }
+    ucp_request_free(request);
+    return st == UCS_OK;
+  }
+
   struct PendingSend {
     void* request;
     std::shared_ptr<Bytes> header;
@@ -387,6 +436,26 @@ TEST(UcxHostile, WriteBeforeHelloNeverLands) {
 
 // Without the reply flag the agent cannot tell which connection a message came from: even on an
 // authenticated connection it is dropped unread, and the connection's own writes still land.
+// Finding 2, below the transport's own messages: with UCP_FEATURE_RMA in its context an agent's
+// worker answers UCX's emulated put (the path put takes over tcp and shared memory), which
+// copies to any address its sender names, from any endpoint, before and without any hello. An
+// agent that does not write by put (`am`, and `auto` where the context has no real RMA
+// transport) now leaves RMA out of its context: the put is never honoured.
+TEST(UcxHostile, EmulatedPutFromAStrangerNeverLands) {
+  auto agent = makeAgent(agentConfig("victim"));
+  ASSERT_TRUE(agent);
+  EXPECT_FALSE(agent->agentStats().accepts_put);
+  auto dst = sentinelRegion(2, 1 << 20);
+  auto key = agent->registerRegion(*dst, RegionAccess::kRemoteWritable);
+  ASSERT_TRUE(key.isOk()) << key.status().toString();
+  RawClient raw(agent->localAddress());
+  ASSERT_TRUE(raw.ok());
+  (void)raw.putRaw(reinterpret_cast<uint64_t>(dst->data()) + 4096, Bytes(4096, 0x11), 1000ms);
+  raw.progressFor(200ms);
+  EXPECT_EQ(firstChangedByte(*dst), -1) << "a stranger's put landed in the pool";
+  expectHonestWriteLands(*agent, *dst, *key);
+}
+
 TEST(UcxHostile, WriteWithoutAReplyEndpointIsDroppedUnread) {
   auto agent = makeAgent(agentConfig("victim"));
   ASSERT_TRUE(agent);
@@ -686,47 +755,85 @@ TEST(UcxHostile, PeerThatStopsProgressingIsDroppedAtItsSendQueueBound) {
   EXPECT_EQ(lost->peer, connected->peer);
 }
 
+// Finding 4 on ucx, the other bound: a peer that stops reading while what it holds stays under
+// max_send_queue_bytes (here 256 MiB) used to keep its connection, and its messages, forever.
+// Now a peer that took none of its outstanding messages for send_stall_timeout is dropped.
+TEST(UcxHostile, PeerThatTakesNothingForTheStallTimeoutIsDropped) {
+  AgentConfig c = agentConfig("victim");
+  c.max_send_queue_bytes = 256 << 20;
+  c.send_stall_timeout = 500ms;
+  auto agent = makeAgent(c);
+  ASSERT_TRUE(agent);
+  RawClient raw(agent->localAddress());
+  ASSERT_TRUE(raw.ok());
+  ASSERT_EQ(raw.handshake(kToken), RawClient::Outcome::kWelcomed);
+  auto connected = waitForEvent(*agent, Event::Kind::kPeerConnected, {&raw}, 3000ms);
+  ASSERT_TRUE(connected.has_value());
+  // More than loopback's socket buffers hold, far less than the byte bound; the raw client
+  // never progresses its worker from here.
+  const std::vector<uint8_t> chunk(256 << 10, 0x44);
+  for (int i = 0; i < 128; ++i) {
+    ASSERT_TRUE(agent->sendMessage(connected->peer, chunk).isOk()) << "message " << i;
+  }
+  const auto start = Clock::now();
+  auto lost = waitForEvent(*agent, Event::Kind::kPeerLost, {}, 10000ms);
+  ASSERT_TRUE(lost.has_value()) << "a peer that reads nothing kept its connection";
+  EXPECT_EQ(lost->peer, connected->peer);
+  EXPECT_GE(Clock::now() - start, 300ms);
+  EXPECT_NE(lost->status.message().find("send_stall_timeout"), std::string::npos)
+      << lost->status.toString();
+  EXPECT_EQ(agent->agentStats().peers_over_limit, 1u);
+  EXPECT_EQ(agent->sendMessage(connected->peer, chunk).code(), StatusCode::kUnavailable);
+}
+
 // Finding 7 on ucx: the receiver of am rendezvous writes cleared its incoming transfers on
 // peer loss and queued kPeerLost at once, while ucp_am_recv_data_nbx requests were still
 // landing bytes in its region: the engine would release the pages under them. Now kPeerLost
 // waits until UCX handed every such receive back (completed, or cancelled by the close).
 // Over tcp on loopback UCX 1.13's forced close stops the receive at once, so this passes
 // against the old code too: it guards the order, it does not reproduce the finding there.
+// The disconnect must fall inside the write: an attempt whose write finished first is
+// repeated with twice the bytes (at most three), and none landing inside is a failure.
 TEST(UcxHostile, NoRendezvousWriteLandsAfterTheReceiverSawPeerLost) {
-  constexpr uint64_t kBytes = 256ull << 20;
   constexpr uint64_t kTail = 1 << 20;
-  // Regions first: they outlive the agents.
-  auto src = sentinelRegion(1, kBytes);
-  std::memset(src->data(), 0x01, kBytes);
-  auto dst = sentinelRegion(2, kBytes);
-  auto writer = makeAgent(agentConfig("ctx"));
-  auto receiver = makeAgent(agentConfig("gen"));
-  ASSERT_TRUE(writer && receiver);
-  ASSERT_TRUE(writer->registerRegion(*src, RegionAccess::kLocalSource).isOk());
-  auto key = receiver->registerRegion(*dst, RegionAccess::kRemoteWritable);
-  ASSERT_TRUE(key.isOk()) << key.status().toString();
-  auto to_receiver = writer->connect(receiver->localAddress());
-  ASSERT_TRUE(to_receiver.isOk()) << to_receiver.status().toString();
-  auto connected = waitForEvent(*receiver, Event::Kind::kPeerConnected, {}, 3000ms);
-  ASSERT_TRUE(connected.has_value());
-  ASSERT_TRUE(writer->addRemoteRegion(*to_receiver, 2, kBytes, *key).isOk());
-  auto t = writer->postWrite(*to_receiver, {WriteOp{1, 0, 2, 0, kBytes}});
-  ASSERT_TRUE(t.isOk()) << t.status().toString();
-  // Disconnect while the rendezvous is (most likely) landing bytes; not by watching dst, a
-  // read that would race with UCX's writes by design.
-  std::this_thread::sleep_for(50ms);
-  if (t->poll() != TransferState::kInProgress) GTEST_SKIP() << "the write finished too fast";
-  ASSERT_TRUE(receiver->disconnect(connected->peer).isOk());
-  auto lost = waitForEvent(*receiver, Event::Kind::kPeerLost, {}, 120000ms);
-  ASSERT_TRUE(lost.has_value());
-  // The engine would now release the pages and hand them to the next request.
-  std::memset(dst->data() + kBytes - kTail, kSentinel, kTail);
-  (void)t->waitFor(120000ms);
-  EXPECT_NE(t->poll(), TransferState::kInProgress);
-  std::this_thread::sleep_for(100ms);
-  const uint64_t overwritten = std::count_if(dst->data() + kBytes - kTail, dst->data() + kBytes,
-                                             [](uint8_t b) { return b != kSentinel; });
-  EXPECT_EQ(overwritten, 0u) << "bytes written into released pages after kPeerLost";
+  bool disconnected_mid_write = false;
+  for (uint64_t bytes = 128ull << 20; bytes <= (512ull << 20) && !disconnected_mid_write;
+       bytes *= 2) {
+    // Regions first: they outlive the agents.
+    auto src = sentinelRegion(1, bytes);
+    std::memset(src->data(), 0x01, bytes);
+    auto dst = sentinelRegion(2, bytes);
+    auto writer = makeAgent(agentConfig("ctx"));
+    auto receiver = makeAgent(agentConfig("gen"));
+    ASSERT_TRUE(writer && receiver);
+    ASSERT_TRUE(writer->registerRegion(*src, RegionAccess::kLocalSource).isOk());
+    auto key = receiver->registerRegion(*dst, RegionAccess::kRemoteWritable);
+    ASSERT_TRUE(key.isOk()) << key.status().toString();
+    auto to_receiver = writer->connect(receiver->localAddress());
+    ASSERT_TRUE(to_receiver.isOk()) << to_receiver.status().toString();
+    auto connected = waitForEvent(*receiver, Event::Kind::kPeerConnected, {}, 3000ms);
+    ASSERT_TRUE(connected.has_value());
+    ASSERT_TRUE(writer->addRemoteRegion(*to_receiver, 2, bytes, *key).isOk());
+    auto t = writer->postWrite(*to_receiver, {WriteOp{1, 0, 2, 0, bytes}});
+    ASSERT_TRUE(t.isOk()) << t.status().toString();
+    // Disconnect while the rendezvous is landing bytes; told by the writer's state, not by
+    // watching dst, a read that would race with UCX's writes by design.
+    std::this_thread::sleep_for(20ms);
+    if (t->poll() != TransferState::kInProgress) continue;
+    disconnected_mid_write = true;
+    ASSERT_TRUE(receiver->disconnect(connected->peer).isOk());
+    auto lost = waitForEvent(*receiver, Event::Kind::kPeerLost, {}, 120000ms);
+    ASSERT_TRUE(lost.has_value());
+    // The engine would now release the pages and hand them to the next request.
+    std::memset(dst->data() + bytes - kTail, kSentinel, kTail);
+    (void)t->waitFor(120000ms);
+    EXPECT_NE(t->poll(), TransferState::kInProgress);
+    std::this_thread::sleep_for(100ms);
+    const uint64_t overwritten = std::count_if(dst->data() + bytes - kTail, dst->data() + bytes,
+                                               [](uint8_t b) { return b != kSentinel; });
+    EXPECT_EQ(overwritten, 0u) << "bytes written into released pages after kPeerLost";
+  }
+  EXPECT_TRUE(disconnected_mid_write) << "every write finished within 20 ms: nothing was tested";
 }
 
 // Finding 6 on ucx: a put-mode writer's unpacked rkeys must go with the peer (destroyed once
@@ -741,9 +848,12 @@ TEST(UcxHostile, PutRkeysOfALostPeerAreRetiredWithIt) {
   auto dst = sentinelRegion(2, kBytes);
   AgentConfig wc = agentConfig("ctx");
   wc.ucx_mode = UcxMode::kPut;
+  AgentConfig rc = agentConfig("gen");
+  rc.ucx_mode = UcxMode::kPut;  // a receiver of puts must enable RMA itself
   auto writer = makeAgent(wc);
-  auto receiver = makeAgent(agentConfig("gen"));
+  auto receiver = makeAgent(rc);
   ASSERT_TRUE(writer && receiver);
+  EXPECT_TRUE(receiver->agentStats().accepts_put);
   ASSERT_TRUE(writer->registerRegion(*src, RegionAccess::kLocalSource).isOk());
   auto key = receiver->registerRegion(*dst, RegionAccess::kRemoteWritable);
   ASSERT_TRUE(key.isOk()) << key.status().toString();
@@ -764,6 +874,42 @@ TEST(UcxHostile, PutRkeysOfALostPeerAreRetiredWithIt) {
   auto u = writer->postWrite(*again, {{1, 0, 2, 0, 4096}});
   ASSERT_TRUE(u.isOk()) << u.status().toString();
   EXPECT_TRUE(u->waitFor(30000ms).isOk()) << u->status().toString();
+}
+
+// A writer forced to put against a receiver that leaves RMA off is told so when it adds the
+// region (its key carries no rkey), naming the region; an `auto` writer falls back to am.
+TEST(UcxHostile, ForcedPutToAReceiverWithoutRmaIsIncompatibleAndAutoFallsBackToAm) {
+  auto src = sentinelRegion(1, 4096);
+  std::memset(src->data(), 0x3C, 4096);
+  auto dst = sentinelRegion(2, 4096);
+  auto receiver = makeAgent(agentConfig("gen"));
+  ASSERT_TRUE(receiver);
+  auto key = receiver->registerRegion(*dst, RegionAccess::kRemoteWritable);
+  ASSERT_TRUE(key.isOk()) << key.status().toString();
+  EXPECT_EQ(key->size(), 16u) << "a key with an rkey from an agent without RMA";
+  AgentConfig put = agentConfig("ctx-put");
+  put.ucx_mode = UcxMode::kPut;
+  auto forced = makeAgent(put);
+  ASSERT_TRUE(forced);
+  auto p = forced->connect(receiver->localAddress());
+  ASSERT_TRUE(p.isOk()) << p.status().toString();
+  Status s = forced->addRemoteRegion(*p, 2, 4096, *key);
+  EXPECT_EQ(s.code(), StatusCode::kIncompatible) << s.toString();
+  EXPECT_NE(s.message().find("remote region id=2"), std::string::npos) << s.toString();
+  EXPECT_NE(s.message().find("does not accept put"), std::string::npos) << s.toString();
+
+  AgentConfig automatic = agentConfig("ctx-auto");
+  automatic.ucx_mode = UcxMode::kAuto;
+  auto writer = makeAgent(automatic);
+  ASSERT_TRUE(writer);
+  ASSERT_TRUE(writer->registerRegion(*src, RegionAccess::kLocalSource).isOk());
+  auto q = writer->connect(receiver->localAddress());
+  ASSERT_TRUE(q.isOk()) << q.status().toString();
+  ASSERT_TRUE(writer->addRemoteRegion(*q, 2, 4096, *key).isOk());
+  auto t = writer->postWrite(*q, {{1, 0, 2, 0, 4096}});
+  ASSERT_TRUE(t.isOk()) << t.status().toString();
+  ASSERT_TRUE(t->waitFor(5000ms).isOk()) << t->status().toString();
+  EXPECT_EQ(std::memcmp(dst->data(), src->data(), 4096), 0);
 }
 
 TEST(UcxHostile, EmptyTokenStillRunsTheExchangeAndIsReported) {
