@@ -59,6 +59,7 @@ struct DemoOptions {
   uint32_t tokens = 1000;
   std::string backend = "auto";
   std::string ctx_layout = "auto", gen_layout = "auto";
+  EngineOptions ctx_engine, gen_engine;
   double cancel_fraction = 0.0;
   std::string cancel_at = "any";  // any, or one CancelPoint name
   uint64_t seed = 1;
@@ -170,8 +171,9 @@ struct Resolved {
   ModelSpec model;
   ParallelConfig ctx, gen;
   engine::BackendKind backend;
-  StateLayout ctx_layout, gen_layout;
-  std::vector<std::string> decisions;  // for --json and the header line
+  StateLayout ctx_layout, gen_layout;   // hxfer's state layout, as routed
+  EngineLayout ctx_engine, gen_engine;  // what each side's pools look like
+  std::vector<std::string> decisions;   // for --json and the header line
   std::string token;  // fresh per run, inherited by the forked ranks, never printed
 };
 
@@ -191,20 +193,36 @@ StatusOr<Resolved> resolveDemo(const DemoOptions& o) {
   env.single_process = false;  // every rank is its own process
   const auto pref = engine::preferredStateLayout(r.model);
   for (int side = 0; side < 2; ++side) {
-    ASSIGN_OR_RETURN(auto layout,
-                     engine::parseStateLayoutRequest(side == 0 ? o.ctx_layout : o.gen_layout));
+    const char* name = side == 0 ? "ctx" : "gen";
+    const std::string& layout_request = side == 0 ? o.ctx_layout : o.gen_layout;
+    const EngineOptions& engine_options = side == 0 ? o.ctx_engine : o.gen_engine;
+    if (engine_options.engine != "hxfer" && layout_request != "auto") {
+      return InvalidArgument("--" + std::string(name) + "-layout " + layout_request +
+                             " applies to --" + name + "-engine hxfer only; --" + name +
+                             "-engine " + engine_options.engine + " keeps its own state layout");
+    }
+    ASSIGN_OR_RETURN(auto layout, engine::parseStateLayoutRequest(layout_request));
     engine::RoutingExplanation e = engine::explainRouting({backend, layout}, env, pref);
     if (!e.status.isOk()) {
       return e.status.withContext(side == 0 ? "context" : "generation");
     }
     r.backend = e.routing->backend;
     (side == 0 ? r.ctx_layout : r.gen_layout) = e.routing->state_layout;
+    ASSIGN_OR_RETURN(
+        (side == 0 ? r.ctx_engine : r.gen_engine),
+        resolveEngineLayout(engine_options, name, stateLayoutName(e.routing->state_layout)));
     for (const auto& d : e.decisions) {
       r.decisions.push_back(std::string(side == 0 ? "ctx " : "gen ") + d.setting + "=" + d.value +
                             ": " + d.reason);
     }
   }
   return r;
+}
+
+// "paged" / "layer-major" for hxfer's own layouts (as before engines existed), else the engine
+// layout's name with its options ("vllm(kv=nhd,conv=sd)").
+std::string layoutLabel(const EngineLayout& l) {
+  return l.engine == Engine::kHxfer ? std::string(stateLayoutName(l.state)) : l.toString();
 }
 
 Region::Backing backingFor(engine::BackendKind b) {
@@ -220,8 +238,8 @@ uint32_t blocksPerRequest(const ModelSpec& m, uint32_t tokens) {
 // them for requests that never come would only cost memory and start-up time.
 StatusOr<std::unique_ptr<HybridCacheManager>> makeCache(const DemoOptions& o, const Resolved& r,
                                                         const ParallelConfig& pc,
-                                                        StateLayout layout, uint32_t tp_rank,
-                                                        uint32_t pp_rank) {
+                                                        const EngineLayout& layout,
+                                                        uint32_t tp_rank, uint32_t pp_rank) {
   const uint32_t per = blocksPerRequest(r.model, o.tokens);
   const uint32_t slots = std::min(o.window, o.requests) + 2;
   return HybridCacheManager::create(r.model, pc, tp_rank, pp_rank, layout,
@@ -247,7 +265,7 @@ void waitCacheEmpty(const HybridCacheManager& cache, Clock::time_point deadline)
 
 int contextChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, uint32_t pp_rank,
                  Channel& ch) {
-  auto cache = makeCache(o, r, r.ctx, r.ctx_layout, tp_rank, pp_rank);
+  auto cache = makeCache(o, r, r.ctx, r.ctx_engine, tp_rank, pp_rank);
   if (!cache.isOk()) return ch.send("fail " + cache.status().toString()), 1;
   auto agent = makeAgent(r, "ctx");
   if (!agent.isOk()) return ch.send("fail " + agent.status().toString()), 1;
@@ -313,7 +331,7 @@ int generationChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, u
     if (!line || line->rfind("peer ", 0) != 0) return 1;
     peers.push_back(line->substr(5));
   }
-  auto cache = makeCache(o, r, r.gen, r.gen_layout, tp_rank, pp_rank);
+  auto cache = makeCache(o, r, r.gen, r.gen_engine, tp_rank, pp_rank);
   if (!cache.isOk()) return ch.send("fail " + cache.status().toString()), 1;
   auto agent = makeAgent(r, "gen");
   if (!agent.isOk()) return ch.send("fail " + agent.status().toString()), 1;
@@ -519,9 +537,8 @@ int runDemo(const DemoOptions& o) {
     std::printf(
         "hxfer demo: %s, ctx tp %u pp %u (%s) -> gen tp %u pp %u (%s) over %s, %u requests"
         " x %u tokens, %u processes\n",
-        res.model.name.c_str(), res.ctx.tp, res.ctx.pp,
-        std::string(stateLayoutName(res.ctx_layout)).c_str(), res.gen.tp, res.gen.pp,
-        std::string(stateLayoutName(res.gen_layout)).c_str(),
+        res.model.name.c_str(), res.ctx.tp, res.ctx.pp, layoutLabel(res.ctx_engine).c_str(),
+        res.gen.tp, res.gen.pp, layoutLabel(res.gen_engine).c_str(),
         std::string(engine::backendName(res.backend)).c_str(), o.requests, o.tokens,
         static_cast<unsigned>(children.size()));
     std::fflush(stdout);
@@ -668,10 +685,14 @@ int runDemo(const DemoOptions& o) {
   if (o.json) {
     nlohmann::json j;
     j["model"] = res.model.name;
-    j["ctx"] = {
-        {"tp", res.ctx.tp}, {"pp", res.ctx.pp}, {"layout", stateLayoutName(res.ctx_layout)}};
-    j["gen"] = {
-        {"tp", res.gen.tp}, {"pp", res.gen.pp}, {"layout", stateLayoutName(res.gen_layout)}};
+    j["ctx"] = {{"tp", res.ctx.tp},
+                {"pp", res.ctx.pp},
+                {"layout", layoutLabel(res.ctx_engine)},
+                {"engine", res.ctx_engine.toString()}};
+    j["gen"] = {{"tp", res.gen.tp},
+                {"pp", res.gen.pp},
+                {"layout", layoutLabel(res.gen_engine)},
+                {"engine", res.gen_engine.toString()}};
     j["backend"] = engine::backendName(res.backend);
     j["routing"] = res.decisions;
     j["requests"] = o.requests;
@@ -745,6 +766,8 @@ void addDemoCommand(CLI::App& app) {
   cmd->add_option("--gen-layout", o->gen_layout,
                   "Generation state layout: auto, paged, layer-major")
       ->default_val("auto");
+  addEngineOptions(cmd, &o->ctx_engine, "ctx");
+  addEngineOptions(cmd, &o->gen_engine, "gen");
   cmd->add_option("--cancel-fraction", o->cancel_fraction,
                   "Fraction of requests cancelled at a random point on a random side")
       ->default_val(0.0)

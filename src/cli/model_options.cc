@@ -101,4 +101,27 @@ int reportError(const Status& status) {
   return 1;
 }
 
+void addEngineOptions(CLI::App* cmd, EngineOptions* o, std::string_view side) {
+  const std::string prefix = "--" + std::string(side);
+  const std::string who = side == "ctx" ? "Context" : "Generation";
+  cmd->add_option(prefix + "-engine", o->engine,
+                  who +
+                      " cache layout as an engine keeps it: hxfer, trtllm-v1, trtllm-v2, "
+                      "vllm, sglang (docs/layouts.md)")
+      ->default_val("hxfer");
+  cmd->add_option(prefix + "-kv-layout", o->kv,
+                  who +
+                      " kv order inside a block half for vllm and trtllm-v2: nhd or hnd "
+                      "(default: vllm nhd, trtllm-v2 hnd)");
+  cmd->add_option(prefix + "-conv-layout", o->conv,
+                  who + " conv state order for vllm: sd (window, channel; default) or ds");
+}
+
+StatusOr<EngineLayout> resolveEngineLayout(const EngineOptions& o, std::string_view side,
+                                           std::string_view hxfer_state) {
+  auto layout = parseEngineLayout(o.engine, o.kv, o.conv, o.engine == "hxfer" ? hxfer_state : "");
+  if (!layout.isOk()) return layout.status().withContext("--" + std::string(side) + "-engine");
+  return layout;
+}
+
 }  // namespace hxfer::cli

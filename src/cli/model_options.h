@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cache/engine_layout.h"
 #include "common/status.h"
 #include "model/model.h"
 
@@ -24,6 +25,20 @@ void addModelOptions(CLI::App* cmd, ModelOptions* options);
 
 // Loads the preset or file and applies the overrides. Errors name the option and value.
 StatusOr<ModelSpec> resolveModel(const ModelOptions& options);
+
+// One side's engine layout options (plan, demo): --<side>-engine, --<side>-kv-layout,
+// --<side>-conv-layout, with `side` "ctx" or "gen".
+struct EngineOptions {
+  std::string engine = "hxfer";
+  std::string kv, conv;  // empty: the engine's default
+};
+
+void addEngineOptions(CLI::App* cmd, EngineOptions* options, std::string_view side);
+
+// The side's layout; `hxfer_state` is the state layout when the engine is hxfer (other engines
+// have their own). Errors name --<side>-engine and the value.
+StatusOr<EngineLayout> resolveEngineLayout(const EngineOptions& options, std::string_view side,
+                                           std::string_view hxfer_state);
 
 // Prints "hxfer: <status>" to stderr and returns exit code 1 (for subcommand callbacks).
 int reportError(const Status& status);

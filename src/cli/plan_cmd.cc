@@ -18,8 +18,7 @@ struct PlanOptions {
   ModelOptions model;
   uint32_t ctx_tp = 1, gen_tp = 1, ctx_pp = 1, gen_pp = 1;
   std::string ctx_layout = "paged", gen_layout = "paged";
-  std::string ctx_engine = "hxfer", gen_engine = "hxfer";
-  std::string ctx_kv, ctx_conv, gen_kv, gen_conv;  // empty: the engine's default
+  EngineOptions ctx_engine, gen_engine;
   uint32_t tokens = 1024;
   uint32_t prefix_tokens = 0;
   std::string block_ids = "contiguous";
@@ -38,12 +37,10 @@ int run(const PlanOptions& o) {
   auto model = resolveModel(o.model);
   if (!model.isOk()) return reportError(model.status());
   // --ctx-layout / --gen-layout choose hxfer's own state layout; other engines have one.
-  auto ctx_layout = parseEngineLayout(o.ctx_engine, o.ctx_kv, o.ctx_conv,
-                                      o.ctx_engine == "hxfer" ? o.ctx_layout : "");
-  if (!ctx_layout.isOk()) return reportError(ctx_layout.status().withContext("--ctx-engine"));
-  auto gen_layout = parseEngineLayout(o.gen_engine, o.gen_kv, o.gen_conv,
-                                      o.gen_engine == "hxfer" ? o.gen_layout : "");
-  if (!gen_layout.isOk()) return reportError(gen_layout.status().withContext("--gen-engine"));
+  auto ctx_layout = resolveEngineLayout(o.ctx_engine, "ctx", o.ctx_layout);
+  if (!ctx_layout.isOk()) return reportError(ctx_layout.status());
+  auto gen_layout = resolveEngineLayout(o.gen_engine, "gen", o.gen_layout);
+  if (!gen_layout.isOk()) return reportError(gen_layout.status());
 
   LocalTransferOptions t;
   t.ctx = {o.ctx_tp, o.ctx_pp, {}};
@@ -147,21 +144,8 @@ void addPlanCommand(CLI::App& app) {
   cmd->add_option("--gen-layout", o->gen_layout,
                   "Generation state layout of --gen-engine hxfer: paged or layer-major")
       ->default_val("paged");
-  for (const char* side : {"ctx", "gen"}) {
-    const bool ctx = std::string(side) == "ctx";
-    const std::string who = ctx ? "Context" : "Generation";
-    cmd->add_option("--" + std::string(side) + "-engine", ctx ? o->ctx_engine : o->gen_engine,
-                    who +
-                        " cache layout as an engine keeps it: hxfer, trtllm-v1, trtllm-v2, "
-                        "vllm, sglang (docs/layouts.md)")
-        ->default_val("hxfer");
-    cmd->add_option("--" + std::string(side) + "-kv-layout", ctx ? o->ctx_kv : o->gen_kv,
-                    who +
-                        " kv order inside a block half for vllm and trtllm-v2: nhd or hnd "
-                        "(default: vllm nhd, trtllm-v2 hnd)");
-    cmd->add_option("--" + std::string(side) + "-conv-layout", ctx ? o->ctx_conv : o->gen_conv,
-                    who + " conv state order for vllm: sd (window, channel; default) or ds");
-  }
+  addEngineOptions(cmd, &o->ctx_engine, "ctx");
+  addEngineOptions(cmd, &o->gen_engine, "gen");
   cmd->add_option("--tokens", o->tokens, "Request length in tokens")
       ->default_val(1024)
       ->check(CLI::Range(1u, 1u << 30));
