@@ -113,8 +113,6 @@ struct EnginePair {
   const char* gen_layout;
 };
 
-// vLLM's default conv order (SD) pairs with SD only: against DS the element order inside a
-// unit differs, which needs the staging phase (not built; the planner refuses it by name).
 const EnginePair kEnginePairs[] = {
     {"VllmDsToTrtllmV2", "--ctx-engine vllm --ctx-conv-layout ds --gen-engine trtllm-v2",
      "vllm(kv=nhd,conv=ds)", "trtllm-v2(kv=hnd)"},
@@ -129,6 +127,11 @@ const EnginePair kEnginePairs[] = {
      "trtllm-v1", "vllm(kv=hnd,conv=ds)"},
     {"VllmHndSdToVllmNhdSd", "--ctx-engine vllm --ctx-kv-layout hnd --gen-engine vllm",
      "vllm(kv=hnd,conv=sd)", "vllm(kv=nhd,conv=sd)"},
+    // Conv element order differs (SD against DS): staged on the context ranks, checksummed.
+    {"VllmSdToHxferStaged", "--ctx-engine vllm --gen-engine hxfer --gen-layout paged --checksum",
+     "vllm(kv=nhd,conv=sd)", "hxfer(paged)"},
+    {"SglangToVllmSdStaged", "--ctx-engine sglang --gen-engine vllm --checksum", "sglang",
+     "vllm(kv=nhd,conv=sd)"},
 };
 
 class DemoEngines
@@ -144,6 +147,13 @@ TEST_P(DemoEngines, EveryRequestVerifiesAndNoPageLeaks) {
   EXPECT_GT(j.value("bytes", 0ull), 0ull) << args;
   EXPECT_EQ(j["ctx"].value("engine", ""), pair.ctx_layout) << args;
   EXPECT_EQ(j["gen"].value("engine", ""), pair.gen_layout) << args;
+  uint64_t staged = 0;
+  for (const auto& rank : j["ranks"]) staged += rank["metrics"].value("staged_parts", 0ull);
+  if (std::string(pair.name).ends_with("Staged")) {
+    EXPECT_GT(staged, 0u) << args;
+  } else {
+    EXPECT_EQ(staged, 0u) << args;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Pairs, DemoEngines,

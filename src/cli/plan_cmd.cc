@@ -67,6 +67,7 @@ int run(const PlanOptions& o) {
     j["num_blocks"] = r->blocks.num_blocks;
     j["total_bytes"] = r->total_bytes;
     j["total_ops"] = r->total_ops;
+    j["total_pack_ops"] = r->total_pack_ops;
     j["expected_bytes"] = r->expected_bytes;
     j["pairs"] = nlohmann::json::array();
     for (const PairStats& p : r->pairs) {
@@ -98,8 +99,13 @@ int run(const PlanOptions& o) {
                   static_cast<unsigned long long>(p.ops), static_cast<unsigned long long>(p.bytes),
                   mib(p.bytes).c_str());
     }
-    std::printf("total: %llu ops, %llu bytes (%s)\n", static_cast<unsigned long long>(r->total_ops),
+    std::printf("total: %llu ops, %llu bytes (%s)", static_cast<unsigned long long>(r->total_ops),
                 static_cast<unsigned long long>(r->total_bytes), mib(r->total_bytes).c_str());
+    if (r->total_pack_ops != 0) {
+      std::printf("; %llu staging copies on the context ranks (element order differs)",
+                  static_cast<unsigned long long>(r->total_pack_ops));
+    }
+    std::printf("\n");
     if (o.verify) {
       if (r->verified()) {
         std::printf("verified: %llu bytes checked on %u generation ranks\n",

@@ -51,12 +51,21 @@ TEST(CliPlan, EngineLayoutPairsVerifyAtTpMismatchBothWays) {
   EXPECT_EQ(runs, 7 * 7 * 2);
 }
 
-TEST(CliPlan, ElementOrderMismatchAndUnknownEngineAreRefusedNamingTheField) {
-  auto r = runHxfer("plan --ctx-engine vllm --gen-engine hxfer", Stderr::kMerge);
-  EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.out.find("conv section x: the element order inside a unit differs"),
+TEST(CliPlan, ElementOrderMismatchIsStagedAndUnknownEngineIsRefusedNamingTheField) {
+  auto r = runHxfer("plan --ctx-engine vllm --gen-engine hxfer --verify", Stderr::kMerge);
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("staging copies on the context ranks (element order differs)"),
             std::string::npos)
       << r.out;
+  EXPECT_NE(r.out.find("verified: "), std::string::npos) << r.out;
+  r = runHxfer("plan --ctx-engine vllm --gen-engine hxfer --json");
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_GT(j.value("total_pack_ops", 0), 0);
+  r = runHxfer("plan --ctx-engine vllm --gen-engine vllm --json");
+  j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j.value("total_pack_ops", -1), 0);
   r = runHxfer("plan --ctx-engine tgi", Stderr::kMerge);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.out.find("--ctx-engine: unknown engine layout 'tgi'"), std::string::npos) << r.out;

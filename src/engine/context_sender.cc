@@ -41,6 +41,9 @@ struct ContextSender::Ask {
   uint64_t bytes = 0;
   std::optional<uint64_t> checksum;
   Clock::time_point asked_at, posted_at;
+  // The staging area of a plan with pack ops (RankPlan::scratch_bytes), registered with the
+  // agent as a local source while its write runs; released once the write is terminal.
+  std::unique_ptr<Region> scratch;
 };
 
 // Everything known about one request id on this rank.
@@ -448,35 +451,80 @@ void ContextSender::startAskLocked(Source& src, Ask& ask) {
     answerLocked(src, ask, OkStatus(), 0, std::nullopt);
     return;
   }
+  std::unique_ptr<Region> scratch;
+  if (plan->scratch_bytes != 0) {
+    auto staged = stageLocked(*plan);
+    if (!staged.isOk()) {
+      HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
+                     staged.status().toString());
+      answerLocked(src, ask, staged.status(), 0, std::nullopt);
+      return;
+    }
+    scratch = std::move(staged).value();
+  }
+  const std::span<const uint8_t> scratch_bytes =
+      scratch ? std::span<const uint8_t>(scratch->data(), scratch->length())
+              : std::span<const uint8_t>();
   if (options_.checksum) {
-    auto sum = checksumOps(plan->ops, memory_, /*source=*/true);
+    auto sum = checksumOps(plan->ops, memory_, /*source=*/true, scratch_bytes);
     if (!sum.isOk()) {
+      releaseScratchLocked(std::move(scratch));
       answerLocked(src, ask, sum.status(), 0, std::nullopt);
       return;
     }
     ask.checksum = *sum;
   }
   if (Status s = cache_->beginTransfer(src.id); !s.isOk()) {
+    releaseScratchLocked(std::move(scratch));
     answerLocked(src, ask, s, 0, std::nullopt);
     return;
   }
   std::vector<transport::WriteOp> ops;
   ops.reserve(plan->ops.size());
   for (const CopyOp& op : plan->ops) {
-    ops.push_back({op.src_region, op.src_offset, op.dst_region, op.dst_offset, op.bytes});
+    const uint32_t from = op.src_region == kScratchRegion ? scratch->id() : op.src_region;
+    ops.push_back({from, op.src_offset, op.dst_region, op.dst_offset, op.bytes});
   }
   auto t = agent_->postWrite(ask.peer, std::move(ops));
   if (!t.isOk()) {
     (void)cache_->endTransfer(src.id);
+    releaseScratchLocked(std::move(scratch));
     answerLocked(src, ask, t.status(), 0, std::nullopt);
     return;
   }
+  ask.scratch = std::move(scratch);
   metrics_.opsPosted(plan->ops.size());
   t->notifyWhenTerminal([waker = waker_] { waker->wake(); });
   ask.transfer = *t;
   ask.bytes = plan->bytes;
   ask.state = Ask::State::kPosted;
   ask.posted_at = Clock::now();
+}
+
+StatusOr<std::unique_ptr<Region>> ContextSender::stageLocked(const RankPlan& plan) {
+  // Ids far above any pool's (a layout numbers its regions from 0), never reused while one is
+  // registered: 2^31 stagings later the counter wraps into ids long released.
+  const uint32_t id = 0x80000000u | (next_scratch_++ & 0x7FFFFFFFu);
+  const auto backing = agent_->capabilities().needs_memfd_regions ? Region::Backing::kMemfd
+                                                                  : Region::Backing::kAnonymous;
+  auto region = Region::allocate(id, plan.scratch_bytes, backing, "hxfer-staging");
+  if (!region.isOk()) {
+    return region.status().withContext("staging area of " + std::to_string(plan.scratch_bytes) +
+                                       " bytes");
+  }
+  std::unique_ptr<Region> r = std::move(region).value();
+  RETURN_IF_ERROR(packScratch(plan, memory_, std::span<uint8_t>(r->data(), r->length())));
+  auto key = agent_->registerRegion(*r, transport::RegionAccess::kLocalSource);
+  if (!key.isOk()) return key.status().withContext("registering the staging area");
+  metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
+  return r;
+}
+
+void ContextSender::releaseScratchLocked(std::unique_ptr<Region> scratch) {
+  if (!scratch) return;
+  if (Status s = agent_->deregisterRegion(scratch->id()); !s.isOk()) {
+    HXFER_LOG_ERROR("context: releasing staging area {}: {}", scratch->id(), s.toString());
+  }
 }
 
 void ContextSender::answerLocked(Source& src, Ask& ask, const Status& status, uint64_t bytes,
@@ -625,6 +673,7 @@ void ContextSender::progressLocked() {
       const transport::TransferState st = a.transfer.poll();
       if (st == transport::TransferState::kInProgress) continue;
       (void)cache_->endTransfer(rid);
+      releaseScratchLocked(std::move(a.scratch));
       Status status = a.transfer.status();
       if (src->cancelled) {
         status = *src->cancelled;
@@ -769,9 +818,11 @@ void ContextSender::shutdown() {
         if (a.transfer.poll() == transport::TransferState::kInProgress) {
           HXFER_LOG_ERROR("context: shutdown: a write of request {} did not stop; pages kept", rid);
           stuck = true;
+          (void)a.scratch.release();  // kept too: the write may still read it
           continue;
         }
         (void)cache_->endTransfer(rid);
+        releaseScratchLocked(std::move(a.scratch));
         a.state = Ask::State::kAnswered;
       }
       if (!stuck) freePagesLocked(*src);

@@ -140,6 +140,10 @@ class ContextSender {
   void startAskLocked(Source& src, Ask& ask);
   void answerLocked(Source& src, Ask& ask, const Status& status, uint64_t bytes,
                     std::optional<uint64_t> checksum);
+  // A registered staging area holding `plan`'s pack ops' bytes (RankPlan::scratch_bytes).
+  StatusOr<std::unique_ptr<Region>> stageLocked(const RankPlan& plan);
+  // Deregisters and frees a staging area whose write is terminal (or never started).
+  void releaseScratchLocked(std::unique_ptr<Region> scratch);
   void progressLocked();
   void timersLocked();
   void cancelLocked(Source& src, const Status& why);
@@ -190,6 +194,7 @@ class ContextSender {
   // Ended ids whose asks are answered with this status (cancelled, lease expired, timed out).
   RecentIds<Status> tombstones_;  // guarded by mu_
   const uint64_t incarnation_;    // this sender's, in its Hello
+  uint32_t next_scratch_ = 0;     // guarded by mu_; staging area ids (stageLocked)
   Metrics metrics_;
   std::shared_ptr<Waker> waker_ = std::make_shared<Waker>();
   std::thread thread_;

@@ -65,7 +65,8 @@ StatusOr<std::vector<uint32_t>> overlappingGenerationRanks(const ModelSpec& mode
   return out;
 }
 
-StatusOr<uint64_t> checksumOps(std::vector<CopyOp> ops, const RankMemory& mem, bool source) {
+StatusOr<uint64_t> checksumOps(std::vector<CopyOp> ops, const RankMemory& mem, bool source,
+                               std::span<const uint8_t> scratch) {
   std::sort(ops.begin(), ops.end(), [](const CopyOp& a, const CopyOp& b) {
     return a.dst_region != b.dst_region ? a.dst_region < b.dst_region : a.dst_offset < b.dst_offset;
   });
@@ -75,9 +76,12 @@ StatusOr<uint64_t> checksumOps(std::vector<CopyOp> ops, const RankMemory& mem, b
     return Internal("xxh3 state could not be created");
   }
   for (const CopyOp& op : ops) {
-    ASSIGN_OR_RETURN(uint8_t * p, source
-                                      ? regionBytes(mem, op.src_region, op.src_offset, op.bytes)
-                                      : regionBytes(mem, op.dst_region, op.dst_offset, op.bytes));
+    const uint8_t* p = nullptr;
+    if (source) {
+      ASSIGN_OR_RETURN(p, sourceBytes(mem, scratch, op));
+    } else {
+      ASSIGN_OR_RETURN(p, regionBytes(mem, op.dst_region, op.dst_offset, op.bytes));
+    }
     XXH3_64bits_update(state.get(), p, op.bytes);
   }
   return static_cast<uint64_t>(XXH3_64bits_digest(state.get()));

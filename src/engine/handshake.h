@@ -41,8 +41,9 @@ StatusOr<std::vector<uint32_t>> overlappingGenerationRanks(const ModelSpec& mode
 // xxh3-64 over the bytes the ops move, in destination order (sorted by dst region, offset), so
 // that both sides hash the same byte stream however the ops were split or merged. `source`:
 // hash the source bytes in `mem` (the context side, before posting); otherwise the destination
-// bytes (the generation side, after the Done).
-StatusOr<uint64_t> checksumOps(std::vector<CopyOp> ops, const RankMemory& mem, bool source);
+// bytes (the generation side, after the Done). A source of kScratchRegion reads `scratch`.
+StatusOr<uint64_t> checksumOps(std::vector<CopyOp> ops, const RankMemory& mem, bool source,
+                               std::span<const uint8_t> scratch = {});
 
 // The memory of a cache manager's regions, indexed by region id.
 RankMemory cacheMemory(const HybridCacheManager& cache);

@@ -95,6 +95,9 @@ void MetricsSnapshot::merge(const MetricsSnapshot& o) {
   requests_cancelled += o.requests_cancelled;
   bytes += o.bytes;
   ops += o.ops;
+  staged_parts += o.staged_parts;
+  staging_copies += o.staging_copies;
+  staging_bytes += o.staging_bytes;
   for (size_t i = 0; i < kNumFailureCauses; ++i) failures[i] += o.failures[i];
   leases_expired += o.leases_expired;
   quarantined_requests += o.quarantined_requests;
@@ -123,6 +126,9 @@ std::string MetricsSnapshot::toJson() const {
   j["requests_cancelled"] = requests_cancelled;
   j["bytes"] = bytes;
   j["ops"] = ops;
+  j["staged_parts"] = staged_parts;
+  j["staging_copies"] = staging_copies;
+  j["staging_bytes"] = staging_bytes;
   nlohmann::json f = nlohmann::json::object();
   for (size_t i = 0; i < kNumFailureCauses; ++i) {
     f[std::string(failureCauseName(static_cast<FailureCause>(i)))] = failures[i];
@@ -169,6 +175,13 @@ void Metrics::requestFailed(FailureCause cause) {
   ++s_.requests_failed;
   if (cause == FailureCause::kCancelled) ++s_.requests_cancelled;
   ++s_.failures[static_cast<size_t>(cause)];
+}
+
+void Metrics::staged(uint64_t copies, uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  ++s_.staged_parts;
+  s_.staging_copies += copies;
+  s_.staging_bytes += bytes;
 }
 
 void Metrics::opsPosted(uint64_t n) {

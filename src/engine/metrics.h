@@ -61,8 +61,11 @@ struct MetricsSnapshot {
   uint64_t requests_ok = 0;
   uint64_t requests_failed = 0;  // includes cancelled
   uint64_t requests_cancelled = 0;
-  uint64_t bytes = 0;                                  // bytes moved by successful request parts
-  uint64_t ops = 0;                                    // copy ops posted
+  uint64_t bytes = 0;  // bytes moved by successful request parts
+  uint64_t ops = 0;    // copy ops posted
+  // Context: request parts staged (element order differs between the sides), their local
+  // staging copies and staging bytes (RankPlan::pack_ops, scratch_bytes).
+  uint64_t staged_parts = 0, staging_copies = 0, staging_bytes = 0;
   std::array<uint64_t, kNumFailureCauses> failures{};  // by FailureCause
   uint64_t leases_expired = 0;        // context: source pages freed because nobody asked in time
   uint64_t quarantined_requests = 0;  // requests freed while writes were in flight (lifetime)
@@ -102,6 +105,7 @@ class Metrics {
   void requestOk(uint64_t bytes, std::chrono::nanoseconds latency);
   void requestFailed(FailureCause cause);
   void opsPosted(uint64_t n);
+  void staged(uint64_t copies, uint64_t bytes);
   void leaseExpired();
   void quarantined();
   void handshake(bool ok);

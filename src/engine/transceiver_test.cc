@@ -131,6 +131,9 @@ TEST_P(Transceiver, EngineLayoutsOnBothSidesMoveEveryByte) {
       {"vllm", "nhd", "sd", "vllm", "hnd", "sd", {2, 1, {}}, {1, 1, {}}},
       {"sglang", "", "", "trtllm-v2", "nhd", "", {1, 1, {}}, {2, 1, {}}},
       {"trtllm-v1", "", "", "vllm", "hnd", "ds", {1, 2, {}}, {2, 1, {}}},
+      // Conv element order differs (SD against DS): staged on the context ranks.
+      {"vllm", "nhd", "sd", "hxfer", "", "", {2, 1, {}}, {1, 1, {}}},
+      {"trtllm-v2", "hnd", "", "vllm", "nhd", "sd", {1, 1, {}}, {2, 1, {}}},
   };
   for (const Case& k : cases) {
     auto o = baseOptions(GetParam(), k.ctx, k.gen);
@@ -141,6 +144,7 @@ TEST_P(Transceiver, EngineLayoutsOnBothSidesMoveEveryByte) {
     ASSERT_NE(c, nullptr);
     bool described = false;
     for (const PoolView& v : c->genCaches()[0]->layout().views) described |= v.record.has_value();
+    for (const PoolView& v : c->ctxCaches()[0]->layout().views) described |= v.record.has_value();
     EXPECT_TRUE(described);
     transferAndVerify(*c, 1, 3, 70);
     expectPagesFree(*c);

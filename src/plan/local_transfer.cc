@@ -190,6 +190,7 @@ StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
     out.expected_bytes += planner.expectedBytes(out.blocks.num_blocks);
     out.total_bytes += plan.total_bytes;
     out.total_ops += plan.total_ops;
+    out.total_pack_ops += plan.total_pack_ops;
     for (const RankPlan& rp : plan.ranks) {
       if (rp.ops.empty()) continue;
       const RankLayout& c = ctx_layouts[rp.ctx_index];
@@ -200,7 +201,7 @@ StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
     std::unique_ptr<Coverage> coverage;
     if (o.check_coverage) coverage = std::make_unique<Coverage>();
     for (const RankPlan& rp : plan.ranks) {
-      RETURN_IF_ERROR(executeOps(rp.ops, ctx[rp.ctx_index].mem, g.mem));
+      RETURN_IF_ERROR(executePlan(rp, ctx[rp.ctx_index].mem, g.mem));
       if (coverage) {
         for (const CopyOp& op : rp.ops) coverage->add(op);
       }

@@ -53,6 +53,7 @@ struct LocalTransferResult {
   BlockRange blocks;             // positions sent
   std::vector<PairStats> pairs;  // (ctx rank, gen rank) pairs with at least one op
   uint64_t total_bytes = 0, total_ops = 0;
+  uint64_t total_pack_ops = 0;  // local staging copies on the context ranks
   uint64_t expected_bytes = 0;  // sum over gen ranks of Planner::expectedBytes
   bool executed = false;
   OracleReport oracle;           // over every gen rank

@@ -29,7 +29,19 @@ using RankMemory = std::vector<RegionMemory>;
 StatusOr<uint8_t*> regionBytes(const RankMemory& mem, uint32_t id, uint64_t offset, uint64_t bytes);
 
 // Runs every op with memcpy from `src` to `dst`, after checking that every range fits
-// (nothing is copied when one does not).
-Status executeOps(std::span<const CopyOp> ops, const RankMemory& src, const RankMemory& dst);
+// (nothing is copied when one does not). An op whose source is kScratchRegion reads `scratch`.
+Status executeOps(std::span<const CopyOp> ops, const RankMemory& src, const RankMemory& dst,
+                  std::span<const uint8_t> scratch = {});
+
+// The source bytes of `op`: region op.src_region of `mem`, or `scratch` for kScratchRegion.
+StatusOr<const uint8_t*> sourceBytes(const RankMemory& mem, std::span<const uint8_t> scratch,
+                                     const CopyOp& op);
+
+// Runs plan.pack_ops from `src` into `scratch` (at least plan.scratch_bytes long), after
+// checking every range (nothing is copied when one does not fit).
+Status packScratch(const RankPlan& plan, const RankMemory& src, std::span<uint8_t> scratch);
+
+// A whole context rank's part: packScratch into a buffer of its own, then executeOps.
+Status executePlan(const RankPlan& plan, const RankMemory& src, const RankMemory& dst);
 
 }  // namespace hxfer

@@ -173,16 +173,31 @@ uint64_t contiguousSectionOffset(const PoolView& v, const RankLayout& l, size_t 
   return off;
 }
 
+// Where the segments of one record map go. With `packs` (state records), a section whose
+// element order differs is staged: each element run goes to the staging area at `*scratch`
+// onwards, in the destination's order, and `staged` gets the runs contiguous in the
+// destination.
+struct SegmentSink {
+  std::vector<Planner::Segment>* segs;
+  size_t seg_begin;
+  std::vector<Planner::Segment>* packs = nullptr;
+  size_t pack_begin = 0;
+  std::vector<Planner::Segment>* staged = nullptr;
+  size_t staged_begin = 0;
+  uint64_t* scratch = nullptr;
+};
+
 // Appends the segments of one section shared by a context record (section ci of view cv) and a
 // generation record (section gi of gv): the units both hold that this context rank writes.
 // Undescribed on both sides, a section's units are one run on each side. Otherwise they are
 // walked as a box of logical elements (unit, within-unit index, inner dims) in the
-// destination's memory order, one segment per run contiguous on both sides; Incompatible when
-// the element order inside units differs so much that every op would move one element (that
-// needs a staging phase on the generation side, not planned here).
+// destination's memory order, one segment per run contiguous on both sides. When the element
+// order inside units differs so much that every run is one element, a state record is staged
+// (SegmentSink); a kv record is refused (Incompatible).
 Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const RankLayout& g,
-                       const PoolView& gv, size_t gi, uint32_t layer,
-                       std::vector<Planner::Segment>* segs, size_t seg_begin) {
+                       const PoolView& gv, size_t gi, uint32_t layer, const SegmentSink& sink) {
+  std::vector<Planner::Segment>* segs = sink.segs;
+  const size_t seg_begin = sink.seg_begin;
   const Section& s = gv.sections[gi];
   const UnitRange rg = shardUnits(s.units, g.tp, g.tp_rank, s.name).value();
   const UnitRange rc = shardUnits(s.units, c.tp, c.tp_rank, s.name).value();
@@ -223,17 +238,28 @@ Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const
     box.push_back({g_rec.find(n)->size, c_rec.find(n)->stride, g_rec.find(n)->stride});
     unit_elements *= g_rec.find(n)->size;
   }
-  const uint64_t run = forEachRun(
-      box, e, cp.base + uint64_t{lo - rc.first} * cp.unit_stride,
-      gp.base + uint64_t{lo - rg.first} * gp.unit_stride,
-      [&](uint64_t a, uint64_t b, uint64_t n) { appendSegment(*segs, seg_begin, a, b, n); });
+  std::vector<Planner::Segment> runs;
+  const uint64_t run =
+      forEachRun(box, e, cp.base + uint64_t{lo - rc.first} * cp.unit_stride,
+                 gp.base + uint64_t{lo - rg.first} * gp.unit_stride,
+                 [&](uint64_t a, uint64_t b, uint64_t n) { appendSegment(runs, 0, a, b, n); });
   if (run == e && unit_elements > 1) {
-    return Incompatible(
-        "layer " + std::to_string(layer) + " " + std::string(roleName(gv.role)) + " section " +
-        s.name + ": the element order inside a unit differs (ctx " + c_rec.toString() + "; gen " +
-        g_rec.toString() + "), so every op would move one " + std::to_string(e) +
-        "-byte element; that needs a staging phase on the generation rank, which is not built");
+    if (sink.packs == nullptr) {
+      return Incompatible("layer " + std::to_string(layer) + " " + std::string(roleName(gv.role)) +
+                          " section " + s.name + ": the element order inside a unit differs (ctx " +
+                          c_rec.toString() + "; gen " + g_rec.toString() +
+                          "), so every op would move one " + std::to_string(e) +
+                          "-byte element; staging is built for state records only");
+    }
+    for (const Planner::Segment& r : runs) {
+      appendSegment(*sink.packs, sink.pack_begin, r.src_off, *sink.scratch, r.bytes);
+      appendSegment(*sink.staged, sink.staged_begin, *sink.scratch, r.dst_off, r.bytes);
+      *sink.scratch += r.bytes;
+    }
+    return OkStatus();
   }
+  for (const Planner::Segment& r : runs)
+    appendSegment(*segs, seg_begin, r.src_off, r.dst_off, r.bytes);
   return OkStatus();
 }
 
@@ -273,10 +299,19 @@ StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayou
         const PoolView& cv = c.views[src.view];
         const uint32_t cl = src.layer, cvi = src.view;
         const size_t seg_begin = out.segments.size();
-        for (const auto& [ci, gi] : src.sections) {
-          RETURN_IF_ERROR(sectionSegments(c, cv, ci, g, gv, gi, layer, &out.segments, seg_begin));
+        const size_t pack_begin = out.packs.size(), staged_begin = out.staged.size();
+        SegmentSink sink{&out.segments, seg_begin};
+        if (!gv.indexedByBlock()) {
+          sink.packs = &out.packs;
+          sink.pack_begin = pack_begin;
+          sink.staged = &out.staged;
+          sink.staged_begin = staged_begin;
+          sink.scratch = &out.scratch_bytes;
         }
-        if (out.segments.size() == seg_begin) continue;
+        for (const auto& [ci, gi] : src.sections) {
+          RETURN_IF_ERROR(sectionSegments(c, cv, ci, g, gv, gi, layer, sink));
+        }
+        if (out.segments.size() == seg_begin && out.staged.size() == staged_begin) continue;
         Planner::RecordMap m;
         m.src_region = cv.region_id;
         m.dst_region = gv.region_id;
@@ -286,8 +321,13 @@ StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayou
         m.dst_stride = gv.index_stride;
         m.seg_begin = static_cast<uint32_t>(seg_begin);
         m.seg_end = static_cast<uint32_t>(out.segments.size());
+        m.pack_begin = static_cast<uint32_t>(pack_begin);
+        m.pack_end = static_cast<uint32_t>(out.packs.size());
+        m.staged_begin = static_cast<uint32_t>(staged_begin);
+        m.staged_end = static_cast<uint32_t>(out.staged.size());
         uint64_t bytes = 0;
         for (uint32_t i = m.seg_begin; i < m.seg_end; ++i) bytes += out.segments[i].bytes;
+        for (uint32_t i = m.staged_begin; i < m.staged_end; ++i) bytes += out.staged[i].bytes;
         (gv.indexedByBlock() ? out.kv_bytes_per_block : out.state_bytes) += bytes;
         pending.push_back({gv.indexedByBlock(), cvi, gvi, cl, m});
       }
@@ -544,6 +584,8 @@ void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, B
   const SourceMap& m = maps_[ctx_index];
   out->ctx_index = ctx_index;
   out->ops.clear();
+  out->pack_ops.clear();
+  out->scratch_bytes = m.slot_maps.empty() ? 0 : m.scratch_bytes;
   const bool moves_kv = !m.block_maps.empty() && blocks.num_blocks > 0;
   size_t estimate = m.slot_maps.empty() ? 0 : m.segments.size();
   if (moves_kv) {
@@ -576,6 +618,14 @@ void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, B
     for (uint32_t j = r.seg_begin; j < r.seg_end; ++j) {
       appendOp(ops, r.src_region, sb + segs[j].src_off, r.dst_region, db + segs[j].dst_off,
                segs[j].bytes);
+    }
+    for (uint32_t j = r.pack_begin; j < r.pack_end; ++j) {
+      appendOp(out->pack_ops, r.src_region, sb + m.packs[j].src_off, kScratchRegion,
+               m.packs[j].dst_off, m.packs[j].bytes);
+    }
+    for (uint32_t j = r.staged_begin; j < r.staged_end; ++j) {
+      appendOp(ops, kScratchRegion, m.staged[j].src_off, r.dst_region, db + m.staged[j].dst_off,
+               m.staged[j].bytes);
     }
   }
   out->bytes = (moves_kv ? m.kv_bytes_per_block * blocks.num_blocks : 0) +
@@ -614,11 +664,12 @@ Status Planner::planInto(const std::vector<RankIds>& ctx_ids, const RankIds& dst
     }
   }
   out->ranks.resize(ctx_.size());
-  out->total_bytes = out->total_ops = 0;
+  out->total_bytes = out->total_ops = out->total_pack_ops = 0;
   for (uint32_t i = 0; i < ctx_.size(); ++i) {
     emit(i, ctx_ids[i], dst, blocks, &out->ranks[i]);
     out->total_bytes += out->ranks[i].bytes;
     out->total_ops += out->ranks[i].ops.size();
+    out->total_pack_ops += out->ranks[i].pack_ops.size();
   }
   return OkStatus();
 }

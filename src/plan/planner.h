@@ -40,6 +40,10 @@
 
 namespace hxfer {
 
+// The source region id of ops that read a request's staging area (RankPlan::pack_ops fill it);
+// an executor binds it to memory of RankPlan::scratch_bytes before running the ops.
+inline constexpr uint32_t kScratchRegion = 0xFFFFFFFFu;
+
 // One contiguous copy. Offsets are relative to the start of the region.
 struct CopyOp {
   uint32_t src_region = 0;
@@ -65,16 +69,27 @@ struct BlockRange {
 };
 
 // The ops one context rank runs for one request towards the planner's generation rank.
+//
+// Staging: where the element order inside a unit differs between the two sides (vLLM's SD
+// conv state against DS, gdn ssm (head_v, head_k) against (key, value)), a run contiguous on
+// both sides would be one element. Those state records go in two phases: `pack_ops` (local
+// copies on the context rank, from its pools into a staging area of `scratch_bytes`, laid out
+// in the destination's element order) and then ordinary ops whose source is kScratchRegion,
+// each a run contiguous in the destination. Runs of pack_ops may be one element; transfer ops
+// never are.
 struct RankPlan {
   uint32_t ctx_index = 0;  // index into the planner's context layouts
   std::vector<CopyOp> ops;
-  uint64_t bytes = 0;  // sum of ops' bytes
+  uint64_t bytes = 0;            // sum of ops' bytes
+  std::vector<CopyOp> pack_ops;  // src: the context rank's pools; dst_region: kScratchRegion
+  uint64_t scratch_bytes = 0;    // 0: no staging
 };
 
 struct RequestPlan {
   std::vector<RankPlan> ranks;  // one per context layout, same order (empty when no overlap)
   uint64_t total_bytes = 0;
-  uint64_t total_ops = 0;
+  uint64_t total_ops = 0;       // transfer ops (pack_ops not counted)
+  uint64_t total_pack_ops = 0;  // local staging copies
 };
 
 // What one context rank sends to the generation rank per request.
@@ -138,6 +153,10 @@ class Planner {
     uint64_t src_base = 0, src_stride = 0;  // offset(index, layer) = base + index * stride
     uint64_t dst_base = 0, dst_stride = 0;
     uint32_t seg_begin = 0, seg_end = 0;  // into SourceMap::segments
+    // Staged sections (slot maps only): source record -> staging offset, then staging offset
+    // -> destination record.
+    uint32_t pack_begin = 0, pack_end = 0;      // into SourceMap::packs
+    uint32_t staged_begin = 0, staged_end = 0;  // into SourceMap::staged
   };
   struct BlockGroup {  // record maps of one (ctx kv view, gen kv view) pair, in layer order
     uint32_t map_begin = 0, map_end = 0;
@@ -147,7 +166,10 @@ class Planner {
     std::vector<BlockGroup> block_groups;
     std::vector<RecordMap> slot_maps;  // in source address order
     std::vector<Segment> segments;
+    std::vector<Segment> packs;   // src_off in the source record, dst_off in the staging area
+    std::vector<Segment> staged;  // src_off in the staging area, dst_off in the destination record
     uint64_t kv_bytes_per_block = 0, state_bytes = 0;
+    uint64_t scratch_bytes = 0;  // staging area per request
   };
 
  private:

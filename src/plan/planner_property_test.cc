@@ -119,7 +119,7 @@ TEST(PlannerProperty, EveryKindWithReplicationEveryTpPairBothLayouts) {
 // Every engine layout pair (docs/layouts.md) over the tp and pp pairs engines deploy: attention,
 // mamba2 (groups replicated at tp 4) and mamba1 layers, every destination byte exactly once
 // from the right unit, nothing else written (padding and gaps included). vLLM's SD conv state
-// pairs with SD only: against DS the element order inside a unit differs (refused, below).
+// against DS goes through the staging phase (below).
 TEST(PlannerProperty, EveryEnginePairTpPairAndPpPairMovesEveryByteExactlyOnce) {
   using namespace testing;
   LayerSpec hybrid = mamba2Layer(8, 2, 2, 4, 4);
@@ -128,24 +128,9 @@ TEST(PlannerProperty, EveryEnginePairTpPairAndPpPairMovesEveryByteExactlyOnce) {
       makeModel({attentionLayer(4, 8), mamba2Layer(8, 2, 2, 4, 4), mamba1Layer(8, 4, 3), hybrid,
                  attentionLayer(4, 8), mamba2Layer(8, 2, 2, 4, 4)},
                 16);
-  struct Named {
-    std::string engine, kv, conv, state;
-  };
-  const std::vector<Named> ds = {{"hxfer", "", "", "paged"},   {"hxfer", "", "", "layer-major"},
-                                 {"trtllm-v1", "", "", ""},    {"trtllm-v2", "hnd", "", ""},
-                                 {"trtllm-v2", "nhd", "", ""}, {"vllm", "nhd", "ds", ""},
-                                 {"vllm", "hnd", "ds", ""},    {"sglang", "", "", ""}};
-  const std::vector<Named> sd = {{"vllm", "nhd", "sd", ""}, {"vllm", "hnd", "sd", ""}};
   std::vector<std::pair<EngineLayout, EngineLayout>> pairs;
-  for (const auto* family : {&ds, &sd}) {
-    for (const Named& a : *family) {
-      for (const Named& b : *family) {
-        auto x = parseEngineLayout(a.engine, a.kv, a.conv, a.state);
-        auto y = parseEngineLayout(b.engine, b.kv, b.conv, b.state);
-        ASSERT_TRUE(x.isOk() && y.isOk());
-        pairs.push_back({*x, *y});
-      }
-    }
+  for (const EngineLayout& a : allEngineLayouts()) {
+    for (const EngineLayout& b : allEngineLayouts()) pairs.push_back({a, b});
   }
   const std::pair<uint32_t, uint32_t> tps[] = {{1, 1}, {2, 1}, {1, 2}, {4, 1}, {1, 4}, {2, 4}};
   const std::pair<uint32_t, uint32_t> pps[] = {{1, 1}, {2, 1}, {1, 2}};
@@ -174,34 +159,91 @@ TEST(PlannerProperty, EveryEnginePairTpPairAndPpPairMovesEveryByteExactlyOnce) {
       }
     }
   }
-  EXPECT_EQ(cases, (8 * 8 + 2 * 2) * 6 * 3);
+  EXPECT_EQ(cases, static_cast<int>(allEngineLayouts().size() * allEngineLayouts().size()) * 6 * 3);
 }
 
 // Where the element order inside a unit differs (vLLM's SD conv state against DS, vLLM's gdn
-// ssm (head_v, head_k) against hxfer's (key, value)), every op would move one element: the
-// planner refuses, naming the layer, the section and both layouts.
-TEST(PlannerProperty, ElementOrderThatDiffersInsideUnitsIsRefusedNamingBothLayouts) {
+// ssm (head_v, head_k) against hxfer's (key, value)), a run contiguous on both sides is one
+// element. Such state records are staged: the context rank packs them, in the destination's
+// element order, into a staging area (pack ops, element-sized locally) and writes runs
+// contiguous in the destination from there. Every byte verifies, and no transfer op is one
+// element; kv records are never staged (a head_dim of 1 against another kv order is refused).
+TEST(PlannerProperty, ElementOrderThatDiffersInsideUnitsIsStagedOnTheContextRank) {
   using namespace testing;
   const ModelSpec mamba = makeModel({attentionLayer(4, 8), mamba2Layer(8, 2, 2, 4, 4)}, 16);
+  const ModelSpec gdn = makeModel({attentionLayer(4, 8), gdnLayer(2, 4, 4, 6, 3)}, 16);
+  struct Case {
+    const ModelSpec* model;
+    EngineLayout ctx, gen;
+  };
+  const Case cases[] = {
+      {&mamba, *parseEngineLayout("vllm"), *parseEngineLayout("hxfer")},
+      {&mamba, *parseEngineLayout("hxfer", "", "", "layer-major"), *parseEngineLayout("vllm")},
+      {&mamba, *parseEngineLayout("vllm", "hnd", "sd"), *parseEngineLayout("vllm", "nhd", "ds")},
+      {&gdn, *parseEngineLayout("vllm", "", "ds"), *parseEngineLayout("hxfer")},
+      {&gdn, *parseEngineLayout("sglang"), *parseEngineLayout("vllm")},
+  };
+  const std::pair<uint32_t, uint32_t> tps[] = {{1, 1}, {2, 1}, {1, 2}, {2, 4}};
+  int staged = 0;
+  for (const Case& k : cases) {
+    for (const auto& [ctp, gtp] : tps) {
+      const std::string what = k.ctx.toString() + " tp" + std::to_string(ctp) + " -> " +
+                               k.gen.toString() + " tp" + std::to_string(gtp);
+      LocalTransferOptions o;
+      o.use_regions = false;
+      o.ctx = {ctp, 1, {}};
+      o.gen = {gtp, 1, {}};
+      o.ctx_engine = k.ctx;
+      o.gen_engine = k.gen;
+      o.tokens = 20;
+      auto r = runLocalTransfer(*k.model, o);
+      ASSERT_TRUE(r.isOk()) << what << ": " << r.status().toString();
+      ASSERT_TRUE(r->verified()) << what << ": " << r->oracle.toString() << " / "
+                                 << r->first_coverage_error;
+      EXPECT_GT(r->total_pack_ops, 0u) << what;
+      // The ops themselves, per (context rank, generation rank).
+      for (uint32_t g = 0; g < gtp; ++g) {
+        auto gl = buildEngineLayout(*k.model, o.gen, g, 0, k.gen, 4, 2);
+        ASSERT_TRUE(gl.isOk()) << gl.status().toString();
+        for (uint32_t c = 0; c < ctp; ++c) {
+          auto cl = buildEngineLayout(*k.model, o.ctx, c, 0, k.ctx, 4, 2);
+          ASSERT_TRUE(cl.isOk()) << cl.status().toString();
+          auto planner = Planner::createForSource(*cl, *gl);
+          ASSERT_TRUE(planner.isOk()) << what << ": " << planner.status().toString();
+          auto plan = planner->planRank(0, {{0, 1}, 1}, {{3, 2}, 0}, {0, 2});
+          ASSERT_TRUE(plan.isOk()) << what << ": " << plan.status().toString();
+          uint64_t from_scratch = 0;
+          for (const CopyOp& op : plan->ops) {
+            EXPECT_GT(op.bytes, 4u) << what << ": an element-sized transfer op";
+            if (op.src_region == kScratchRegion) from_scratch += op.bytes;
+          }
+          uint64_t packed = 0;
+          for (const CopyOp& op : plan->pack_ops) {
+            EXPECT_EQ(op.dst_region, kScratchRegion);
+            packed += op.bytes;
+          }
+          EXPECT_EQ(packed, plan->scratch_bytes) << what;
+          EXPECT_EQ(from_scratch, plan->scratch_bytes) << what;
+          staged += plan->scratch_bytes != 0;
+        }
+      }
+    }
+  }
+  EXPECT_GT(staged, 20);
+
+  // kv with one element per head row: NHD against HND moves one element per run.
+  const ModelSpec tiny_heads = makeModel({attentionLayer(4, 1)}, 16);
   LocalTransferOptions o;
   o.use_regions = false;
-  o.ctx_engine = *parseEngineLayout("vllm");  // conv sd
-  o.gen_engine = *parseEngineLayout("hxfer");
+  o.ctx_engine = *parseEngineLayout("vllm", "nhd", "");
+  o.gen_engine = *parseEngineLayout("trtllm-v2", "hnd", "");
   o.tokens = 20;
-  auto r = runLocalTransfer(mamba, o);
+  auto r = runLocalTransfer(tiny_heads, o);
   ASSERT_FALSE(r.isOk());
   EXPECT_EQ(r.status().code(), StatusCode::kIncompatible);
-  EXPECT_NE(r.status().message().find("layer 1 conv section x: the element order inside a unit "
-                                      "differs"),
-            std::string::npos)
+  EXPECT_NE(r.status().message().find("the element order inside a unit differs"), std::string::npos)
       << r.status().toString();
-  EXPECT_NE(r.status().message().find("staging phase"), std::string::npos);
-
-  const ModelSpec gdn = makeModel({attentionLayer(4, 8), gdnLayer(2, 4, 4, 6, 3)}, 16);
-  o.ctx_engine = *parseEngineLayout("vllm", "", "ds");
-  r = runLocalTransfer(gdn, o);
-  ASSERT_FALSE(r.isOk());
-  EXPECT_NE(r.status().message().find("layer 1 ssm section heads"), std::string::npos)
+  EXPECT_NE(r.status().message().find("staging is built for state records only"), std::string::npos)
       << r.status().toString();
 }
 
