@@ -723,19 +723,34 @@ TEST(UcxHostile, ConnectionsBeyondMaxUnauthenticatedAreRefused) {
   EXPECT_TRUE(peer.isOk()) << peer.status().toString();
 }
 
+// An agent of config `c` and a raw client it welcomed (the handshake with the shared token);
+// `connected` is the agent's kPeerConnected for it.
+struct Welcomed {
+  std::unique_ptr<Agent> agent;
+  std::unique_ptr<RawClient> raw;
+  std::optional<Event> connected;
+};
+
+void welcome(const AgentConfig& c, Welcomed* w) {
+  w->agent = makeAgent(c);
+  ASSERT_TRUE(w->agent);
+  w->raw = std::make_unique<RawClient>(w->agent->localAddress());
+  ASSERT_TRUE(w->raw->ok());
+  ASSERT_EQ(w->raw->handshake(kToken), RawClient::Outcome::kWelcomed);
+  w->connected = waitForEvent(*w->agent, Event::Kind::kPeerConnected, {w->raw.get()}, 3000ms);
+  ASSERT_TRUE(w->connected.has_value());
+}
+
 // Finding 4 on ucx: sendMessage never blocked (it posts to the progress thread, and
 // ucp_am_send_nbx does not wait), but what a peer that stopped progressing did not take piled
 // up without bound. Now the bytes not handed back by UCX are bounded per peer like shm's queue.
 TEST(UcxHostile, PeerThatStopsProgressingIsDroppedAtItsSendQueueBound) {
   AgentConfig c = agentConfig("victim");
   c.max_send_queue_bytes = 8 << 20;
-  auto agent = makeAgent(c);
-  ASSERT_TRUE(agent);
-  RawClient raw(agent->localAddress());
-  ASSERT_TRUE(raw.ok());
-  ASSERT_EQ(raw.handshake(kToken), RawClient::Outcome::kWelcomed);
-  auto connected = waitForEvent(*agent, Event::Kind::kPeerConnected, {&raw}, 3000ms);
-  ASSERT_TRUE(connected.has_value());
+  Welcomed w;
+  ASSERT_NO_FATAL_FAILURE(welcome(c, &w));
+  auto& agent = w.agent;
+  const auto& connected = w.connected;
   // From here the raw client never progresses its worker: it reads nothing.
   const std::vector<uint8_t> big(1 << 20, 0x33);
   Status s = OkStatus();
@@ -762,13 +777,10 @@ TEST(UcxHostile, PeerThatTakesNothingForTheStallTimeoutIsDropped) {
   AgentConfig c = agentConfig("victim");
   c.max_send_queue_bytes = 256 << 20;
   c.send_stall_timeout = 500ms;
-  auto agent = makeAgent(c);
-  ASSERT_TRUE(agent);
-  RawClient raw(agent->localAddress());
-  ASSERT_TRUE(raw.ok());
-  ASSERT_EQ(raw.handshake(kToken), RawClient::Outcome::kWelcomed);
-  auto connected = waitForEvent(*agent, Event::Kind::kPeerConnected, {&raw}, 3000ms);
-  ASSERT_TRUE(connected.has_value());
+  Welcomed w;
+  ASSERT_NO_FATAL_FAILURE(welcome(c, &w));
+  auto& agent = w.agent;
+  const auto& connected = w.connected;
   // More than loopback's socket buffers hold, far less than the byte bound; the raw client
   // never progresses its worker from here.
   const std::vector<uint8_t> chunk(256 << 10, 0x44);
