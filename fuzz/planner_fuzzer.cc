@@ -7,7 +7,7 @@
 //
 // Contract checked beyond "never crashes, never reads out of bounds" (ASan, UBSan):
 //   * Planner::create / plan either succeed or return an error; nothing in between;
-//   * an accepted plan writes exactly expectedBytes(num_blocks) bytes, every op inside the
+//   * an accepted plan writes exactly expectedBytes(range) bytes, every op inside the
 //     regions of both layouts, no destination byte twice;
 //   * a context rank planning alone (createForSource) emits the very same ops;
 //   * when the request's ids are valid and the pools are small, executing the plan on memory
@@ -157,7 +157,7 @@ struct Buffers {
 void checkPlan(const Planner& planner, const RequestPlan& plan, BlockRange range) {
   const auto& ctx = planner.ctxLayouts();
   const RankLayout& gen = planner.genLayout();
-  if (plan.total_bytes != planner.expectedBytes(range.num_blocks)) std::abort();
+  if (plan.total_bytes != planner.expectedBytes(range)) std::abort();
   std::vector<std::tuple<uint32_t, uint64_t, uint64_t>> dst;
   uint64_t total = 0;
   for (size_t i = 0; i < plan.ranks.size(); ++i) {

@@ -394,4 +394,23 @@ Status RankLayout::validate() const {
   return OkStatus();
 }
 
+StatusOr<RecordLayout> kvRecordLayout(const RankLayout& l, const PoolView& v) {
+  if (v.record) return *v.record;
+  if (v.role != Role::kKv || v.sections.empty()) {
+    return InvalidArgument("kvRecordLayout: view of role " + std::string(roleName(v.role)) +
+                           " is not a kv view");
+  }
+  const uint64_t e = dtypeSize(l.kv_dtype), row = uint64_t{l.tokens_per_block} * e;
+  const uint64_t unit = v.sections[0].unit_bytes;
+  if (row == 0 || unit % row != 0) {
+    return InvalidArgument(
+        "kv section " + v.sections[0].name + " unit_bytes=" + std::to_string(unit) +
+        " is not a multiple of tokens_per_block=" + std::to_string(l.tokens_per_block) + " x " +
+        std::to_string(e) + "-byte elements");
+  }
+  ASSIGN_OR_RETURN(std::vector<uint32_t> local, localUnitCounts(v.sections, l.tp, l.tp_rank));
+  return canonicalRecordLayout(v.kind, v.role, v.sections, local, static_cast<uint32_t>(e),
+                               {l.tokens_per_block, static_cast<uint32_t>(unit / row)});
+}
+
 }  // namespace hxfer

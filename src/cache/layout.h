@@ -98,6 +98,11 @@ struct RankLayout {
   bool operator==(const RankLayout&) const = default;
 };
 
+// The record of kv view `v` of `l` as a RecordLayout: its own, or hxfer's contiguous
+// [kv][head][token][dim] (the head dim is a unit's bytes over tokens per block and the element
+// size). InvalidArgument when `v` is not a kv view or its unit bytes do not divide.
+StatusOr<RecordLayout> kvRecordLayout(const RankLayout& l, const PoolView& v);
+
 // Builds the layout of rank (tp_rank, pp_rank) with the given capacities. Errors: invalid model
 // or parallel config, indivisible sections, zero capacities where the rank needs them.
 StatusOr<RankLayout> buildRankLayout(const ModelSpec& model, const ParallelConfig& pc,

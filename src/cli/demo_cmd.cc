@@ -169,6 +169,7 @@ class Channel {
 
 struct Resolved {
   ModelSpec model;
+  ModelSpec ctx_model, gen_model;  // with each side's tokens per block
   ParallelConfig ctx, gen;
   engine::BackendKind backend;
   StateLayout ctx_layout, gen_layout;   // hxfer's state layout, as routed
@@ -180,6 +181,8 @@ struct Resolved {
 StatusOr<Resolved> resolveDemo(const DemoOptions& o) {
   Resolved r;
   ASSIGN_OR_RETURN(r.model, resolveModel(o.model));
+  r.ctx_model = sideModel(r.model, o.ctx_engine);
+  r.gen_model = sideModel(r.model, o.gen_engine);
   // Every rank of this run proves the same fresh secret, so no other process can join it.
   ASSIGN_OR_RETURN(r.token, transport::auth::randomToken());
   r.ctx = ParallelConfig{o.ctx_tp, o.ctx_pp, {}};
@@ -225,6 +228,16 @@ std::string layoutLabel(const EngineLayout& l) {
   return l.engine == Engine::kHxfer ? std::string(stateLayoutName(l.state)) : l.toString();
 }
 
+// The layout label of side 0 (ctx) or 1 (gen), with its tokens per block when the sides differ.
+std::string sideLabel(const Resolved& r, int side) {
+  const ModelSpec& m = side == 0 ? r.ctx_model : r.gen_model;
+  std::string s = layoutLabel(side == 0 ? r.ctx_engine : r.gen_engine);
+  if (r.ctx_model.tokens_per_block != r.gen_model.tokens_per_block) {
+    s += ", " + std::to_string(m.tokens_per_block) + " tokens per block";
+  }
+  return s;
+}
+
 Region::Backing backingFor(engine::BackendKind b) {
   return b == engine::BackendKind::kShm ? Region::Backing::kMemfd : Region::Backing::kAnonymous;
 }
@@ -237,12 +250,13 @@ uint32_t blocksPerRequest(const ModelSpec& m, uint32_t tokens) {
 // fewer when the run has fewer requests), plus two spare. Pools are pre-faulted, so sizing
 // them for requests that never come would only cost memory and start-up time.
 StatusOr<std::unique_ptr<HybridCacheManager>> makeCache(const DemoOptions& o, const Resolved& r,
+                                                        const ModelSpec& model,
                                                         const ParallelConfig& pc,
                                                         const EngineLayout& layout,
                                                         uint32_t tp_rank, uint32_t pp_rank) {
-  const uint32_t per = blocksPerRequest(r.model, o.tokens);
+  const uint32_t per = blocksPerRequest(model, o.tokens);
   const uint32_t slots = std::min(o.window, o.requests) + 2;
-  return HybridCacheManager::create(r.model, pc, tp_rank, pp_rank, layout,
+  return HybridCacheManager::create(model, pc, tp_rank, pp_rank, layout,
                                     Capacity::counts(slots * per, slots), backingFor(r.backend));
 }
 
@@ -265,14 +279,14 @@ void waitCacheEmpty(const HybridCacheManager& cache, Clock::time_point deadline)
 
 int contextChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, uint32_t pp_rank,
                  Channel& ch) {
-  auto cache = makeCache(o, r, r.ctx, r.ctx_engine, tp_rank, pp_rank);
+  auto cache = makeCache(o, r, r.ctx_model, r.ctx, r.ctx_engine, tp_rank, pp_rank);
   if (!cache.isOk()) return ch.send("fail " + cache.status().toString()), 1;
   auto agent = makeAgent(r, "ctx");
   if (!agent.isOk()) return ch.send("fail " + agent.status().toString()), 1;
   std::atomic<uint64_t> aux_mismatches{0};
   engine::ContextSender::Options so;
   so.instance_id = "demo-ctx";
-  so.model = r.model;
+  so.model = r.ctx_model;
   so.parallel = r.ctx;
   so.tp_rank = tp_rank;
   so.pp_rank = pp_rank;
@@ -331,13 +345,13 @@ int generationChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, u
     if (!line || line->rfind("peer ", 0) != 0) return 1;
     peers.push_back(line->substr(5));
   }
-  auto cache = makeCache(o, r, r.gen, r.gen_engine, tp_rank, pp_rank);
+  auto cache = makeCache(o, r, r.gen_model, r.gen, r.gen_engine, tp_rank, pp_rank);
   if (!cache.isOk()) return ch.send("fail " + cache.status().toString()), 1;
   auto agent = makeAgent(r, "gen");
   if (!agent.isOk()) return ch.send("fail " + agent.status().toString()), 1;
   engine::GenerationReceiver::Options ro;
   ro.instance_id = "demo-gen";
-  ro.model = r.model;
+  ro.model = r.gen_model;
   ro.parallel = r.gen;
   ro.tp_rank = tp_rank;
   ro.pp_rank = pp_rank;
@@ -397,9 +411,12 @@ int generationChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, u
       bool verified = false;
       std::string msg = res->status.isOk() ? "" : res->status.toString();
       if (res->status.isOk()) {
+        // With different tokens per block, kv moves the request's tokens only.
+        const bool by_token = r.ctx_model.tokens_per_block != r.gen_model.tokens_per_block;
         auto check =
             checkRank(pool.layout(), mem, RankIds{it->alloc.blocks, it->alloc.slot.value_or(0)},
-                      it->id, BlockRange{0, static_cast<uint32_t>(it->alloc.blocks.size())});
+                      it->id, BlockRange{0, static_cast<uint32_t>(it->alloc.blocks.size())},
+                      by_token ? o.tokens : UINT64_MAX);
         verified = check.isOk() && check->ok();
         if (!verified) msg = check.isOk() ? check->toString() : check.status().toString();
         if (verified && res->aux != firstTokenFor(it->id)) {
@@ -537,8 +554,8 @@ int runDemo(const DemoOptions& o) {
     std::printf(
         "hxfer demo: %s, ctx tp %u pp %u (%s) -> gen tp %u pp %u (%s) over %s, %u requests"
         " x %u tokens, %u processes\n",
-        res.model.name.c_str(), res.ctx.tp, res.ctx.pp, layoutLabel(res.ctx_engine).c_str(),
-        res.gen.tp, res.gen.pp, layoutLabel(res.gen_engine).c_str(),
+        res.model.name.c_str(), res.ctx.tp, res.ctx.pp, sideLabel(res, 0).c_str(), res.gen.tp,
+        res.gen.pp, sideLabel(res, 1).c_str(),
         std::string(engine::backendName(res.backend)).c_str(), o.requests, o.tokens,
         static_cast<unsigned>(children.size()));
     std::fflush(stdout);
@@ -688,11 +705,13 @@ int runDemo(const DemoOptions& o) {
     j["ctx"] = {{"tp", res.ctx.tp},
                 {"pp", res.ctx.pp},
                 {"layout", layoutLabel(res.ctx_engine)},
-                {"engine", res.ctx_engine.toString()}};
+                {"engine", res.ctx_engine.toString()},
+                {"tokens_per_block", res.ctx_model.tokens_per_block}};
     j["gen"] = {{"tp", res.gen.tp},
                 {"pp", res.gen.pp},
                 {"layout", layoutLabel(res.gen_engine)},
-                {"engine", res.gen_engine.toString()}};
+                {"engine", res.gen_engine.toString()},
+                {"tokens_per_block", res.gen_model.tokens_per_block}};
     j["backend"] = engine::backendName(res.backend);
     j["routing"] = res.decisions;
     j["requests"] = o.requests;

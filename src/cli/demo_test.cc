@@ -132,6 +132,16 @@ const EnginePair kEnginePairs[] = {
      "vllm(kv=nhd,conv=sd)", "hxfer(paged)"},
     {"SglangToVllmSdStaged", "--ctx-engine sglang --gen-engine vllm --checksum", "sglang",
      "vllm(kv=nhd,conv=sd)"},
+    // Tokens per block differ (a large vLLM page against SGLang's page of one token, and the
+    // reverse direction with other sizes): kv moves by token ranges, checksummed.
+    {"VllmBlock48ToSglangBlock1",
+     "--ctx-engine vllm --ctx-conv-layout ds --ctx-tokens-per-block 48 --gen-engine sglang "
+     "--gen-tokens-per-block 1 --checksum",
+     "vllm(kv=nhd,conv=ds)", "sglang"},
+    {"TrtllmV2Block16ToVllmHndBlock40",
+     "--ctx-engine trtllm-v2 --ctx-tokens-per-block 16 --gen-engine vllm --gen-kv-layout hnd "
+     "--gen-conv-layout ds --gen-tokens-per-block 40 --checksum",
+     "trtllm-v2(kv=hnd)", "vllm(kv=hnd,conv=ds)"},
 };
 
 class DemoEngines
@@ -147,6 +157,10 @@ TEST_P(DemoEngines, EveryRequestVerifiesAndNoPageLeaks) {
   EXPECT_GT(j.value("bytes", 0ull), 0ull) << args;
   EXPECT_EQ(j["ctx"].value("engine", ""), pair.ctx_layout) << args;
   EXPECT_EQ(j["gen"].value("engine", ""), pair.gen_layout) << args;
+  if (std::string(pair.args).find("tokens-per-block") != std::string::npos) {
+    EXPECT_NE(j["ctx"].value("tokens_per_block", 0u), j["gen"].value("tokens_per_block", 0u))
+        << args;
+  }
   uint64_t staged = 0;
   for (const auto& rank : j["ranks"]) staged += rank["metrics"].value("staged_parts", 0ull);
   if (std::string(pair.name).ends_with("Staged")) {

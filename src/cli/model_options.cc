@@ -115,6 +115,17 @@ void addEngineOptions(CLI::App* cmd, EngineOptions* o, std::string_view side) {
                       "(default: vllm nhd, trtllm-v2 hnd)");
   cmd->add_option(prefix + "-conv-layout", o->conv,
                   who + " conv state order for vllm: sd (window, channel; default) or ds");
+  cmd->add_option(prefix + "-tokens-per-block", o->tokens_per_block,
+                  who +
+                      " tokens per KV block (default: --tokens-per-block); when the sides "
+                      "differ, kv moves by token ranges")
+      ->check(CLI::Range(1u, 1u << 20));
+}
+
+ModelSpec sideModel(const ModelSpec& model, const EngineOptions& options) {
+  ModelSpec m = model;
+  if (options.tokens_per_block != 0) m.tokens_per_block = options.tokens_per_block;
+  return m;
 }
 
 StatusOr<EngineLayout> resolveEngineLayout(const EngineOptions& o, std::string_view side,

@@ -27,11 +27,15 @@ void addModelOptions(CLI::App* cmd, ModelOptions* options);
 StatusOr<ModelSpec> resolveModel(const ModelOptions& options);
 
 // One side's engine layout options (plan, demo): --<side>-engine, --<side>-kv-layout,
-// --<side>-conv-layout, with `side` "ctx" or "gen".
+// --<side>-conv-layout, --<side>-tokens-per-block, with `side` "ctx" or "gen".
 struct EngineOptions {
   std::string engine = "hxfer";
-  std::string kv, conv;  // empty: the engine's default
+  std::string kv, conv;           // empty: the engine's default
+  uint32_t tokens_per_block = 0;  // 0: the model's (--tokens-per-block)
 };
+
+// `model` with the side's tokens per block (its own, when the side gives none).
+ModelSpec sideModel(const ModelSpec& model, const EngineOptions& options);
 
 void addEngineOptions(CLI::App* cmd, EngineOptions* options, std::string_view side);
 

@@ -47,6 +47,8 @@ int run(const PlanOptions& o) {
   t.gen = {o.gen_tp, o.gen_pp, {}};
   t.ctx_engine = *ctx_layout;
   t.gen_engine = *gen_layout;
+  t.ctx_tokens_per_block = sideModel(*model, o.ctx_engine).tokens_per_block;
+  t.gen_tokens_per_block = sideModel(*model, o.gen_engine).tokens_per_block;
   t.tokens = o.tokens;
   t.prefix_tokens = o.prefix_tokens;
   t.shuffle_blocks = o.block_ids == "shuffled";
@@ -63,6 +65,8 @@ int run(const PlanOptions& o) {
     j["ctx"] = {{"tp", o.ctx_tp}, {"pp", o.ctx_pp}, {"layout", ctx_layout->toString()}};
     j["gen"] = {{"tp", o.gen_tp}, {"pp", o.gen_pp}, {"layout", gen_layout->toString()}};
     j["tokens"] = o.tokens;
+    j["ctx"]["tokens_per_block"] = t.ctx_tokens_per_block;
+    j["gen"]["tokens_per_block"] = t.gen_tokens_per_block;
     j["first_block"] = r->blocks.first_block;
     j["num_blocks"] = r->blocks.num_blocks;
     j["total_bytes"] = r->total_bytes;
@@ -89,10 +93,16 @@ int run(const PlanOptions& o) {
     }
     std::printf("%s\n", j.dump(2).c_str());
   } else {
-    std::printf("model %s: ctx tp%u pp%u %s -> gen tp%u pp%u %s, %u tokens, blocks [%u, %u) sent\n",
-                model->name.c_str(), o.ctx_tp, o.ctx_pp, ctx_layout->toString().c_str(), o.gen_tp,
-                o.gen_pp, gen_layout->toString().c_str(), o.tokens, r->blocks.first_block,
-                static_cast<uint32_t>(r->blocks.end()));
+    const uint32_t ct = t.ctx_tokens_per_block, gt = t.gen_tokens_per_block;
+    const std::string blocks = ct == gt
+                                   ? std::string()
+                                   : " (tokens per block: ctx " + std::to_string(ct) + ", gen " +
+                                         std::to_string(gt) + "; kv by token ranges)";
+    std::printf(
+        "model %s: ctx tp%u pp%u %s -> gen tp%u pp%u %s, %u tokens, blocks [%u, %u) sent%s\n",
+        model->name.c_str(), o.ctx_tp, o.ctx_pp, ctx_layout->toString().c_str(), o.gen_tp, o.gen_pp,
+        gen_layout->toString().c_str(), o.tokens, r->blocks.first_block,
+        static_cast<uint32_t>(r->blocks.end()), blocks.c_str());
     for (const PairStats& p : r->pairs) {
       std::printf("  ctx (tp %u, pp %u) -> gen (tp %u, pp %u): %llu ops, %llu bytes (%s)\n",
                   p.ctx_tp_rank, p.ctx_pp_rank, p.gen_tp_rank, p.gen_pp_rank,

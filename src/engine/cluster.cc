@@ -18,18 +18,21 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(ClusterOptions o) {
     ac.ucx_options = opt.ucx_options;
     return transport::createAgent(ac);
   };
+  ModelSpec ctx_model = opt.model, gen_model = opt.model;
+  if (opt.ctx_tokens_per_block != 0) ctx_model.tokens_per_block = opt.ctx_tokens_per_block;
+  if (opt.gen_tokens_per_block != 0) gen_model.tokens_per_block = opt.gen_tokens_per_block;
   std::vector<std::string> addresses;
   for (uint32_t p = 0; p < opt.ctx.pp; ++p) {
     for (uint32_t t = 0; t < opt.ctx.tp; ++t) {
       ASSIGN_OR_RETURN(auto cache,
                        HybridCacheManager::create(
-                           opt.model, opt.ctx, t, p,
+                           ctx_model, opt.ctx, t, p,
                            opt.ctx_engine.value_or(EngineLayout{Engine::kHxfer, opt.ctx_layout}),
                            Capacity::counts(opt.blocks, opt.slots), backing));
       ASSIGN_OR_RETURN(auto agent, makeAgent("ctx", opt.ctx_token));
       ContextSender::Options so;
       so.instance_id = "ctx";
-      so.model = opt.model;
+      so.model = ctx_model;
       so.parallel = opt.ctx;
       so.tp_rank = t;
       so.pp_rank = p;
@@ -45,13 +48,13 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(ClusterOptions o) {
     for (uint32_t t = 0; t < opt.gen.tp; ++t) {
       ASSIGN_OR_RETURN(auto cache,
                        HybridCacheManager::create(
-                           opt.model, opt.gen, t, p,
+                           gen_model, opt.gen, t, p,
                            opt.gen_engine.value_or(EngineLayout{Engine::kHxfer, opt.gen_layout}),
                            Capacity::counts(opt.blocks, opt.slots), backing));
       ASSIGN_OR_RETURN(auto agent, makeAgent("gen", opt.gen_token));
       GenerationReceiver::Options ro;
       ro.instance_id = "gen";
-      ro.model = opt.model;
+      ro.model = gen_model;
       ro.parallel = opt.gen;
       ro.tp_rank = t;
       ro.pp_rank = p;
@@ -112,13 +115,17 @@ Status LocalCluster::waitGeneration(uint64_t request_id, Clock::time_point deadl
 
 StatusOr<OracleReport> LocalCluster::check(uint64_t request_id, uint32_t prefix_tokens) {
   OracleReport total;
+  const bool by_token =
+      ctx_caches_[0]->layout().tokens_per_block != gen_caches_[0]->layout().tokens_per_block;
   for (auto& cache : gen_caches_) {
     ASSIGN_OR_RETURN(Allocation a, cache->find(request_id));
     const uint32_t n = static_cast<uint32_t>(a.blocks.size());
     const uint32_t first = std::min(n, prefix_tokens / cache->layout().tokens_per_block);
-    ASSIGN_OR_RETURN(OracleReport r, checkRank(cache->layout(), cacheMemory(*cache),
-                                               RankIds{a.blocks, a.slot.value_or(0)}, request_id,
-                                               BlockRange{first, n - first}));
+    // By token ranges the last block holds the request's tokens only.
+    ASSIGN_OR_RETURN(
+        OracleReport r,
+        checkRank(cache->layout(), cacheMemory(*cache), RankIds{a.blocks, a.slot.value_or(0)},
+                  request_id, BlockRange{first, n - first}, by_token ? a.num_tokens : UINT64_MAX));
     total.merge(r);
   }
   return total;

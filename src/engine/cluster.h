@@ -30,6 +30,9 @@ struct ClusterOptions {
   // When set, the side's pools are laid out as that engine keeps them (ctx_layout / gen_layout
   // then unused).
   std::optional<EngineLayout> ctx_engine, gen_engine;
+  // Tokens per kv block of each side; 0: the model's. When they differ, kv moves by token
+  // ranges.
+  uint32_t ctx_tokens_per_block = 0, gen_tokens_per_block = 0;
   std::string backend = "inproc";
   uint32_t blocks = 64;  // per rank
   uint32_t slots = 8;    // per rank

@@ -439,7 +439,7 @@ void ContextSender::startAskLocked(Source& src, Ask& ask) {
   RankIds src_ids{alloc->blocks, alloc->slot.value_or(0)};
   RankIds dst_ids{req.dst_block_ids, req.dst_slot.value_or(0)};
   const uint32_t n = static_cast<uint32_t>(req.dst_block_ids.size());
-  BlockRange range{req.first_block, n - req.first_block};
+  BlockRange range{req.first_block, n - req.first_block, req.num_tokens};
   auto plan = peer.planner->planRank(0, src_ids, dst_ids, range);
   if (!plan.isOk()) {
     HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", src.id, ask.peer,

@@ -61,6 +61,11 @@ struct GenerationReceiver::Sink {
   bool anyInFlight() const {
     return std::any_of(parts.begin(), parts.end(), [](const Part& p) { return p.in_flight; });
   }
+  // The generation positions this request receives, and its length (for token ranges).
+  BlockRange range() const {
+    return {first_block, static_cast<uint32_t>(alloc.blocks.size()) - first_block,
+            alloc.num_tokens};
+  }
 };
 
 StatusOr<std::unique_ptr<GenerationReceiver>> GenerationReceiver::create(
@@ -354,9 +359,18 @@ void GenerationReceiver::completeIfDoneLocked(Sink& sink) {
     if (p.state != Part::State::kOk) return;
     total += p.bytes;
   }
-  const uint64_t blocks = sink.alloc.blocks.size() - sink.first_block;
-  const uint64_t expected =
-      blocks * self_.layout.kvBytesPerBlock() + self_.layout.stateBytesPerSlot();
+  // Every context rank of the instance has the same tokens per block, so any peer's planner
+  // knows what this rank receives (whole blocks, or token ranges when the block sizes differ).
+  const BlockRange range = sink.range();
+  uint64_t expected = uint64_t{range.num_blocks} * self_.layout.kvBytesPerBlock() +
+                      self_.layout.stateBytesPerSlot();
+  for (const Part& p : sink.parts) {
+    const CtxPeer& peer = *peers_[p.peer];
+    if (peer.planner) {
+      expected = peer.planner->expectedBytes(range);
+      break;
+    }
+  }
   if (total != expected) {
     failLocked(sink,
                Internal("request " + std::to_string(sink.id) + " received " +
@@ -375,13 +389,17 @@ void GenerationReceiver::completeIfDoneLocked(Sink& sink) {
 Status GenerationReceiver::verifyChecksumLocked(const Sink& sink, const CtxPeer& peer,
                                                 uint64_t expected) const {
   const RankLayout& ctx = peer.info.layout;
+  // Only the destination side is hashed: any source ids the plan accepts will do.
+  const BlockRange range = sink.range();
+  const uint64_t src_blocks =
+      peer.planner->byToken()
+          ? (peer.planner->kvTokens(range).second + ctx.tokens_per_block - 1) / ctx.tokens_per_block
+          : sink.alloc.blocks.size();
   RankIds src;
-  for (size_t i = 0; i < sink.alloc.blocks.size(); ++i) {
+  for (uint64_t i = 0; i < src_blocks; ++i) {
     src.blocks.push_back(ctx.num_blocks ? static_cast<uint32_t>(i % ctx.num_blocks) : 0);
   }
   RankIds dst{sink.alloc.blocks, sink.alloc.slot.value_or(0)};
-  BlockRange range{sink.first_block,
-                   static_cast<uint32_t>(sink.alloc.blocks.size()) - sink.first_block};
   ASSIGN_OR_RETURN(RankPlan plan, peer.planner->planRank(0, src, dst, range));
   ASSIGN_OR_RETURN(uint64_t got, checksumOps(std::move(plan.ops), memory_, /*source=*/false));
   if (got != expected) {

@@ -151,6 +151,50 @@ TEST_P(Transceiver, EngineLayoutsOnBothSidesMoveEveryByte) {
   }
 }
 
+// Different tokens per block on the two sides (a vLLM context with large pages, an SGLang or
+// TensorRT-LLM generation side with small ones, and the reverse): kv moves by token ranges,
+// the generation rank expects exactly the request's tokens, checksums cover them, and every
+// byte of the request's tokens verifies, with and without a prefix.
+TEST_P(Transceiver, DifferentTokensPerBlockMoveByTokenRanges) {
+  struct Case {
+    const char *ctx_engine, *gen_engine;
+    uint32_t ctx_tpb, gen_tpb;
+    ParallelConfig ctx, gen;
+  };
+  const Case cases[] = {
+      {"hxfer", "hxfer", 16, 32, {2, 1, {}}, {1, 1, {}}},
+      {"vllm", "sglang", 48, 8, {1, 1, {}}, {2, 1, {}}},
+      {"trtllm-v2", "vllm", 8, 40, {2, 1, {}}, {1, 1, {}}},
+  };
+  for (const Case& k : cases) {
+    auto o = baseOptions(GetParam(), k.ctx, k.gen);
+    o.ctx_engine = *parseEngineLayout(k.ctx_engine);
+    o.gen_engine = *parseEngineLayout(k.gen_engine);
+    o.ctx_tokens_per_block = k.ctx_tpb;
+    o.gen_tokens_per_block = k.gen_tpb;
+    o.checksum = true;
+    SCOPED_TRACE(o.ctx_engine->toString() + " T" + std::to_string(k.ctx_tpb) + " -> " +
+                 o.gen_engine->toString() + " T" + std::to_string(k.gen_tpb));
+    auto c = make(o);
+    ASSERT_NE(c, nullptr);
+    const uint64_t before = c->genMetrics().bytes;
+    transferAndVerify(*c, 1, 2, 70);
+    transferAndVerify(*c, 3, 1, 100, 45);  // prefix: the generation blocks before token 45
+    // Two requests of 70 tokens and one of 100 - 40 (whole generation blocks before 45), the kv
+    // of exactly those tokens plus one slot of state each, on every generation rank.
+    uint64_t want = 0;
+    for (const auto& cache : c->genCaches()) {
+      const RankLayout& g = cache->layout();
+      const uint64_t per_token = g.kvBytesPerBlock() / g.tokens_per_block;
+      const uint64_t skipped = 45 / g.tokens_per_block * g.tokens_per_block;
+      want += (2 * 70 + 100 - skipped) * per_token + 3 * g.stateBytesPerSlot();
+    }
+    EXPECT_EQ(c->genMetrics().bytes - before, want);
+    EXPECT_EQ(c->genMetrics().failuresBy(FailureCause::kChecksum), 0u);
+    expectPagesFree(*c);
+  }
+}
+
 TEST_P(Transceiver, PrefixBlocksAreNotSent) {
   auto c = make(baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}}));
   ASSERT_NE(c, nullptr);

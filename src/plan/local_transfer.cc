@@ -31,24 +31,34 @@ class Coverage {
   void add(const CopyOp& op) {
     if (op.bytes > 0) written_.push_back({op.dst_region, op.dst_offset, op.dst_offset + op.bytes});
   }
-  // Returns the number of violations; the first one is described in *first (if empty).
-  uint64_t finish(const RankLayout& l, const RankIds& ids, BlockRange blocks, std::string* first) {
+  // Returns the number of violations; the first one is described in *first (if empty). kv
+  // token rows at or past `token_end` are not part of the request's records.
+  uint64_t finish(const RankLayout& l, const RankIds& ids, BlockRange blocks, uint64_t token_end,
+                  std::string* first) {
     std::vector<Range> expected;
+    const uint64_t t = l.tokens_per_block;
     for (const PoolView& v : l.views) {
       const uint64_t lo = v.indexedByBlock() ? blocks.first_block : 0;
       const uint64_t hi = v.indexedByBlock() ? blocks.end() : 1;
       for (uint64_t pos = lo; pos < hi; ++pos) {
         const uint64_t index = v.indexedByBlock() ? ids.blocks[pos] : ids.slot;
+        const uint64_t rows =
+            v.indexedByBlock() ? std::min(t, token_end - std::min(token_end, pos * t)) : 0;
         for (uint32_t li = 0; li < v.layers.size(); ++li) {
           const uint64_t off = v.offset(index, li);
-          if (!v.record) {
+          if (!v.record && (!v.indexedByBlock() || rows == t)) {
             expected.push_back({v.region_id, off, off + v.record_bytes});
             continue;
           }
-          // A described record: its elements' bytes, padding and gaps excluded.
+          // A described record (or a kv block the request fills in part): its elements' bytes,
+          // padding, gaps and token rows past the request excluded.
+          const RecordLayout r = v.record ? *v.record : kvRecordLayout(l, v).value();
           std::vector<BoxDim> box;
-          for (const RecordDim& d : v.record->dims) box.push_back({d.size, d.stride, d.stride});
-          forEachRun(box, v.record->element_bytes, 0, off, [&](uint64_t, uint64_t b, uint64_t n) {
+          for (const RecordDim& d : r.dims) {
+            const uint64_t size = v.indexedByBlock() && d.name == "token" ? rows : d.size;
+            box.push_back({size, d.stride, d.stride});
+          }
+          forEachRun(box, r.element_bytes, 0, off, [&](uint64_t, uint64_t b, uint64_t n) {
             expected.push_back({v.region_id, b, b + n});
           });
         }
@@ -160,22 +170,27 @@ StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
     return InvalidArgument("prefix_tokens=" + std::to_string(o.prefix_tokens) +
                            " > tokens=" + std::to_string(o.tokens));
   }
-  const uint32_t t = model.tokens_per_block;
-  if (t == 0) return InvalidArgument("tokens_per_block=0");
-  const uint32_t request_blocks = (o.tokens + t - 1) / t;
+  ModelSpec ctx_model = model, gen_model = model;
+  if (o.ctx_tokens_per_block != 0) ctx_model.tokens_per_block = o.ctx_tokens_per_block;
+  if (o.gen_tokens_per_block != 0) gen_model.tokens_per_block = o.gen_tokens_per_block;
+  const uint32_t tc = ctx_model.tokens_per_block, tg = gen_model.tokens_per_block;
+  if (tc == 0 || tg == 0) return InvalidArgument("tokens_per_block=0");
+  const uint32_t ctx_blocks = (o.tokens + tc - 1) / tc;
+  const uint32_t request_blocks = (o.tokens + tg - 1) / tg;
   LocalTransferResult out;
-  out.blocks.first_block = o.prefix_tokens / t;
+  out.blocks.first_block = o.prefix_tokens / tg;
   out.blocks.num_blocks = request_blocks - out.blocks.first_block;
+  out.blocks.num_tokens = o.tokens;
 
   EngineLayout ce, ge;
   ce.state = o.ctx_layout;
   ge.state = o.gen_layout;
   ASSIGN_OR_RETURN(
       std::vector<LocalRank> ctx,
-      makeLocalInstance(model, o.ctx, o.ctx_engine.value_or(ce), request_blocks, o, 1, o.execute));
-  ASSIGN_OR_RETURN(
-      std::vector<LocalRank> gen,
-      makeLocalInstance(model, o.gen, o.gen_engine.value_or(ge), request_blocks, o, 2, o.execute));
+      makeLocalInstance(ctx_model, o.ctx, o.ctx_engine.value_or(ce), ctx_blocks, o, 1, o.execute));
+  ASSIGN_OR_RETURN(std::vector<LocalRank> gen,
+                   makeLocalInstance(gen_model, o.gen, o.gen_engine.value_or(ge), request_blocks, o,
+                                     2, o.execute));
   std::vector<RankLayout> ctx_layouts;
   std::vector<RankIds> ctx_ids;
   for (LocalRank& r : ctx) {
@@ -187,7 +202,8 @@ StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
   for (LocalRank& g : gen) {
     ASSIGN_OR_RETURN(Planner planner, Planner::create(ctx_layouts, g.layout));
     ASSIGN_OR_RETURN(RequestPlan plan, planner.plan(ctx_ids, g.ids, out.blocks));
-    out.expected_bytes += planner.expectedBytes(out.blocks.num_blocks);
+    out.expected_bytes += planner.expectedBytes(out.blocks);
+    const uint64_t token_end = planner.kvTokens(out.blocks).second;
     out.total_bytes += plan.total_bytes;
     out.total_ops += plan.total_ops;
     out.total_pack_ops += plan.total_pack_ops;
@@ -208,10 +224,10 @@ StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
     }
     if (coverage) {
       out.coverage_errors +=
-          coverage->finish(g.layout, g.ids, out.blocks, &out.first_coverage_error);
+          coverage->finish(g.layout, g.ids, out.blocks, token_end, &out.first_coverage_error);
     }
     ASSIGN_OR_RETURN(OracleReport report,
-                     checkRank(g.layout, g.mem, g.ids, o.request_id, out.blocks));
+                     checkRank(g.layout, g.mem, g.ids, o.request_id, out.blocks, token_end));
     out.oracle.merge(report);
   }
   return out;

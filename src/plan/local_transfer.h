@@ -32,6 +32,9 @@ struct LocalTransferOptions {
   // When set, the side is laid out as that engine keeps it (engine_layout.h) instead of
   // hxfer's own ctx_layout / gen_layout.
   std::optional<EngineLayout> ctx_engine, gen_engine;
+  // Tokens per kv block of each side; 0: the model's. When they differ, kv moves by token
+  // ranges (BlockRange).
+  uint32_t ctx_tokens_per_block = 0, gen_tokens_per_block = 0;
   uint32_t tokens = 1024;      // request length; blocks = ceil(tokens / tokens_per_block)
   uint32_t prefix_tokens = 0;  // already on the generation side: whole blocks are not sent
   uint32_t spare_blocks = 3;   // pool blocks beyond the request's, so ids are not trivial
@@ -50,7 +53,7 @@ struct PairStats {
 };
 
 struct LocalTransferResult {
-  BlockRange blocks;             // positions sent
+  BlockRange blocks;             // generation positions sent (num_tokens: the request's)
   std::vector<PairStats> pairs;  // (ctx rank, gen rank) pairs with at least one op
   uint64_t total_bytes = 0, total_ops = 0;
   uint64_t total_pack_ops = 0;  // local staging copies on the context ranks

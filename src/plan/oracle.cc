@@ -153,14 +153,14 @@ Status forEachRecord(const RankLayout& layout, const RankMemory& mem, const Rank
 }  // namespace
 
 uint64_t oracleUnitSeed(uint64_t request_id, uint32_t layer, Role role, std::string_view section,
-                        uint32_t unit, uint32_t position) {
+                        uint32_t unit, uint64_t token) {
   uint64_t name = 0xcbf29ce484222325ull;  // FNV-1a of the section's name
   for (char c : section) name = (name ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
   uint64_t h = mix64(request_id ^ 0x6878666572ull);  // "hxfer"
   h = mix64(h ^ layer);
   h = mix64(h ^ (uint64_t{static_cast<uint8_t>(role)} << 56) ^ name);
   h = mix64(h ^ unit);
-  return mix64(h ^ (uint64_t{position} << 1 | 1));
+  return mix64(h ^ (token << 1 | 1));
 }
 
 void oracleFillUnit(uint64_t seed, uint8_t* out, uint64_t bytes) {
@@ -185,7 +185,8 @@ uint8_t oracleByte(uint64_t seed, uint64_t byte) {
 std::string OracleMismatch::toString() const {
   return "request " + std::to_string(request_id) + " layer " + std::to_string(layer) + " " +
          std::string(roleName(role)) + " section " + std::to_string(section) + " (" + section_name +
-         ") unit " + std::to_string(unit) + " position " + std::to_string(position) + " byte " +
+         ") unit " + std::to_string(unit) + " position " + std::to_string(position) +
+         (role == Role::kKv ? " token " + std::to_string(token) : std::string()) + " byte " +
          std::to_string(byte) + ": expected " + std::to_string(expected) + " got " +
          std::to_string(actual) + " (region " + std::to_string(region) + " offset " +
          std::to_string(offset) + ")";
@@ -205,80 +206,104 @@ std::string OracleReport::toString() const {
   return s;
 }
 
-void fillRecord(const RankLayout& layout, const PoolView& view, uint32_t local_layer,
-                uint32_t position, uint64_t request_id, uint8_t* record) {
-  const uint32_t layer = view.layers[local_layer];
-  const uint32_t pos = view.indexedByBlock() ? position : 0;
+namespace {
+
+// The oracle's pieces of one record: a piece is the bytes one seed numbers. For conv and ssm a
+// piece is a whole unit; for kv it is one token row of a unit (head), so that the pattern does
+// not depend on tokens per block and two ranks with different block sizes agree token by token.
+// Calls fn(section, global unit, token (kv: in the request; else 0), byte in the piece, offset
+// in the record, bytes) for every run of the record, in hxfer's own byte order per piece.
+template <typename Fn>
+void forEachPiece(const RankLayout& layout, const PoolView& view, uint32_t position, Fn&& fn) {
+  const bool kv = view.indexedByBlock();
+  const uint64_t t = layout.tokens_per_block;
+  const uint64_t first_token = kv ? uint64_t{position} * t : 0;
   if (view.record) {
-    forEachDescribedRun(
-        layout, view, [&](uint32_t s, uint32_t unit, uint64_t byte, uint64_t at, uint64_t n) {
-          const uint64_t seed =
-              oracleUnitSeed(request_id, layer, view.role, view.sections[s].name, unit, pos);
-          fillRange(seed, byte, record + at, n);
-        });
+    forEachDescribedRun(layout, view,
+                        [&](uint32_t s, uint32_t unit, uint64_t byte, uint64_t at, uint64_t n) {
+                          if (!kv) {
+                            fn(s, unit, 0, byte, at, n);
+                            return;
+                          }
+                          const uint64_t row = view.sections[s].unit_bytes / t;
+                          while (n > 0) {
+                            const uint64_t off = byte % row, take = std::min(row - off, n);
+                            fn(s, unit, first_token + byte / row, off, at, take);
+                            byte += take;
+                            at += take;
+                            n -= take;
+                          }
+                        });
     return;
   }
   const std::vector<LocalSection> secs = localSections(layout, view);
   for (uint32_t s = 0; s < secs.size(); ++s) {
     const LocalSection& ls = secs[s];
+    const uint64_t rows = kv ? t : 1, row = ls.unit_bytes / rows;
     for (uint32_t u = 0; u < ls.count; ++u) {
-      const uint64_t seed =
-          oracleUnitSeed(request_id, layer, view.role, view.sections[s].name, ls.first + u, pos);
-      oracleFillUnit(seed, record + ls.offset + u * ls.unit_bytes, ls.unit_bytes);
+      for (uint64_t r = 0; r < rows; ++r) {
+        fn(s, ls.first + u, first_token + (kv ? r : 0), 0, ls.offset + u * ls.unit_bytes + r * row,
+           row);
+      }
     }
   }
 }
 
+}  // namespace
+
+void fillRecord(const RankLayout& layout, const PoolView& view, uint32_t local_layer,
+                uint32_t position, uint64_t request_id, uint8_t* record) {
+  const uint32_t layer = view.layers[local_layer];
+  forEachPiece(
+      layout, view, position,
+      [&](uint32_t s, uint32_t unit, uint64_t token, uint64_t byte, uint64_t at, uint64_t n) {
+        const uint64_t seed =
+            oracleUnitSeed(request_id, layer, view.role, view.sections[s].name, unit, token);
+        fillRange(seed, byte, record + at, n);
+      });
+}
+
 void checkRecord(const RankLayout& layout, const PoolView& view, uint32_t local_layer,
                  uint32_t position, uint64_t request_id, const uint8_t* record, uint32_t region,
-                 uint64_t record_offset, OracleReport* report) {
+                 uint64_t record_offset, OracleReport* report, uint64_t token_end) {
   OracleMismatch where;
   where.request_id = request_id;
   where.layer = view.layers[local_layer];
   where.role = view.role;
   where.position = view.indexedByBlock() ? position : 0;
   where.region = region;
-  if (view.record) {
-    std::vector<uint8_t> expect;  // the expected bytes of one run
-    forEachDescribedRun(
-        layout, view, [&](uint32_t s, uint32_t unit, uint64_t byte, uint64_t at, uint64_t n) {
-          const uint64_t seed = oracleUnitSeed(request_id, where.layer, view.role,
-                                               view.sections[s].name, unit, where.position);
-          report->bytes_checked += n;
-          expect.resize(n);
-          fillRange(seed, byte, expect.data(), n);
-          if (std::memcmp(expect.data(), record + at, n) == 0) return;
-          for (uint64_t i = 0; i < n; ++i) {
-            if (record[at + i] == expect[i]) continue;
-            ++report->mismatched_bytes;
-            if (!report->first) {
-              OracleMismatch m = where;
-              m.section = s;
-              m.section_name = view.sections[s].name;
-              m.unit = unit;
-              m.byte = byte + i;
-              m.expected = expect[i];
-              m.actual = record[at + i];
-              m.offset = record_offset + at + i;
-              report->first = m;
-            }
+  std::vector<uint8_t> expect;  // the expected bytes of one run not starting a piece
+  forEachPiece(
+      layout, view, position,
+      [&](uint32_t s, uint32_t unit, uint64_t token, uint64_t byte, uint64_t at, uint64_t n) {
+        if (view.indexedByBlock() && token >= token_end) return;
+        const uint64_t seed =
+            oracleUnitSeed(request_id, where.layer, view.role, view.sections[s].name, unit, token);
+        where.section = s;
+        where.section_name = view.sections[s].name;
+        where.unit = unit;
+        where.token = view.indexedByBlock() ? token : 0;
+        if (byte == 0) {  // the common case: a whole piece, checked a word at a time
+          checkUnit(seed, record + at, n, report, where, record_offset + at);
+          return;
+        }
+        report->bytes_checked += n;
+        expect.resize(n);
+        fillRange(seed, byte, expect.data(), n);
+        if (std::memcmp(expect.data(), record + at, n) == 0) return;
+        for (uint64_t i = 0; i < n; ++i) {
+          if (record[at + i] == expect[i]) continue;
+          ++report->mismatched_bytes;
+          if (!report->first) {
+            OracleMismatch m = where;
+            m.byte = byte + i;
+            m.expected = expect[i];
+            m.actual = record[at + i];
+            m.offset = record_offset + at + i;
+            report->first = m;
           }
-        });
-    return;
-  }
-  const std::vector<LocalSection> secs = localSections(layout, view);
-  for (uint32_t s = 0; s < secs.size(); ++s) {
-    const LocalSection& ls = secs[s];
-    where.section = s;
-    where.section_name = view.sections[s].name;
-    for (uint32_t u = 0; u < ls.count; ++u) {
-      where.unit = ls.first + u;
-      const uint64_t seed = oracleUnitSeed(request_id, where.layer, view.role,
-                                           view.sections[s].name, where.unit, where.position);
-      const uint64_t at = ls.offset + u * ls.unit_bytes;
-      checkUnit(seed, record + at, ls.unit_bytes, report, where, record_offset + at);
-    }
-  }
+        }
+      });
 }
 
 Status fillRank(const RankLayout& layout, const RankMemory& mem, const RankIds& ids,
@@ -290,13 +315,14 @@ Status fillRank(const RankLayout& layout, const RankMemory& mem, const RankIds& 
 }
 
 StatusOr<OracleReport> checkRank(const RankLayout& layout, const RankMemory& mem,
-                                 const RankIds& ids, uint64_t request_id, BlockRange blocks) {
+                                 const RankIds& ids, uint64_t request_id, BlockRange blocks,
+                                 uint64_t token_end) {
   OracleReport report;
   RETURN_IF_ERROR(forEachRecord(layout, mem, ids, blocks,
                                 [&](const PoolView& v, uint32_t l, uint32_t pos, uint32_t region,
                                     uint64_t off, const uint8_t* p) {
                                   checkRecord(layout, v, l, pos, request_id, p, region, off,
-                                              &report);
+                                              &report, token_end);
                                 }));
   return report;
 }

@@ -1,6 +1,6 @@
 // The pattern oracle (DESIGN §10): every byte of every record is a function of its logical
-// coordinates (request id, global layer, role, section, global unit, block position in the
-// request, byte in unit), never of the rank, layout or address holding it. A context rank fills
+// coordinates (request id, global layer, role, section, global unit, token in the request for
+// kv, byte), never of the rank, layout or address holding it. A context rank fills
 // its records with it; the generation rank checks every byte it received against the same
 // function. A mis-sharded section, an off-by-one stride or a lost op shows up as a mismatch
 // naming all the coordinates. Replicated units hold the same bytes on every rank, by
@@ -25,11 +25,13 @@
 
 namespace hxfer {
 
-// Seed of one unit. `position` is the block position in the request for kv, 0 for conv/ssm.
-// The section is named ("K", "x"), so a layout holding K and V in views of their own fills
-// the same bytes as one holding [K|V].
+// Seed of one piece: a whole unit for conv/ssm (`token` 0), one token row of a unit (head) for
+// kv, `token` counted from the request's first token. Seeding kv per token keeps the pattern
+// independent of tokens per block, so ranks with different block sizes agree. The section is
+// named ("K", "x"), so a layout holding K and V in views of their own fills the same bytes as
+// one holding [K|V].
 uint64_t oracleUnitSeed(uint64_t request_id, uint32_t layer, Role role, std::string_view section,
-                        uint32_t unit, uint32_t position);
+                        uint32_t unit, uint64_t token);
 // Writes `bytes` bytes of the unit with seed `seed`.
 void oracleFillUnit(uint64_t seed, uint8_t* out, uint64_t bytes);
 // Expected byte `byte` of the unit with seed `seed`.
@@ -43,7 +45,8 @@ struct OracleMismatch {
   std::string section_name;
   uint32_t unit = 0;      // global unit
   uint32_t position = 0;  // block position in the request (kv), 0 otherwise
-  uint64_t byte = 0;      // byte in unit
+  uint64_t token = 0;     // token in the request (kv), 0 otherwise
+  uint64_t byte = 0;      // byte in the unit (conv/ssm) or in the token row (kv)
   uint8_t expected = 0, actual = 0;
   uint32_t region = 0;  // where the byte lives on the checked rank
   uint64_t offset = 0;
@@ -64,19 +67,22 @@ struct OracleReport {
 // REQUIRES: layout.validate() is ok and `view` is one of its views.
 void fillRecord(const RankLayout& layout, const PoolView& view, uint32_t local_layer,
                 uint32_t position, uint64_t request_id, uint8_t* record);
-// Checks one record; adds to `report`.
+// Checks one record; adds to `report`. kv token rows at or past `token_end` are not checked.
 void checkRecord(const RankLayout& layout, const PoolView& view, uint32_t local_layer,
                  uint32_t position, uint64_t request_id, const uint8_t* record, uint32_t region,
-                 uint64_t record_offset, OracleReport* report);
+                 uint64_t record_offset, OracleReport* report, uint64_t token_end = UINT64_MAX);
 
 // Fills every record of the request on a rank: kv records of every block in ids.blocks
 // (position i = ids.blocks[i]) and the conv/ssm records of ids.slot, for every local layer.
 // Errors: ids outside the pools, regions missing from `mem` or too short.
 Status fillRank(const RankLayout& layout, const RankMemory& mem, const RankIds& ids,
                 uint64_t request_id);
-// Checks the records a generation rank received: kv records of positions `blocks` and the
+// Checks the records a generation rank received: kv records of positions `blocks` (token rows
+// before `token_end`: a request shorter than its last block, moved from a rank with another
+// block size, leaves the rest of that block unwritten; Planner::kvTokens says which) and the
 // slot's conv/ssm records. Same errors as fillRank; mismatches go in the report.
 StatusOr<OracleReport> checkRank(const RankLayout& layout, const RankMemory& mem,
-                                 const RankIds& ids, uint64_t request_id, BlockRange blocks);
+                                 const RankIds& ids, uint64_t request_id, BlockRange blocks,
+                                 uint64_t token_end = UINT64_MAX);
 
 }  // namespace hxfer

@@ -93,12 +93,17 @@ SectionIndex indexSections(const RankLayout& l) {
   return idx;
 }
 
-// The sections of (layer, role) over every view holding them, in view order.
+// The sections of (layer, role) over every view holding them, in view order. A kv unit is
+// counted per token (bytes of one token row of a head), so that ranks with different tokens
+// per block compare equal.
 std::vector<Section> sectionsOf(const RankLayout& l, uint32_t layer, Role role) {
   std::vector<Section> out;
   for (const PoolView& v : l.views) {
     if (v.role != role || !std::binary_search(v.layers.begin(), v.layers.end(), layer)) continue;
     out.insert(out.end(), v.sections.begin(), v.sections.end());
+  }
+  if (role == Role::kKv) {
+    for (Section& s : out) s.unit_bytes /= l.tokens_per_block;
   }
   return out;
 }
@@ -154,12 +159,17 @@ inline void appendOp(std::vector<CopyOp>& ops, uint32_t src_region, uint64_t src
 }
 
 // The record layout of (view v of rank l): its own, or hxfer's contiguous order with the inner
-// sizes of `other` (the same model, so the same sizes; checkCompatible checks them).
+// sizes of `other` (the same model, so the same sizes; checkCompatible checks them), except
+// the kv token dim, which is l's own tokens per block.
 StatusOr<RecordLayout> recordOf(const PoolView& v, const RankLayout& l, const RecordLayout& other) {
   if (v.record) return *v.record;
   ASSIGN_OR_RETURN(std::vector<uint32_t> local, localUnitCounts(v.sections, l.tp, l.tp_rank));
-  return canonicalRecordLayout(v.kind, v.role, v.sections, local, other.element_bytes,
-                               innerSizesOf(other, logicalDims(v.kind, v.role)));
+  const LogicalDims ld = logicalDims(v.kind, v.role);
+  std::vector<uint32_t> inner = innerSizesOf(other, ld);
+  for (size_t i = 0; i < ld.inner.size(); ++i) {
+    if (ld.inner[i] == "token") inner[i] = l.tokens_per_block;
+  }
+  return canonicalRecordLayout(v.kind, v.role, v.sections, local, other.element_bytes, inner);
 }
 
 // Byte offset of section `i` in a contiguous (undescribed) record: the earlier sections' local
@@ -177,9 +187,12 @@ uint64_t contiguousSectionOffset(const PoolView& v, const RankLayout& l, size_t 
 // element order differs is staged: each element run goes to the staging area at `*scratch`
 // onwards, in the destination's order, and `staged` gets the runs contiguous in the
 // destination.
+// With `boxes` (kv records between ranks of different tokens per block), a section gives its
+// box of shared elements instead of segments (Planner::TokenBox).
 struct SegmentSink {
   std::vector<Planner::Segment>* segs;
   size_t seg_begin;
+  std::vector<Planner::TokenBox>* boxes = nullptr;
   std::vector<Planner::Segment>* packs = nullptr;
   size_t pack_begin = 0;
   std::vector<Planner::Segment>* staged = nullptr;
@@ -208,7 +221,7 @@ Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const
   if (s.units < c.tp && writerTpRank(lo, s.units, c.tp, g.tp, g.tp_rank, layer) != c.tp_rank) {
     return OkStatus();
   }
-  if (!gv.record && !cv.record) {
+  if (!gv.record && !cv.record && sink.boxes == nullptr) {
     appendSegment(*segs, seg_begin,
                   contiguousSectionOffset(cv, c, ci) + uint64_t{lo - rc.first} * s.unit_bytes,
                   contiguousSectionOffset(gv, g, gi) + uint64_t{lo - rg.first} * s.unit_bytes,
@@ -217,7 +230,10 @@ Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const
   }
   const LogicalDims ld = logicalDims(gv.kind, gv.role);
   RecordLayout g_rec, c_rec;
-  if (gv.record) {
+  if (!gv.record && !cv.record) {  // kv by token ranges
+    ASSIGN_OR_RETURN(g_rec, kvRecordLayout(g, gv));
+    ASSIGN_OR_RETURN(c_rec, kvRecordLayout(c, cv));
+  } else if (gv.record) {
     g_rec = *gv.record;
     ASSIGN_OR_RETURN(c_rec, recordOf(cv, c, g_rec));
   } else {
@@ -234,15 +250,22 @@ Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const
   std::vector<BoxDim> box = {{hi - lo, cp.unit_stride, gp.unit_stride},
                              {len, cp.within_stride, gp.within_stride}};
   uint64_t unit_elements = len;
+  uint32_t token_dim = 0;
   for (const std::string& n : ld.inner) {
+    if (n == "token") token_dim = static_cast<uint32_t>(box.size());
     box.push_back({g_rec.find(n)->size, c_rec.find(n)->stride, g_rec.find(n)->stride});
     unit_elements *= g_rec.find(n)->size;
   }
+  const uint64_t c_base = cp.base + uint64_t{lo - rc.first} * cp.unit_stride;
+  const uint64_t g_base = gp.base + uint64_t{lo - rg.first} * gp.unit_stride;
+  if (sink.boxes != nullptr) {
+    sink.boxes->push_back({std::move(box), token_dim, c_base, g_base, e});
+    return OkStatus();
+  }
   std::vector<Planner::Segment> runs;
-  const uint64_t run =
-      forEachRun(box, e, cp.base + uint64_t{lo - rc.first} * cp.unit_stride,
-                 gp.base + uint64_t{lo - rg.first} * gp.unit_stride,
-                 [&](uint64_t a, uint64_t b, uint64_t n) { appendSegment(runs, 0, a, b, n); });
+  const uint64_t run = forEachRun(box, e, c_base, g_base, [&](uint64_t a, uint64_t b, uint64_t n) {
+    appendSegment(runs, 0, a, b, n);
+  });
   if (run == e && unit_elements > 1) {
     if (sink.packs == nullptr) {
       return Incompatible("layer " + std::to_string(layer) + " " + std::string(roleName(gv.role)) +
@@ -272,6 +295,7 @@ struct PendingMap {
 // The mapping from context rank `c` to generation rank `g`. REQUIRES: checkCompatible(c, g).
 StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayout& g) {
   Planner::SourceMap out;
+  out.by_token = c.tokens_per_block != g.tokens_per_block;
   const SectionIndex ctx_sections = indexSections(c);
   std::vector<PendingMap> pending;
   for (uint32_t gvi = 0; gvi < g.views.size(); ++gvi) {
@@ -300,7 +324,9 @@ StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayou
         const uint32_t cl = src.layer, cvi = src.view;
         const size_t seg_begin = out.segments.size();
         const size_t pack_begin = out.packs.size(), staged_begin = out.staged.size();
+        const size_t box_begin = out.token_boxes.size();
         SegmentSink sink{&out.segments, seg_begin};
+        if (gv.indexedByBlock() && out.by_token) sink.boxes = &out.token_boxes;
         if (!gv.indexedByBlock()) {
           sink.packs = &out.packs;
           sink.pack_begin = pack_begin;
@@ -311,7 +337,10 @@ StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayou
         for (const auto& [ci, gi] : src.sections) {
           RETURN_IF_ERROR(sectionSegments(c, cv, ci, g, gv, gi, layer, sink));
         }
-        if (out.segments.size() == seg_begin && out.staged.size() == staged_begin) continue;
+        if (out.segments.size() == seg_begin && out.staged.size() == staged_begin &&
+            out.token_boxes.size() == box_begin) {
+          continue;
+        }
         Planner::RecordMap m;
         m.src_region = cv.region_id;
         m.dst_region = gv.region_id;
@@ -325,6 +354,16 @@ StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayou
         m.pack_end = static_cast<uint32_t>(out.packs.size());
         m.staged_begin = static_cast<uint32_t>(staged_begin);
         m.staged_end = static_cast<uint32_t>(out.staged.size());
+        m.box_begin = static_cast<uint32_t>(box_begin);
+        m.box_end = static_cast<uint32_t>(out.token_boxes.size());
+        for (uint32_t i = m.box_begin; i < m.box_end; ++i) {
+          const Planner::TokenBox& b = out.token_boxes[i];
+          uint64_t per_token = b.element_bytes;
+          for (uint32_t d = 0; d < b.dims.size(); ++d) {
+            if (d != b.token_dim) per_token *= b.dims[d].size;
+          }
+          out.kv_bytes_per_token += per_token;
+        }
         uint64_t bytes = 0;
         for (uint32_t i = m.seg_begin; i < m.seg_end; ++i) bytes += out.segments[i].bytes;
         for (uint32_t i = m.staged_begin; i < m.staged_end; ++i) bytes += out.staged[i].bytes;
@@ -358,6 +397,7 @@ StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayou
     out.block_maps.push_back(p.map);
     out.block_groups.back().map_end = static_cast<uint32_t>(out.block_maps.size());
   }
+  if (out.by_token) out.kv_bytes_per_block = out.kv_bytes_per_token * g.tokens_per_block;
   return out;
 }
 
@@ -376,10 +416,6 @@ Status checkCompatible(const RankLayout& ctx, const RankLayout& gen) {
       return Incompatible(std::string("ctx ") + name + " dtype " + std::string(dtypeName(a)) +
                           " != gen " + name + " dtype " + std::string(dtypeName(b)));
     }
-  }
-  if (ctx.tokens_per_block != gen.tokens_per_block) {
-    return Incompatible("ctx tokens_per_block " + std::to_string(ctx.tokens_per_block) +
-                        " != gen tokens_per_block " + std::to_string(gen.tokens_per_block));
   }
   if (numLayers(ctx) != numLayers(gen)) {
     return Incompatible("ctx num_layers " + std::to_string(numLayers(ctx)) + " != gen num_layers " +
@@ -432,6 +468,7 @@ Status checkCompatible(const RankLayout& ctx, const RankLayout& gen) {
             continue;
           }
           for (const std::string& n : logicalDims(b.kind, role).inner) {
+            if (n == "token") continue;  // tokens per block may differ
             const uint32_t x = a.record->find(n)->size, y = b.record->find(n)->size;
             if (x != y) {
               return Incompatible(what + " record dim " + n + ": ctx " + std::to_string(x) +
@@ -516,8 +553,20 @@ StatusOr<Planner> Planner::createForSource(RankLayout ctx, RankLayout gen) {
   return build(std::move(one), std::move(gen));
 }
 
-uint64_t Planner::expectedBytes(uint32_t num_blocks) const {
-  return uint64_t{num_blocks} * gen_.kvBytesPerBlock() + gen_.stateBytesPerSlot();
+std::pair<uint64_t, uint64_t> Planner::kvTokens(BlockRange blocks) const {
+  const uint64_t t = gen_.tokens_per_block;
+  const uint64_t first = blocks.first_block * t;
+  uint64_t end = blocks.end() * t;
+  if (byToken() && blocks.num_tokens != 0) end = std::min(end, blocks.num_tokens);
+  return {first, std::max(first, end)};
+}
+
+uint64_t Planner::expectedBytes(BlockRange blocks) const {
+  if (!byToken())
+    return uint64_t{blocks.num_blocks} * gen_.kvBytesPerBlock() + gen_.stateBytesPerSlot();
+  const auto [first, end] = kvTokens(blocks);
+  return (end - first) * (gen_.kvBytesPerBlock() / gen_.tokens_per_block) +
+         gen_.stateBytesPerSlot();
 }
 
 Status Planner::checkDst(const RankIds& dst, BlockRange blocks) const {
@@ -558,7 +607,24 @@ Status Planner::checkDst(const RankIds& dst, BlockRange blocks) const {
 Status Planner::checkSrc(uint32_t ctx_index, const RankIds& src, BlockRange blocks) const {
   const SourceMap& m = maps_[ctx_index];
   const RankLayout& c = ctx_[ctx_index];
-  if (!m.block_maps.empty() && blocks.num_blocks > 0) {
+  if (m.by_token && !m.block_maps.empty()) {
+    // Token ranges: the context blocks holding the tokens that move.
+    const auto [first, end] = kvTokens(blocks);
+    const uint64_t t = c.tokens_per_block;
+    const uint64_t lo = first / t, hi = (end + t - 1) / t;
+    if (end > first && src.blocks.size() < hi) {
+      return InvalidArgument("ctx block ids: " + std::to_string(src.blocks.size()) +
+                             " given, tokens up to " + std::to_string(end) + " are sent, in " +
+                             std::to_string(hi) + " blocks of " + std::to_string(t) + " tokens");
+    }
+    for (uint64_t i = lo; end > first && i < hi; ++i) {
+      if (src.blocks[i] >= c.num_blocks) {
+        return InvalidArgument("ctx block id " + std::to_string(src.blocks[i]) + " at position " +
+                               std::to_string(i) +
+                               " >= num_blocks=" + std::to_string(c.num_blocks));
+      }
+    }
+  } else if (!m.block_maps.empty() && blocks.num_blocks > 0) {
     if (src.blocks.size() < blocks.end()) {
       return InvalidArgument("ctx block ids: " + std::to_string(src.blocks.size()) +
                              " given, blocks up to position " + std::to_string(blocks.end()) +
@@ -588,7 +654,7 @@ void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, B
   out->scratch_bytes = m.slot_maps.empty() ? 0 : m.scratch_bytes;
   const bool moves_kv = !m.block_maps.empty() && blocks.num_blocks > 0;
   size_t estimate = m.slot_maps.empty() ? 0 : m.segments.size();
-  if (moves_kv) {
+  if (moves_kv && !m.by_token) {
     size_t per_block = 0;
     for (const RecordMap& r : m.block_maps) per_block += r.seg_end - r.seg_begin;
     estimate += per_block * blocks.num_blocks;
@@ -596,7 +662,45 @@ void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, B
   std::vector<CopyOp>& ops = out->ops;
   ops.reserve(estimate);
   const Segment* segs = m.segments.data();
-  if (moves_kv) {
+  uint64_t kv_bytes = moves_kv ? m.kv_bytes_per_block * blocks.num_blocks : 0;
+  if (moves_kv && m.by_token) {
+    // kv by token ranges: each piece is a run of tokens inside one context block and one
+    // generation block; pieces of the same offsets and length share their segments.
+    const auto [first, end] = kvTokens(blocks);
+    const uint64_t tc = ctx_[ctx_index].tokens_per_block, tg = gen_.tokens_per_block;
+    std::map<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>, std::vector<Segment>> memo;
+    for (const BlockGroup& grp : m.block_groups) {
+      for (uint64_t t = first; t < end;) {
+        const uint64_t ci = t % tc, gi = t % tg;
+        const uint64_t n = std::min({tc - ci, tg - gi, end - t});
+        const uint64_t s = src.blocks[t / tc], d = dst.blocks[t / tg];
+        for (uint32_t k = grp.map_begin; k < grp.map_end; ++k) {
+          const RecordMap& r = m.block_maps[k];
+          auto [it, fresh] = memo.try_emplace({k, ci, gi, n});
+          if (fresh) {
+            for (uint32_t b = r.box_begin; b < r.box_end; ++b) {
+              const TokenBox& box = m.token_boxes[b];
+              std::vector<BoxDim> dims = box.dims;
+              BoxDim& tok = dims[box.token_dim];
+              tok.size = n;
+              forEachRun(std::move(dims), box.element_bytes, box.ctx_base + ci * tok.a_stride,
+                         box.gen_base + gi * tok.b_stride,
+                         [&](uint64_t a, uint64_t b2, uint64_t bytes) {
+                           appendSegment(it->second, 0, a, b2, bytes);
+                         });
+            }
+          }
+          const uint64_t sb = r.src_base + s * r.src_stride;
+          const uint64_t db = r.dst_base + d * r.dst_stride;
+          for (const Segment& g : it->second) {
+            appendOp(ops, r.src_region, sb + g.src_off, r.dst_region, db + g.dst_off, g.bytes);
+          }
+        }
+        t += n;
+      }
+    }
+    kv_bytes = (end - first) * m.kv_bytes_per_token;
+  } else if (moves_kv) {
     for (const BlockGroup& grp : m.block_groups) {
       for (uint64_t i = blocks.first_block; i < blocks.end(); ++i) {
         const uint64_t s = src.blocks[i], d = dst.blocks[i];
@@ -628,8 +732,7 @@ void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, B
                m.staged[j].bytes);
     }
   }
-  out->bytes = (moves_kv ? m.kv_bytes_per_block * blocks.num_blocks : 0) +
-               (m.slot_maps.empty() ? 0 : m.state_bytes);
+  out->bytes = kv_bytes + (m.slot_maps.empty() ? 0 : m.state_bytes);
 }
 
 Status Planner::planRankInto(uint32_t ctx_index, const RankIds& src, const RankIds& dst,

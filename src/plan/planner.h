@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cache/layout.h"
@@ -60,11 +61,16 @@ struct RankIds {
   uint32_t slot = 0;             // its recurrent state slot
 };
 
-// Which kv blocks move: positions [first_block, first_block + num_blocks) of the request.
-// Positions before first_block are a prefix the generation side already holds.
+// Which kv blocks move: the generation rank's positions [first_block, first_block + num_blocks)
+// of the request. Positions before first_block are a prefix the generation side already holds.
+// When the two sides' tokens per block are the same, whole blocks move and num_tokens is not
+// read. When they differ, kv moves by token ranges: tokens [first_block * T_gen,
+// min(end() * T_gen, num_tokens)) (num_tokens 0: the whole of the generation blocks), read from
+// the context blocks that hold them (Planner::kvTokens).
 struct BlockRange {
   uint32_t first_block = 0;
   uint32_t num_blocks = 0;
+  uint64_t num_tokens = 0;  // the request's length in tokens; 0: every token of the blocks
   uint64_t end() const { return uint64_t{first_block} + num_blocks; }
 };
 
@@ -138,8 +144,20 @@ class Planner {
   // Context ranks that send anything to this generation rank (the peers it must contact).
   const std::vector<SourceSummary>& sources() const { return sources_; }
   // Bytes the generation rank receives per request: num_blocks * gen.kvBytesPerBlock() +
-  // gen.stateBytesPerSlot().
-  uint64_t expectedBytes(uint32_t num_blocks) const;
+  // gen.stateBytesPerSlot() (same tokens per block), or the kv bytes of kvTokens(blocks) +
+  // gen.stateBytesPerSlot() (different).
+  uint64_t expectedBytes(BlockRange blocks) const;
+  uint64_t expectedBytes(uint32_t num_blocks) const {
+    return expectedBytes(BlockRange{0, num_blocks});
+  }
+  // The request's tokens whose kv moves, [first, end): whole blocks of the range when both sides
+  // have the same tokens per block, else clipped to blocks.num_tokens (see BlockRange).
+  std::pair<uint64_t, uint64_t> kvTokens(BlockRange blocks) const;
+  // True when the context and generation ranks have different tokens per block (kv then moves
+  // by token ranges).
+  bool byToken() const {
+    return !ctx_.empty() && ctx_[0].tokens_per_block != gen_.tokens_per_block;
+  }
 
   const std::vector<RankLayout>& ctxLayouts() const { return ctx_; }
   const RankLayout& genLayout() const { return gen_; }
@@ -148,11 +166,22 @@ class Planner {
   struct Segment {  // bytes at src_off in the source record go to dst_off in the destination
     uint64_t src_off = 0, dst_off = 0, bytes = 0;
   };
+  // One section of a kv record pair when the two sides' tokens per block differ: the box of
+  // shared logical elements (as in forEachRun, a = context, b = generation) at token 0 of both
+  // blocks. A run of n tokens from context offset i to generation offset j is the box with
+  // dims[token_dim].size = n, both bases moved by i and j tokens.
+  struct TokenBox {
+    std::vector<BoxDim> dims;
+    uint32_t token_dim = 0;
+    uint64_t ctx_base = 0, gen_base = 0;
+    uint64_t element_bytes = 0;
+  };
   struct RecordMap {  // one (source view, local layer) -> (destination view, local layer)
     uint32_t src_region = 0, dst_region = 0;
     uint64_t src_base = 0, src_stride = 0;  // offset(index, layer) = base + index * stride
     uint64_t dst_base = 0, dst_stride = 0;
     uint32_t seg_begin = 0, seg_end = 0;  // into SourceMap::segments
+    uint32_t box_begin = 0, box_end = 0;  // into SourceMap::token_boxes (kv, by token)
     // Staged sections (slot maps only): source record -> staging offset, then staging offset
     // -> destination record.
     uint32_t pack_begin = 0, pack_end = 0;      // into SourceMap::packs
@@ -170,6 +199,9 @@ class Planner {
     std::vector<Segment> staged;  // src_off in the staging area, dst_off in the destination record
     uint64_t kv_bytes_per_block = 0, state_bytes = 0;
     uint64_t scratch_bytes = 0;  // staging area per request
+    bool by_token = false;       // the sides' tokens per block differ: kv maps use token_boxes
+    std::vector<TokenBox> token_boxes;
+    uint64_t kv_bytes_per_token = 0;  // by_token only
   };
 
  private:

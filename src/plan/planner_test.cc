@@ -362,13 +362,28 @@ TEST(PlannerCompat, KvAndConvDtypeMismatchesAreRefused) {
             "ctx conv dtype bf16 != gen conv dtype fp32");
 }
 
-TEST(PlannerCompat, TokensPerBlockMismatchIsRefused) {
+// Tokens per block are not part of compatibility: kv then moves by token ranges. The planner
+// says which tokens move and refuses a context side that does not hold them all.
+TEST(PlannerCompat, TokensPerBlockMayDifferAndKvMovesByTokenRanges) {
   ModelSpec g = hybrid();
   g.tokens_per_block = 8;
   auto [c, gen] = layouts(hybrid(), g);
-  Status s = checkCompatible(c, gen);
-  EXPECT_EQ(s.code(), StatusCode::kIncompatible);
-  EXPECT_EQ(s.message(), "ctx tokens_per_block 4 != gen tokens_per_block 8");
+  EXPECT_TRUE(checkCompatible(c, gen).isOk()) << checkCompatible(c, gen).toString();
+  auto p = Planner::create({c}, gen);
+  ASSERT_TRUE(p.isOk()) << p.status().toString();
+  EXPECT_TRUE(p->byToken());
+  // 10 tokens: generation positions [0, 2) of 8 tokens, clipped to the request's 10 tokens.
+  EXPECT_EQ(p->kvTokens({0, 2, 10}), (std::pair<uint64_t, uint64_t>{0, 10}));
+  EXPECT_EQ(p->kvTokens({1, 1, 10}), (std::pair<uint64_t, uint64_t>{8, 10}));
+  EXPECT_EQ(p->kvTokens({0, 2, 0}), (std::pair<uint64_t, uint64_t>{0, 16}));
+  EXPECT_EQ(p->expectedBytes(BlockRange{0, 2, 10}),
+            10 * (gen.kvBytesPerBlock() / 8) + gen.stateBytesPerSlot());
+  // The context rank must hold every token that moves: 10 tokens in blocks of 4 are 3 blocks.
+  RankIds src{{0, 1}, 0}, dst{{0, 1}, 0};
+  auto short_src = p->planRank(0, src, dst, {0, 2, 10});
+  EXPECT_EQ(short_src.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(short_src.status().message(),
+            "ctx block ids: 2 given, tokens up to 10 are sent, in 3 blocks of 4 tokens");
 }
 
 TEST(PlannerCompat, DifferentModelsAreRefusedByFingerprint) {
