@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,6 +26,12 @@
 
 namespace hxfer {
 
+// Builds the layout of rank (tp_rank, pp_rank) of an instance with the given capacities (blocks
+// for kv, slots for state), as buildEngineLayout does for a named engine layout.
+using RankLayoutBuilder = std::function<StatusOr<RankLayout>(
+    const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank, uint32_t pp_rank,
+    uint32_t num_blocks, uint32_t num_slots)>;
+
 struct LocalTransferOptions {
   ParallelConfig ctx, gen;
   StateLayout ctx_layout = StateLayout::kPaged;
@@ -32,6 +39,9 @@ struct LocalTransferOptions {
   // When set, the side is laid out as that engine keeps it (engine_layout.h) instead of
   // hxfer's own ctx_layout / gen_layout.
   std::optional<EngineLayout> ctx_engine, gen_engine;
+  // When set, the side's layouts come from this builder instead (layouts no named engine
+  // makes, e.g. the random record descriptions of the planner's property tests).
+  RankLayoutBuilder ctx_builder, gen_builder;
   uint32_t tokens = 1024;      // request length; blocks = ceil(tokens / tokens_per_block)
   uint32_t prefix_tokens = 0;  // already on the generation side: whole blocks are not sent
   uint32_t spare_blocks = 3;   // pool blocks beyond the request's, so ids are not trivial
@@ -85,6 +95,19 @@ StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const
                                                    uint32_t request_blocks,
                                                    const LocalTransferOptions& options,
                                                    uint64_t salt, bool allocate);
+StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const ParallelConfig& pc,
+                                                   const RankLayoutBuilder& build,
+                                                   uint32_t request_blocks,
+                                                   const LocalTransferOptions& options,
+                                                   uint64_t salt, bool allocate);
+
+// Proves that `plan`'s ops write every byte of the request's records on generation rank `gen`
+// (kv records of positions `blocks`, the slot's conv and ssm records) exactly once and nothing
+// else (padding, gaps inside described records, other blocks and slots): the ops' destination
+// ranges are disjoint and their union is exactly the records' bytes. Works on intervals, not
+// bytes. Returns the number of violations; the first is described in *first when it is empty.
+uint64_t checkCoverage(const RequestPlan& plan, const RankLayout& gen, const RankIds& ids,
+                       BlockRange blocks, std::string* first);
 
 StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
                                                const LocalTransferOptions& options);
