@@ -113,6 +113,8 @@ StatusOr<Footprint> footprintOf(const PoolView& v, uint64_t end) {
 // False only when the two views provably share no byte.
 bool mayOverlap(const Footprint& x, const Footprint& y) {
   if (x.end <= y.begin || y.end <= x.begin) return false;
+  // A view of several records that is not one progression cannot be compared modulo a step.
+  if ((!x.single && x.stride == 0) || (!y.single && y.stride == 0)) return true;
   // Both inside one progression of stride g: compare the record positions modulo g.
   uint64_t g = x.stride ? x.stride : y.stride;
   if (g == 0) return true;

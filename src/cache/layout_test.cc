@@ -313,6 +313,40 @@ TEST(Layout, ValidateRejectsCoalescedViewsShiftedOntoEachOther) {
   EXPECT_NE(s.message().find("overlap in region"), std::string::npos) << s.toString();
 }
 
+// A view whose layer stride is no multiple of its slot stride is not one progression; it was
+// then compared on the other view's step, so two layer-major pools moved into one region with
+// conv (slot 0, layer 1) at [240, 264) inside ssm (slot 0, layer 1) at [240, 288) validated.
+// A peer's decoded layout goes through this check.
+TEST(Layout, ValidateRejectsViewsSharingARegionWhenOneIsNotOneProgression) {
+  ModelSpec m;
+  m.name = "two-mamba1";
+  LayerSpec mamba1;
+  mamba1.recurrent = LayerKind::kMamba1;
+  mamba1.mamba1 = {4, 3, 4};
+  m.layers = {mamba1, mamba1};
+  m.tokens_per_block = 4;
+  auto l = buildRankLayout(m, {1, 1, {}}, 0, 0, StateLayout::kLayerMajor, 1, 2);
+  ASSERT_TRUE(l.isOk()) << l.status().toString();
+  RankLayout bad = *l;
+  ASSERT_EQ(bad.views.size(), 2u);
+  PoolView& conv = bad.views[0].role == Role::kConv ? bad.views[0] : bad.views[1];
+  PoolView& ssm = bad.views[0].role == Role::kConv ? bad.views[1] : bad.views[0];
+  ASSERT_EQ(conv.record_bytes, 24u);
+  ASSERT_EQ(ssm.record_bytes, 48u);
+  conv.region_id = ssm.region_id = 0;
+  conv.base = 0;
+  conv.index_stride = 96;
+  conv.layer_stride = 240;
+  ssm.base = 48;
+  ssm.index_stride = 96;
+  ssm.layer_stride = 192;
+  bad.regions.resize(1);
+  bad.regions[0].length = 960;
+  Status s = bad.validate();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("overlap in region 0"), std::string::npos) << s.toString();
+}
+
 TEST(Layout, ValidateRejectsTwoViewsForOneLayerAndRole) {
   auto l = buildRankLayout(tiny(), {1, 1, {}}, 0, 0, StateLayout::kPaged, 2, 3);
   ASSERT_TRUE(l.isOk());

@@ -132,14 +132,25 @@ StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const
                                                    uint32_t request_blocks,
                                                    const LocalTransferOptions& o, uint64_t salt,
                                                    bool allocate) {
+  auto build = [&layout](const ModelSpec& m, const ParallelConfig& p, uint32_t tp_rank,
+                         uint32_t pp_rank, uint32_t num_blocks, uint32_t num_slots) {
+    return buildEngineLayout(m, p, tp_rank, pp_rank, layout, num_blocks, num_slots);
+  };
+  return makeLocalInstance(model, pc, build, request_blocks, o, salt, allocate);
+}
+
+StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const ParallelConfig& pc,
+                                                   const RankLayoutBuilder& build,
+                                                   uint32_t request_blocks,
+                                                   const LocalTransferOptions& o, uint64_t salt,
+                                                   bool allocate) {
   std::vector<LocalRank> ranks;
   const uint32_t pool_blocks = request_blocks + o.spare_blocks;
   for (uint32_t pp = 0; pp < pc.pp; ++pp) {
     for (uint32_t tp = 0; tp < pc.tp; ++tp) {
       LocalRank r;
-      ASSIGN_OR_RETURN(r.layout,
-                       buildEngineLayout(model, pc, tp, pp, layout, std::max(pool_blocks, 1u),
-                                         std::max(o.num_slots, 1u)));
+      ASSIGN_OR_RETURN(
+          r.layout, build(model, pc, tp, pp, std::max(pool_blocks, 1u), std::max(o.num_slots, 1u)));
       const uint64_t k = uint64_t{pp} * pc.tp + tp;
       r.ids.blocks = blockIds(request_blocks, std::max(pool_blocks, 1u), k, o, salt);
       r.ids.slot = static_cast<uint32_t>((k + salt) % std::max(o.num_slots, 1u));
@@ -161,6 +172,15 @@ StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const
     }
   }
   return ranks;
+}
+
+uint64_t checkCoverage(const RequestPlan& plan, const RankLayout& gen, const RankIds& ids,
+                       BlockRange blocks, std::string* first, uint64_t token_end) {
+  Coverage coverage;
+  for (const RankPlan& rp : plan.ranks) {
+    for (const CopyOp& op : rp.ops) coverage.add(op);
+  }
+  return coverage.finish(gen, ids, blocks, token_end, first);
 }
 
 StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
@@ -185,12 +205,16 @@ StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
   EngineLayout ce, ge;
   ce.state = o.ctx_layout;
   ge.state = o.gen_layout;
+  auto instance = [&](const ModelSpec& m, const ParallelConfig& pc, const RankLayoutBuilder& build,
+                      const EngineLayout& engine, uint32_t blocks, uint64_t salt) {
+    return build ? makeLocalInstance(m, pc, build, blocks, o, salt, o.execute)
+                 : makeLocalInstance(m, pc, engine, blocks, o, salt, o.execute);
+  };
+  ASSIGN_OR_RETURN(std::vector<LocalRank> ctx, instance(ctx_model, o.ctx, o.ctx_builder,
+                                                        o.ctx_engine.value_or(ce), ctx_blocks, 1));
   ASSIGN_OR_RETURN(
-      std::vector<LocalRank> ctx,
-      makeLocalInstance(ctx_model, o.ctx, o.ctx_engine.value_or(ce), ctx_blocks, o, 1, o.execute));
-  ASSIGN_OR_RETURN(std::vector<LocalRank> gen,
-                   makeLocalInstance(gen_model, o.gen, o.gen_engine.value_or(ge), request_blocks, o,
-                                     2, o.execute));
+      std::vector<LocalRank> gen,
+      instance(gen_model, o.gen, o.gen_builder, o.gen_engine.value_or(ge), request_blocks, 2));
   std::vector<RankLayout> ctx_layouts;
   std::vector<RankIds> ctx_ids;
   for (LocalRank& r : ctx) {
@@ -214,17 +238,12 @@ StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
           {c.tp_rank, c.pp_rank, g.layout.tp_rank, g.layout.pp_rank, rp.ops.size(), rp.bytes});
     }
     if (!o.execute) continue;
-    std::unique_ptr<Coverage> coverage;
-    if (o.check_coverage) coverage = std::make_unique<Coverage>();
     for (const RankPlan& rp : plan.ranks) {
       RETURN_IF_ERROR(executePlan(rp, ctx[rp.ctx_index].mem, g.mem));
-      if (coverage) {
-        for (const CopyOp& op : rp.ops) coverage->add(op);
-      }
     }
-    if (coverage) {
+    if (o.check_coverage) {
       out.coverage_errors +=
-          coverage->finish(g.layout, g.ids, out.blocks, token_end, &out.first_coverage_error);
+          checkCoverage(plan, g.layout, g.ids, out.blocks, &out.first_coverage_error, token_end);
     }
     ASSIGN_OR_RETURN(OracleReport report,
                      checkRank(g.layout, g.mem, g.ids, o.request_id, out.blocks, token_end));

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,6 +26,12 @@
 
 namespace hxfer {
 
+// Builds the layout of rank (tp_rank, pp_rank) of an instance with the given capacities (blocks
+// for kv, slots for state), as buildEngineLayout does for a named engine layout.
+using RankLayoutBuilder = std::function<StatusOr<RankLayout>(
+    const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank, uint32_t pp_rank,
+    uint32_t num_blocks, uint32_t num_slots)>;
+
 struct LocalTransferOptions {
   ParallelConfig ctx, gen;
   StateLayout ctx_layout = StateLayout::kPaged;
@@ -35,6 +42,9 @@ struct LocalTransferOptions {
   // Tokens per kv block of each side; 0: the model's. When they differ, kv moves by token
   // ranges (BlockRange).
   uint32_t ctx_tokens_per_block = 0, gen_tokens_per_block = 0;
+  // When set, the side's layouts come from this builder instead (layouts no named engine
+  // makes, e.g. the random record descriptions of the planner's property tests).
+  RankLayoutBuilder ctx_builder, gen_builder;
   uint32_t tokens = 1024;      // request length; blocks = ceil(tokens / tokens_per_block)
   uint32_t prefix_tokens = 0;  // already on the generation side: whole blocks are not sent
   uint32_t spare_blocks = 3;   // pool blocks beyond the request's, so ids are not trivial
@@ -88,6 +98,20 @@ StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const
                                                    uint32_t request_blocks,
                                                    const LocalTransferOptions& options,
                                                    uint64_t salt, bool allocate);
+StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const ParallelConfig& pc,
+                                                   const RankLayoutBuilder& build,
+                                                   uint32_t request_blocks,
+                                                   const LocalTransferOptions& options,
+                                                   uint64_t salt, bool allocate);
+
+// Proves that `plan`'s ops write every byte of the request's records on generation rank `gen`
+// (kv records of positions `blocks`, the slot's conv and ssm records) exactly once and nothing
+// else (padding, gaps inside described records, other blocks and slots): the ops' destination
+// ranges are disjoint and their union is exactly the records' bytes. Works on intervals, not
+// bytes. Returns the number of violations; the first is described in *first when it is empty.
+// kv token rows at or past `token_end` (Planner::kvTokens) are not part of the records.
+uint64_t checkCoverage(const RequestPlan& plan, const RankLayout& gen, const RankIds& ids,
+                       BlockRange blocks, std::string* first, uint64_t token_end = UINT64_MAX);
 
 StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
                                                const LocalTransferOptions& options);
