@@ -357,6 +357,24 @@ TEST_P(Transceiver, WrongTokenIsRefusedAndCounted) {
   expectPagesFree(**c);
 }
 
+// Without a token every rank says so in its metrics (and logs a warning); a shared token
+// clears it on every rank and the transfer runs as before.
+TEST_P(Transceiver, RanksWithoutATokenAreReportedAndASharedTokenClearsIt) {
+  auto plain = make(baseOptions(GetParam(), {2, 1, {}}, {1, 1, {}}));
+  ASSERT_NE(plain, nullptr);
+  EXPECT_EQ(plain->ctxMetrics().ranks_without_token, 2u);
+  EXPECT_EQ(plain->genMetrics().ranks_without_token, 1u);
+  plain.reset();
+  auto o = baseOptions(GetParam(), {2, 1, {}}, {1, 1, {}});
+  o.ctx_token = o.gen_token = "shared secret";
+  auto c = make(o);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->ctxMetrics().ranks_without_token, 0u);
+  EXPECT_EQ(c->genMetrics().ranks_without_token, 0u);
+  transferAndVerify(*c, 1, 1, 40);
+  expectPagesFree(*c);
+}
+
 TEST_P(Transceiver, IncompatiblePeerIsRefusedNamingTheField) {
   auto o = baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}});
   auto c = LocalCluster::create(o);

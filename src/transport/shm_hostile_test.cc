@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -317,6 +318,36 @@ TEST(ShmHostile, FramesBeforeTheHandshakeAreDroppedWithTheConnection) {
   ASSERT_TRUE(raw2->send(kRegion, region, mine->fd()));
   EXPECT_TRUE(raw2->waitForEof());
   EXPECT_GE(agent->agentStats().unauthenticated_dropped, 2u);
+}
+
+// Finding 3: fds parked without region frames are bounded. An authenticated peer sends 17
+// fds on message frames (which take none); past kMaxPendingFds (16) it is dropped, counted in
+// peers_over_limit, and the fds it parked are closed with it.
+TEST(ShmHostile, FdsParkedWithoutRegionFramesAreBoundedAndClosedWithThePeer) {
+  auto agent = agentOrDie(config("victim"));
+  auto raw = RawPeer::connectTo(agent->localAddress());
+  ASSERT_NE(raw, nullptr);
+  ASSERT_TRUE(raw->authenticate(kToken));
+  auto parked = memfdRegion(9, 1 << 12, 0);
+  struct stat st {};
+  ASSERT_EQ(fstat(parked->fd(), &st), 0);
+  // How many descriptors of this process refer to the parked memfd's inode.
+  auto openCopies = [&] {
+    int n = 0;
+    for (int fd = 0; fd < 4096; ++fd) {
+      struct stat s2 {};
+      if (fstat(fd, &s2) == 0 && s2.st_ino == st.st_ino && s2.st_dev == st.st_dev) ++n;
+    }
+    return n;
+  };
+  const int before = openCopies();
+  for (int i = 0; i < 17; ++i) {
+    if (!raw->send(kMessage, {static_cast<uint8_t>(i)}, parked->fd())) break;
+  }
+  EXPECT_TRUE(raw->waitForEof());
+  EXPECT_TRUE(eventually([&] { return agent->agentStats().peers_over_limit >= 1; }));
+  EXPECT_TRUE(eventually([&] { return openCopies() == before; }))
+      << openCopies() - before << " parked fds still open in the victim";
 }
 
 // Finding 3: a header announcing a huge frame before authentication is refused at once,
