@@ -29,6 +29,29 @@ std::string describe(const ModelSpec& m, const LocalTransferOptions& o) {
   return s;
 }
 
+// One request between two engine layouts at the given tp and pp; heap memory.
+LocalTransferOptions enginePair(const EngineLayout& ce, const EngineLayout& ge, uint32_t ctp,
+                                uint32_t cpp, uint32_t gtp, uint32_t gpp) {
+  LocalTransferOptions o;
+  o.use_regions = false;
+  o.ctx = {ctp, cpp, {}};
+  o.gen = {gtp, gpp, {}};
+  o.ctx_engine = ce;
+  o.gen_engine = ge;
+  return o;
+}
+
+// "vllm(kv=nhd,conv=sd) T16 tp2 pp1 -> sglang T32 tp1 pp1" (T only when the sides differ).
+std::string pairName(const LocalTransferOptions& o) {
+  const bool by_token = o.ctx_tokens_per_block != o.gen_tokens_per_block;
+  auto side = [&](const EngineLayout& e, uint32_t t, const ParallelConfig& pc) {
+    return e.toString() + (by_token ? " T" + std::to_string(t) : "") + " tp" +
+           std::to_string(pc.tp) + " pp" + std::to_string(pc.pp);
+  };
+  return side(*o.ctx_engine, o.ctx_tokens_per_block, o.ctx) + " -> " +
+         side(*o.gen_engine, o.gen_tokens_per_block, o.gen);
+}
+
 TEST(PlannerProperty, RandomModelsEveryTpPairPpAndLayoutMoveEveryByteExactlyOnce) {
   std::mt19937_64 rng(20240611);
   const uint32_t tps[] = {1, 2, 4, 8};
@@ -138,18 +161,11 @@ TEST(PlannerProperty, EveryEnginePairTpPairAndPpPairMovesEveryByteExactlyOnce) {
   for (const auto& [ce, ge] : pairs) {
     for (const auto& [ctp, gtp] : tps) {
       for (const auto& [cpp, gpp] : pps) {
-        LocalTransferOptions o;
-        o.use_regions = false;
-        o.ctx = {ctp, cpp, {}};
-        o.gen = {gtp, gpp, {}};
-        o.ctx_engine = ce;
-        o.gen_engine = ge;
+        LocalTransferOptions o = enginePair(ce, ge, ctp, cpp, gtp, gpp);
         o.tokens = 37;
         o.prefix_tokens = cases % 3 == 0 ? 16 : 0;
         o.seed = cases;
-        const std::string what = ce.toString() + " tp" + std::to_string(ctp) + " pp" +
-                                 std::to_string(cpp) + " -> " + ge.toString() + " tp" +
-                                 std::to_string(gtp) + " pp" + std::to_string(gpp);
+        const std::string what = pairName(o);
         auto r = runLocalTransfer(model, o);
         ASSERT_TRUE(r.isOk()) << what << ": " << r.status().toString();
         ASSERT_TRUE(r->verified())
@@ -185,22 +201,14 @@ TEST(PlannerProperty, DifferentTokensPerBlockMoveEveryTokenExactlyOnceForEveryEn
       for (const auto& [ct, gt] : tpbs) {
         for (const auto& [ctp, gtp] : tps) {
           const auto [cpp, gpp] = pps[(cases + refused) % 2];
-          LocalTransferOptions o;
-          o.use_regions = false;
-          o.ctx = {ctp, cpp, {}};
-          o.gen = {gtp, gpp, {}};
-          o.ctx_engine = ce;
-          o.gen_engine = ge;
+          LocalTransferOptions o = enginePair(ce, ge, ctp, cpp, gtp, gpp);
           o.ctx_tokens_per_block = ct;
           o.gen_tokens_per_block = gt;
           o.tokens = 1 + static_cast<uint32_t>(rng() % 150);
           o.prefix_tokens = rng() % 2 ? static_cast<uint32_t>(rng() % o.tokens) : 0;
           o.seed = rng();
-          const std::string what =
-              ce.toString() + " T" + std::to_string(ct) + " tp" + std::to_string(ctp) + " pp" +
-              std::to_string(cpp) + " -> " + ge.toString() + " T" + std::to_string(gt) + " tp" +
-              std::to_string(gtp) + " pp" + std::to_string(gpp) + ", " + std::to_string(o.tokens) +
-              " tokens, prefix " + std::to_string(o.prefix_tokens);
+          const std::string what = pairName(o) + ", " + std::to_string(o.tokens) +
+                                   " tokens, prefix " + std::to_string(o.prefix_tokens);
           auto r = runLocalTransfer(model, o);
           if (!r.isOk() &&
               r.status().message().find("vLLM raises the block size") != std::string::npos) {
