@@ -67,6 +67,13 @@ pp_pairs=("1 1" "2 1" "1 2")
 base_tpb=32
 base_tokens=64
 
+# Top-level fields of the --json report (two-space indent: not a nested object's).
+re_verified=$'\n  "verified": (true|false)'
+re_total_ops=$'\n  "total_ops": ([0-9]+)'
+re_total_pack_ops=$'\n  "total_pack_ops": ([0-9]+)'
+re_total_bytes=$'\n  "total_bytes": ([0-9]+)'
+re_bytes_checked=$'\n  "bytes_checked": ([0-9]+)'
+
 # Refusals that mean "this model cannot be sharded this way" (src/model/model.cc).
 not_shardable_re='(tp=[0-9]+ does not divide|does not divide tp=[0-9]+|pp=[0-9]+ does not divide)'
 
@@ -80,12 +87,12 @@ layout_name() {  # engine kv conv state -> the name EngineLayout::toString() pri
   esac
 }
 
-side_args() {  # side engine kv conv state -> the --SIDE-* options this engine takes
+add_side_args() {  # side engine kv conv state: append to args the --SIDE-* options it takes
   local s=$1 e=$2 kv=$3 conv=$4 st=$5
-  printf '%s\n' "--$s-engine" "$e"
-  [[ $kv == - ]] || printf '%s\n' "--$s-kv-layout" "$kv"
-  [[ $conv == - ]] || printf '%s\n' "--$s-conv-layout" "$conv"
-  [[ $st == - ]] || printf '%s\n' "--$s-layout" "$st"
+  args+=("--$s-engine" "$e")
+  [[ $kv == - ]] || args+=("--$s-kv-layout" "$kv")
+  [[ $conv == - ]] || args+=("--$s-conv-layout" "$conv")
+  [[ $st == - ]] || args+=("--$s-layout" "$st")
 }
 
 tmp=$(mktemp -d)
@@ -94,7 +101,7 @@ trap 'rm -rf "$tmp"' EXIT
 # The block size a vllm side needs: 0 when 32 is enough, else the N of "use at least N tokens
 # per block" (probed with a plan that does not allocate; cached per model and side shape).
 declare -A vllm_min_cache
-vllm_min() {  # side model tp pp kv conv
+vllm_min() {  # side model tp pp kv conv -> vllm_n (no subshell, so the cache persists)
   local s=$1 m=$2 tp=$3 pp=$4 kv=$5 conv=$6
   local key="$s|$m|$tp|$pp|$kv|$conv"
   if [[ -z "${vllm_min_cache[$key]+x}" ]]; then
@@ -105,10 +112,15 @@ vllm_min() {  # side model tp pp kv conv
     if [[ $msg =~ use\ at\ least\ ([0-9]+)\ tokens\ per\ block ]]; then n=${BASH_REMATCH[1]}; fi
     vllm_min_cache[$key]=$n
   fi
-  echo "${vllm_min_cache[$key]}"
+  vllm_n=${vllm_min_cache[$key]}
 }
 
-json_line() { [[ -z "$out" ]] || printf '%s\n' "$1" >>"$out"; }
+json_line() {  # format args...: append one formatted line to --out
+  [[ -n "$out" ]] || return 0
+  local line
+  printf -v line "$@"
+  printf '%s\n' "$line" >>"$out"
+}
 [[ -z "$out" ]] || : >"$out"
 
 declare -A p_cases p_ok p_fail p_ns p_ops p_pack p_bytes p_checked p_secs p_done
@@ -118,7 +130,11 @@ stop=0
 trap 'stop=1' INT TERM
 start_all=$EPOCHREALTIME
 
-secs_since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
+secs_since() {  # EPOCHREALTIME at the start -> seconds since, one decimal (no subprocess)
+  local a=${1/[.,]/} b=${EPOCHREALTIME/[.,]/} d
+  d=$(( (b - a) / 100000 ))
+  printf -v secs_out '%d.%d' $((d / 10)) $((d % 10))
+}
 
 for m in "${presets[@]}"; do
   [[ $stop == 0 ]] || break
@@ -139,16 +155,16 @@ for m in "${presets[@]}"; do
           read -r cpp gpp <<<"$ppp"
           args=(plan --verify --json --model "$m" --tokens-per-block "$base_tpb"
                 --ctx-tp "$ctp" --gen-tp "$gtp" --ctx-pp "$cpp" --gen-pp "$gpp")
-          mapfile -t -O ${#args[@]} args < <(side_args ctx $ce $ckv $cconv $cst)
-          mapfile -t -O ${#args[@]} args < <(side_args gen $ge $gkv $gconv $gst)
+          add_side_args ctx $ce $ckv $cconv $cst
+          add_side_args gen $ge $gkv $gconv $gst
           ctpb=$base_tpb gtpb=$base_tpb tokens=$base_tokens
           if [[ $ce == vllm ]]; then
-            n=$(vllm_min ctx "$m" "$ctp" "$cpp" "$ckv" "$cconv")
-            if [[ $n -gt 0 ]]; then ctpb=$n; args+=(--ctx-tokens-per-block "$n"); fi
+            vllm_min ctx "$m" "$ctp" "$cpp" "$ckv" "$cconv"
+            if [[ $vllm_n -gt 0 ]]; then ctpb=$vllm_n; args+=(--ctx-tokens-per-block "$vllm_n"); fi
           fi
           if [[ $ge == vllm ]]; then
-            n=$(vllm_min gen "$m" "$gtp" "$gpp" "$gkv" "$gconv")
-            if [[ $n -gt 0 ]]; then gtpb=$n; args+=(--gen-tokens-per-block "$n"); fi
+            vllm_min gen "$m" "$gtp" "$gpp" "$gkv" "$gconv"
+            if [[ $vllm_n -gt 0 ]]; then gtpb=$vllm_n; args+=(--gen-tokens-per-block "$vllm_n"); fi
           fi
           (( ctpb > tokens )) && tokens=$ctpb
           (( gtpb > tokens )) && tokens=$gtpb
@@ -157,14 +173,18 @@ for m in "${presets[@]}"; do
           t0=$EPOCHREALTIME
           rc=0
           nice -n 10 "$hxfer" "${args[@]}" >"$tmp/stdout" 2>"$tmp/stderr" || rc=$?
-          dt=$(secs_since "$t0")
+          secs_since "$t0"; dt=$secs_out
           cases=$((cases + 1)); p_cases[$m]=$((p_cases[$m] + 1))
 
-          verified=false vops=0 vpack=0 vbytes=0 vchecked=0
-          if fields=$(jq -er '[.verified, .total_ops, .total_pack_ops, .total_bytes,
-                               .bytes_checked] | @tsv' "$tmp/stdout" 2>/dev/null); then
-            read -r verified vops vpack vbytes vchecked <<<"$fields"
-          fi
+          # The report's top-level fields, read without a subprocess (jq costs more than a
+          # small plan does).
+          verified=false vops=0 vpack=0 vbytes=0 vchecked=0 report=""
+          IFS= read -r -d '' report <"$tmp/stdout" || true
+          [[ $report =~ $re_verified ]] && verified=${BASH_REMATCH[1]}
+          [[ $report =~ $re_total_ops ]] && vops=${BASH_REMATCH[1]}
+          [[ $report =~ $re_total_pack_ops ]] && vpack=${BASH_REMATCH[1]}
+          [[ $report =~ $re_total_bytes ]] && vbytes=${BASH_REMATCH[1]}
+          [[ $report =~ $re_bytes_checked ]] && vchecked=${BASH_REMATCH[1]}
           what="$m $cname tp$ctp pp$cpp -> $gname tp$gtp pp$gpp"
           if [[ $rc == 0 && $verified == true ]]; then
             status=verified
@@ -189,21 +209,21 @@ for m in "${presets[@]}"; do
               echo "  --- stderr"; sed 's/^/  /' "$tmp/stderr"
             }
           fi
-          json_line "$(printf '{"preset":"%s","ctx":"%s","gen":"%s","ctx_tp":%s,"gen_tp":%s,"ctx_pp":%s,"gen_pp":%s,"ctx_tokens_per_block":%s,"gen_tokens_per_block":%s,"tokens":%s,"status":"%s","exit":%s,"verified":%s,"total_ops":%s,"total_pack_ops":%s,"total_bytes":%s,"bytes_checked":%s,"seconds":%s}' \
+          json_line '{"preset":"%s","ctx":"%s","gen":"%s","ctx_tp":%s,"gen_tp":%s,"ctx_pp":%s,"gen_pp":%s,"ctx_tokens_per_block":%s,"gen_tokens_per_block":%s,"tokens":%s,"status":"%s","exit":%s,"verified":%s,"total_ops":%s,"total_pack_ops":%s,"total_bytes":%s,"bytes_checked":%s,"seconds":%s}' \
             "$m" "$cname" "$gname" "$ctp" "$gtp" "$cpp" "$gpp" "$ctpb" "$gtpb" "$tokens" \
-            "$status" "$rc" "$verified" "$vops" "$vpack" "$vbytes" "$vchecked" "$dt")"
+            "$status" "$rc" "$verified" "$vops" "$vpack" "$vbytes" "$vchecked" "$dt"
         done
       done
     done
   done
-  p_secs[$m]=$(secs_since "$start_preset")
+  secs_since "$start_preset"; p_secs[$m]=$secs_out
   expected=$(( ${#layouts[@]} * ${#layouts[@]} * ${#tp_pairs[@]} * ${#pp_pairs[@]} ))
   [[ ${p_cases[$m]} == "$expected" ]] && p_done[$m]=1
   echo "== $m: ${p_cases[$m]}/$expected cases, ${p_ok[$m]} verified, ${p_fail[$m]} failed," \
        "${p_ns[$m]} not shardable, ${p_secs[$m]}s"
 done
 
-total_secs=$(secs_since "$start_all")
+secs_since "$start_all"; total_secs=$secs_out
 echo
 [[ $stop == 0 ]] || echo "engine-matrix: interrupted; the counts below are partial"
 printf '%-20s %7s %8s %6s %9s %12s %14s %16s %8s %s\n' preset cases verified failed not-shard \
@@ -214,16 +234,16 @@ for m in "${presets[@]}"; do
   printf '%-20s %7s %8s %6s %9s %12s %14s %16s %8s %s\n' "$m" "${p_cases[$m]}" "${p_ok[$m]}" \
     "${p_fail[$m]}" "${p_ns[$m]}" "${p_ops[$m]}" "${p_pack[$m]}" "${p_checked[$m]}" \
     "${p_secs[$m]:-?}" "$complete"
-  json_line "$(printf '{"preset_summary":"%s","cases":%s,"verified":%s,"failed":%s,"not_shardable":%s,"total_ops":%s,"total_pack_ops":%s,"total_bytes":%s,"bytes_checked":%s,"seconds":%s,"complete":%s}' \
+  json_line '{"preset_summary":"%s","cases":%s,"verified":%s,"failed":%s,"not_shardable":%s,"total_ops":%s,"total_pack_ops":%s,"total_bytes":%s,"bytes_checked":%s,"seconds":%s,"complete":%s}' \
     "$m" "${p_cases[$m]}" "${p_ok[$m]}" "${p_fail[$m]}" "${p_ns[$m]}" "${p_ops[$m]}" \
     "${p_pack[$m]}" "${p_bytes[$m]}" "${p_checked[$m]}" "${p_secs[$m]:-null}" \
-    "$([[ ${p_done[$m]} == 1 ]] && echo true || echo false)")"
+    "$([[ ${p_done[$m]} == 1 ]] && echo true || echo false)"
 done
 echo "total: $cases cases, $ok verified, $failed failed, $not_shardable not shardable," \
      "$sum_ops ops ($sum_pack pack ops), $sum_checked bytes checked, ${total_secs}s"
-json_line "$(printf '{"summary":true,"cases":%s,"verified":%s,"failed":%s,"not_shardable":%s,"total_ops":%s,"total_pack_ops":%s,"total_bytes":%s,"bytes_checked":%s,"seconds":%s,"interrupted":%s}' \
+json_line '{"summary":true,"cases":%s,"verified":%s,"failed":%s,"not_shardable":%s,"total_ops":%s,"total_pack_ops":%s,"total_bytes":%s,"bytes_checked":%s,"seconds":%s,"interrupted":%s}' \
   "$cases" "$ok" "$failed" "$not_shardable" "$sum_ops" "$sum_pack" "$sum_bytes" "$sum_checked" \
-  "$total_secs" "$([[ $stop == 1 ]] && echo true || echo false)")"
+  "$total_secs" "$([[ $stop == 1 ]] && echo true || echo false)"
 if [[ $failed -gt 0 ]]; then
   echo "failed cases:"
   printf '  %s\n' "${failures[@]}"

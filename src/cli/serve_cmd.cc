@@ -154,8 +154,10 @@ int runServe(const ServeOptions& o) {
     auto res = (*rx)->wait(id, engine::Clock::now() + std::chrono::seconds(o.timeout_s + 5));
     if (!res.isOk()) return reportError(res.status());
     if (res->status.isOk()) {
+      // The request's tokens: a context side with another block size moves exactly those
+      // (with the same size, whole blocks move and the tokens checked are a part of them).
       auto check = checkRank(pool.layout(), mem, RankIds{a->blocks, a->slot.value_or(0)}, id,
-                             BlockRange{0, static_cast<uint32_t>(a->blocks.size())});
+                             BlockRange{0, static_cast<uint32_t>(a->blocks.size())}, o.tokens);
       if (check.isOk() && check->ok()) {
         ++ok;
       } else {
