@@ -399,6 +399,21 @@ TEST(Serve, GenerationRankVerifiesStateFromAContextRankInAnotherProcess) {
   EXPECT_EQ(j.value("requests_ok", -1), 5) << j.dump();
 }
 
+// Two processes with different tokens per block: the context rank allocates its own blocks
+// of 16 for each request it is asked for, the generation rank blocks of 48; kv moves by
+// token ranges and every token of every request verifies, checksummed.
+TEST(Serve, ContextAndGenerationWithDifferentBlockSizesVerify) {
+  Background ctx(contextArgs({"--tokens-per-block", "16"}));
+  const std::string address = startContext(ctx);
+  ASSERT_FALSE(address.empty());
+  CmdResult gen =
+      runGeneration(address, "--requests 3 --tokens 100 --tokens-per-block 48 --checksum");
+  EXPECT_EQ(gen.exit_code, 0) << gen.out;
+  EXPECT_NE(gen.out.find("3 of 3 requests verified"), std::string::npos) << gen.out;
+  nlohmann::json j = stopContext(ctx);
+  EXPECT_EQ(j.value("requests_ok", -1), 3) << j.dump();
+}
+
 TEST(Serve, WrongTokenIsRefusedAndTheContextRankServesTheRightOne) {
   Background ctx(contextArgs({"--token", "right"}));
   const std::string address = startContext(ctx);
