@@ -676,23 +676,24 @@ void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, B
         const uint64_t s = src.blocks[t / tc], d = dst.blocks[t / tg];
         for (uint32_t k = grp.map_begin; k < grp.map_end; ++k) {
           const RecordMap& r = m.block_maps[k];
-          auto [it, fresh] = memo.try_emplace({k, ci, gi, n});
-          if (fresh) {
+          const auto inserted = memo.try_emplace({k, ci, gi, n});
+          std::vector<Segment>& piece = inserted.first->second;
+          if (inserted.second) {
             for (uint32_t b = r.box_begin; b < r.box_end; ++b) {
               const TokenBox& box = m.token_boxes[b];
               std::vector<BoxDim> dims = box.dims;
-              BoxDim& tok = dims[box.token_dim];
-              tok.size = n;
-              forEachRun(std::move(dims), box.element_bytes, box.ctx_base + ci * tok.a_stride,
-                         box.gen_base + gi * tok.b_stride,
-                         [&](uint64_t a, uint64_t b2, uint64_t bytes) {
-                           appendSegment(it->second, 0, a, b2, bytes);
+              dims[box.token_dim].size = n;
+              const uint64_t ctx_at = box.ctx_base + ci * box.dims[box.token_dim].a_stride;
+              const uint64_t gen_at = box.gen_base + gi * box.dims[box.token_dim].b_stride;
+              forEachRun(std::move(dims), box.element_bytes, ctx_at, gen_at,
+                         [&piece](uint64_t a, uint64_t b2, uint64_t bytes) {
+                           appendSegment(piece, 0, a, b2, bytes);
                          });
             }
           }
           const uint64_t sb = r.src_base + s * r.src_stride;
           const uint64_t db = r.dst_base + d * r.dst_stride;
-          for (const Segment& g : it->second) {
+          for (const Segment& g : piece) {
             appendOp(ops, r.src_region, sb + g.src_off, r.dst_region, db + g.dst_off, g.bytes);
           }
         }
