@@ -6,6 +6,7 @@
 // memfd was pre-faulted at its announced size, and nothing bounded a silent connection.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -526,6 +527,52 @@ TEST(ShmHostile, SilentConnectionsAreClosedAndCapped) {
   for (auto& s : silent) EXPECT_TRUE(s->waitForEof(3000ms)) << "closed at accept or timeout";
   EXPECT_GE(agent->agentStats().auth_failures, 3u) << "the three admitted ones timed out";
   // With the silent ones gone an honest peer gets in.
+  auto honest = agentOrDie(config("gen"));
+  EXPECT_TRUE(honest->connect(agent->localAddress()).isOk());
+}
+
+// Finding 3: at the fd limit the listener spun at 100 % CPU (the pending connection stays
+// queued and the listening socket stays readable) and the queued connections were never
+// answered. Now the agent spends its spare fd to take each one off the queue and close it,
+// counted in connections_refused; once fds are free again an honest peer gets in.
+TEST(ShmHostile, ConnectionsAtTheFdLimitAreClosedNotLeftQueued) {
+  auto agent = agentOrDie(config("victim"));
+  const std::string name = agent->localAddress().substr(std::string("shm:@").size());
+  const uint64_t refused_before = agent->agentStats().connections_refused;
+  // Client sockets first: once the process is out of fds none could be made.
+  std::vector<int> clients;
+  for (int i = 0; i < 3; ++i) {
+    clients.push_back(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    ASSERT_GE(clients.back(), 0);
+  }
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  // Fill every free descriptor below a low soft limit.
+  std::vector<int> filler;
+  int highest = 0;
+  for (int fd = 0; fd < 4096; ++fd) {
+    if (fcntl(fd, F_GETFD) != -1) highest = fd;
+  }
+  rlimit low = old;
+  low.rlim_cur = static_cast<rlim_t>(highest + 16);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  for (;;) {
+    int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) break;
+    filler.push_back(fd);
+  }
+  ASSERT_EQ(errno, EMFILE);
+  for (int fd : clients) {
+    socklen_t len = 0;
+    sockaddr_un sa = abstractAddr(name, &len);
+    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&sa), len), 0) << strerror(errno);
+  }
+  std::vector<std::unique_ptr<RawPeer>> peers;
+  for (int fd : clients) peers.push_back(std::make_unique<RawPeer>(fd));
+  for (auto& p : peers) EXPECT_TRUE(p->waitForEof(3000ms)) << "left queued at the fd limit";
+  EXPECT_GE(agent->agentStats().connections_refused, refused_before + clients.size());
+  for (int fd : filler) close(fd);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
   auto honest = agentOrDie(config("gen"));
   EXPECT_TRUE(honest->connect(agent->localAddress()).isOk());
 }
