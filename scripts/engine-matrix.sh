@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Engine matrix (issue 14): runs `hxfer plan --verify --json` for every model preset, every pair
+# Engine matrix: runs `hxfer plan --verify --json` for every model preset, every pair
 # of the 10 engine layouts (docs/layouts.md), tp pairs 1->1 2->1 1->2 4->1 1->4 2->4 and pp pairs
 # (1,1) (2,1) (1,2), and checks that every run moves and verifies every byte. Each side uses
 # 32 tokens per block, or the vLLM block size its Mamba page needs; the request is 64 tokens

@@ -1,4 +1,4 @@
-// Property suite over random record descriptions (issue 14). Where planner_property_test.cc
+// Property suite over random record descriptions. Where planner_property_test.cc
 // uses the named engine layouts, here every view of every rank is laid out at random:
 //   * its RecordLayout: the role's logical dims in a random order (the sharded unit dim
 //     anywhere, holding the rank's units of every section in order, as record_layout.h
