@@ -1,5 +1,6 @@
 #include "cache/cache_manager.h"
 
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <utility>
@@ -112,6 +113,28 @@ StatusOr<std::unique_ptr<HybridCacheManager>> HybridCacheManager::create(
       new HybridCacheManager(std::move(layout), std::move(regions)));
 }
 
+StatusOr<std::unique_ptr<HybridCacheManager>> HybridCacheManager::wrap(
+    RankLayout layout, std::vector<std::unique_ptr<Region>> regions) {
+  RETURN_IF_ERROR(layout.validate());
+  if (regions.size() != layout.regions.size()) {
+    return InvalidArgument("layout has " + str(layout.regions.size()) + " regions, given " +
+                           str(regions.size()));
+  }
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const RegionSpec& spec = layout.regions[i];
+    const Region* r = regions[i].get();
+    if (r == nullptr || r->id() != spec.id) {
+      return InvalidArgument("region " + spec.name + " (id " + str(spec.id) + ") is missing");
+    }
+    if (r->length() < spec.length) {
+      return InvalidArgument("region " + spec.name + " is " + str(r->length()) +
+                             " bytes, the layout needs " + str(spec.length));
+    }
+  }
+  return std::unique_ptr<HybridCacheManager>(
+      new HybridCacheManager(std::move(layout), std::move(regions)));
+}
+
 HybridCacheManager::HybridCacheManager(RankLayout layout,
                                        std::vector<std::unique_ptr<Region>> regions)
     : layout_(std::move(layout)),
@@ -196,6 +219,86 @@ StatusOr<Allocation> HybridCacheManager::allocate(uint64_t request_id, uint32_t 
   return out;
 }
 
+StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num_tokens,
+                                               std::span<const uint32_t> blocks,
+                                               std::optional<uint32_t> slot) {
+  Allocation alloc;
+  alloc.request_id = request_id;
+  alloc.num_tokens = num_tokens;
+  if (hasKv()) {
+    if (blocks.size() < blocksFor(num_tokens)) {
+      return InvalidArgument("request " + str(request_id) + ": " + str(num_tokens) +
+                             " tokens need " + str(blocksFor(num_tokens)) + " blocks of " +
+                             str(layout_.tokens_per_block) + " tokens, given " +
+                             str(blocks.size()));
+    }
+    alloc.blocks.assign(blocks.begin(), blocks.end());
+  }
+  if (hasState()) {
+    if (!slot) {
+      return InvalidArgument("request " + str(request_id) +
+                             ": no slot given, and the rank has recurrent layers");
+    }
+    alloc.slot = slot;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = requests_.find(request_id); it != requests_.end()) {
+    return InvalidArgument(
+        "request " + str(request_id) + " is already known" +
+        (it->second.freed ? " (freed, fenced until its transfers end)" : ""));
+  }
+  // Name the holder of a page that is not free: the engine reused it too early.
+  auto holder = [&](bool block, uint32_t page) -> std::string {
+    for (const auto& [id, r] : requests_) {
+      const bool held = block ? std::find(r.alloc.blocks.begin(), r.alloc.blocks.end(), page) !=
+                                    r.alloc.blocks.end()
+                              : r.alloc.slot == page;
+      if (held) {
+        return " is still held by request " + str(id) +
+               (r.freed ? " (freed, fenced: a write into it may still run)" : "");
+      }
+    }
+    return " is not free";
+  };
+  auto check = [&](const IdPool& pool, bool block, std::span<const uint32_t> ids) -> Status {
+    const char* what = block ? "block " : "slot ";
+    std::vector<uint32_t> sorted(ids.begin(), ids.end());
+    std::sort(sorted.begin(), sorted.end());
+    for (size_t i = 0; i < sorted.size(); ++i) {
+      if (sorted[i] >= pool.capacity()) {
+        return InvalidArgument("request " + str(request_id) + ": " + what + str(sorted[i]) +
+                               " is outside the pool of " + str(pool.capacity()));
+      }
+      if (i > 0 && sorted[i] == sorted[i - 1]) {
+        return InvalidArgument("request " + str(request_id) + ": " + what + str(sorted[i]) +
+                               " listed twice");
+      }
+      if (!pool.isFree(sorted[i])) {
+        return InvalidArgument("request " + str(request_id) + ": " + what + str(sorted[i]) +
+                               holder(block, sorted[i]));
+      }
+    }
+    return OkStatus();
+  };
+  const std::span<const uint32_t> slot_ids =
+      alloc.slot ? std::span<const uint32_t>(&*alloc.slot, 1) : std::span<const uint32_t>();
+  RETURN_IF_ERROR(check(blocks_, true, alloc.blocks));
+  RETURN_IF_ERROR(check(slots_, false, slot_ids));
+  if (Status s = blocks_.takeIds(alloc.blocks); !s.isOk()) return Internal(s.message());
+  if (Status s = slots_.takeIds(slot_ids); !s.isOk()) {
+    (void)blocks_.give(alloc.blocks);
+    return Internal(s.message());
+  }
+  stats_.used_blocks += static_cast<uint32_t>(alloc.blocks.size());
+  stats_.used_slots += static_cast<uint32_t>(slot_ids.size());
+  ++stats_.live_requests;
+  ++stats_.allocations;
+  Request req;
+  req.alloc = alloc;
+  requests_.emplace(request_id, std::move(req));
+  return alloc;
+}
+
 Status HybridCacheManager::free(uint64_t request_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = requests_.find(request_id);
@@ -229,6 +332,7 @@ Status HybridCacheManager::releaseLocked(uint64_t request_id, Request& req) {
   Status slot = OkStatus();
   if (req.alloc.slot) slot = slots_.give(std::span<const uint32_t>(&*req.alloc.slot, 1));
   requests_.erase(request_id);
+  if (release_listener_) release_listener_(request_id);
   if (!blocks.isOk()) return Internal("returning blocks: " + blocks.message());
   if (!slot.isOk()) return Internal("returning slot: " + slot.message());
   return OkStatus();

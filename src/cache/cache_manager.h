@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -136,6 +137,14 @@ class HybridCacheManager {
       const EngineLayout& engine, Capacity capacity,
       Region::Backing backing = Region::Backing::kAnonymous);
 
+  // A manager over memory the engine owns (engine-driven allocation, DESIGN §11): `regions`
+  // (usually Region::borrow) back `layout`'s regions, same ids in the same order, each at
+  // least as long. hxfer never allocates or frees the engine's pages: the engine names them
+  // per request with adopt(). InvalidArgument naming the region when one is missing, unknown
+  // or short; the layout's own validate() errors.
+  static StatusOr<std::unique_ptr<HybridCacheManager>> wrap(
+      RankLayout layout, std::vector<std::unique_ptr<Region>> regions);
+
   HybridCacheManager(const HybridCacheManager&) = delete;
   HybridCacheManager& operator=(const HybridCacheManager&) = delete;
 
@@ -157,6 +166,15 @@ class HybridCacheManager {
   // All or nothing: ResourceExhausted (naming the pool, needed and free counts) leaves the
   // pools unchanged. InvalidArgument when request_id is already known (live or quarantined).
   StatusOr<Allocation> allocate(uint64_t request_id, uint32_t num_tokens);
+  // Takes the pages the engine chose for `request_id`: `blocks` (each at most once, ignored on
+  // a rank without attention layers) and `slot` (required on a rank with recurrent layers,
+  // ignored otherwise), for `num_tokens` tokens; the request is then live as after allocate().
+  // All or nothing. InvalidArgument naming the page when one is outside its pool, listed
+  // twice, or still held by a request (live, or freed while a write into it may still run:
+  // the engine reused a page before hxfer released it), when blocks are fewer than
+  // blocksFor(num_tokens), or when request_id is known.
+  StatusOr<Allocation> adopt(uint64_t request_id, uint32_t num_tokens,
+                             std::span<const uint32_t> blocks, std::optional<uint32_t> slot);
   // Frees a live request. NotFound for an unknown id; InvalidArgument when it was already
   // freed and waits in quarantine. Returns ok in both the immediate and the quarantined case.
   Status free(uint64_t request_id);
@@ -174,6 +192,15 @@ class HybridCacheManager {
   StatusOr<TransferLease> leaseTransfer(uint64_t request_id);
 
   CacheCounters counters() const;
+
+  // Called with the id of every request whose pages return to the free pools (at free() when
+  // nothing is in flight, else at the last endTransfer()): from then on no write into or out
+  // of them can run, and the engine may reuse them. Runs on the thread that released them,
+  // with the manager's lock held: it must not call the manager and must not block.
+  // REQUIRES: set before the first request (not synchronized with releases).
+  void setReleaseListener(std::function<void(uint64_t request_id)> listener) {
+    release_listener_ = std::move(listener);
+  }
 
   // The accounting self-check: recounts every page from the requests the manager knows and
   // checks it against the pools and counters. Every page is exactly one of free, held by one
@@ -200,6 +227,7 @@ class HybridCacheManager {
   IdPool slots_;                                    // guarded by mu_
   std::unordered_map<uint64_t, Request> requests_;  // guarded by mu_
   CacheCounters stats_;  // guarded by mu_; the lifetime totals and used/quarantined counts
+  std::function<void(uint64_t)> release_listener_;  // fixed before the first request
 };
 
 }  // namespace hxfer

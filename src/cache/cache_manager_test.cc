@@ -501,3 +501,83 @@ TEST(CacheManager, ServingAndTransferThreadsTogetherLeaveThePoolsWhole) {
 
 }  // namespace
 }  // namespace hxfer
+
+namespace hxfer {
+namespace {
+
+// Engine-driven allocation: the engine owns the memory and names the pages; the manager
+// fences them and says when they are released.
+TEST(CacheManagerEngine, AdoptFencesTheEnginesPagesAndReportsTheirRelease) {
+  auto layout = buildRankLayout(tinyHybrid(), {1, 1, {}}, 0, 0, StateLayout::kPaged, 8, 2);
+  ASSERT_TRUE(layout.isOk());
+  std::vector<std::vector<uint8_t>> memory;
+  std::vector<std::unique_ptr<Region>> regions;
+  for (const RegionSpec& spec : layout->regions) {
+    memory.emplace_back(spec.length);
+    regions.push_back(*Region::borrow(spec.id, memory.back().data(), spec.length));
+  }
+  auto m = HybridCacheManager::wrap(*layout, std::move(regions));
+  ASSERT_TRUE(m.isOk()) << m.status().toString();
+  std::vector<uint64_t> released;
+  (*m)->setReleaseListener([&](uint64_t id) { released.push_back(id); });
+  EXPECT_EQ((*m)->regionBase(0), memory[0].data());
+
+  const std::vector<uint32_t> blocks = {6, 1};
+  auto a = (*m)->adopt(1, 64, blocks, 1);
+  ASSERT_TRUE(a.isOk()) << a.status().toString();
+  EXPECT_EQ(a->blocks, blocks);  // the engine's order (token order), not sorted
+  EXPECT_EQ(a->slot, 1u);
+  // Too few blocks, a page held, a missing slot: refused, nothing taken.
+  EXPECT_NE((*m)->adopt(2, 100, std::vector<uint32_t>{0, 2}, 0).status().message().find(
+                "100 tokens need 4 blocks"),
+            std::string::npos);
+  Status s = (*m)->adopt(2, 32, std::vector<uint32_t>{1}, 0).status();
+  EXPECT_NE(s.message().find("block 1 is still held by request 1"), std::string::npos)
+      << s.toString();
+  s = (*m)->adopt(2, 32, std::vector<uint32_t>{0}, std::nullopt).status();
+  EXPECT_NE(s.message().find("no slot given"), std::string::npos) << s.toString();
+  s = (*m)->adopt(2, 32, std::vector<uint32_t>{0}, 1).status();
+  EXPECT_NE(s.message().find("slot 1 is still held by request 1"), std::string::npos);
+  EXPECT_EQ((*m)->counters().used_blocks, 2u);
+
+  // Freed while a transfer runs: fenced (quarantined) and named so; released at its end.
+  ASSERT_TRUE((*m)->beginTransfer(1).isOk());
+  ASSERT_TRUE((*m)->free(1).isOk());
+  EXPECT_TRUE(released.empty());
+  s = (*m)->adopt(3, 32, std::vector<uint32_t>{6}, 0).status();
+  EXPECT_NE(s.message().find("block 6 is still held by request 1 (freed, fenced"),
+            std::string::npos)
+      << s.toString();
+  ASSERT_TRUE((*m)->endTransfer(1).isOk());
+  EXPECT_EQ(released, std::vector<uint64_t>{1});
+  ASSERT_TRUE((*m)->adopt(3, 32, std::vector<uint32_t>{6}, 1).isOk());
+  // Engine-chosen and manager-chosen pages share one space.
+  auto own = (*m)->allocate(4, 200);
+  ASSERT_TRUE(own.isOk());
+  EXPECT_EQ(std::count(own->blocks.begin(), own->blocks.end(), 6u), 0);
+  ASSERT_TRUE((*m)->free(3).isOk());
+  ASSERT_TRUE((*m)->free(4).isOk());
+  EXPECT_EQ(released, (std::vector<uint64_t>{1, 3, 4}));
+  ASSERT_TRUE((*m)->selfCheck().isOk());
+  expectAllFree((*m)->counters());
+}
+
+TEST(CacheManagerEngine, WrapRefusesMissingOrShortRegions) {
+  auto layout = buildRankLayout(tinyHybrid(), {1, 1, {}}, 0, 0, StateLayout::kPaged, 8, 2);
+  ASSERT_TRUE(layout.isOk());
+  std::vector<uint8_t> small(16);
+  std::vector<std::unique_ptr<Region>> regions;
+  auto m = HybridCacheManager::wrap(*layout, std::move(regions));
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+  regions.clear();
+  for (const RegionSpec& spec : layout->regions) {
+    regions.push_back(*Region::borrow(spec.id, small.data(), small.size()));
+  }
+  m = HybridCacheManager::wrap(*layout, std::move(regions));
+  ASSERT_FALSE(m.isOk());
+  EXPECT_NE(m.status().message().find("is 16 bytes, the layout needs"), std::string::npos)
+      << m.status().toString();
+}
+
+}  // namespace
+}  // namespace hxfer

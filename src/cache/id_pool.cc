@@ -49,6 +49,33 @@ StatusOr<std::vector<uint32_t>> IdPool::take(uint32_t n) {
   return out;
 }
 
+Status IdPool::takeIds(std::span<const uint32_t> ids) {
+  std::vector<uint32_t> sorted(ids.begin(), ids.end());
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    if (sorted[i] >= capacity_) {
+      return InvalidArgument("id " + std::to_string(sorted[i]) + " >= capacity " +
+                             std::to_string(capacity_));
+    }
+    if (i > 0 && sorted[i] == sorted[i - 1]) {
+      return InvalidArgument("id " + std::to_string(sorted[i]) + " listed twice");
+    }
+    if (!isFree(sorted[i])) {
+      return InvalidArgument("id " + std::to_string(sorted[i]) + " is not free");
+    }
+  }
+  for (uint32_t id : sorted) {
+    // The run holding `id` (isFree above): split it around the id.
+    auto it = std::prev(runs_.upper_bound(id));
+    const uint32_t first = it->first, length = it->second;
+    runs_.erase(it);
+    if (id > first) runs_.emplace(first, id - first);
+    if (id + 1 < first + length) runs_.emplace(id + 1, first + length - id - 1);
+  }
+  free_ -= static_cast<uint32_t>(sorted.size());
+  return OkStatus();
+}
+
 Status IdPool::give(std::span<const uint32_t> ids) {
   std::vector<uint32_t> sorted(ids.begin(), ids.end());
   std::sort(sorted.begin(), sorted.end());

@@ -30,6 +30,10 @@ class IdPool {
   // Takes n free ids (ascending). ResourceExhausted when fewer than n are free; then nothing
   // is taken.
   StatusOr<std::vector<uint32_t>> take(uint32_t n);
+  // Takes exactly `ids` (the caller chose them: engine-driven allocation). InvalidArgument,
+  // and nothing taken, when an id is out of range, not free or listed twice; the message
+  // names the first such id.
+  Status takeIds(std::span<const uint32_t> ids);
   // Returns ids to the pool. InvalidArgument, and nothing returned, when an id is out of
   // range, already free or listed twice.
   Status give(std::span<const uint32_t> ids);

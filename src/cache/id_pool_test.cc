@@ -103,3 +103,31 @@ TEST(IdPool, RandomTakeGiveMatchesASetModel) {
 
 }  // namespace
 }  // namespace hxfer
+
+namespace hxfer {
+namespace {
+
+TEST(IdPool, TakeIdsSplitsRunsAndRefusesTakenDuplicateOrOutOfRangeIdsAtomically) {
+  IdPool p(10);
+  const std::vector<uint32_t> chosen = {7, 2, 3};
+  ASSERT_TRUE(p.takeIds(chosen).isOk());
+  EXPECT_EQ(p.freeCount(), 7u);
+  EXPECT_EQ(p.runCount(), 3u);  // [0,2) [4,7) [8,10)
+  for (uint32_t id : chosen) EXPECT_FALSE(p.isFree(id));
+  const std::vector<uint32_t> taken = {1, 3}, twice = {5, 5}, outside = {4, 10};
+  Status s = p.takeIds(taken);
+  EXPECT_NE(s.message().find("id 3 is not free"), std::string::npos) << s.toString();
+  s = p.takeIds(twice);
+  EXPECT_NE(s.message().find("id 5 listed twice"), std::string::npos) << s.toString();
+  s = p.takeIds(outside);
+  EXPECT_NE(s.message().find("id 10 >= capacity 10"), std::string::npos) << s.toString();
+  EXPECT_EQ(p.freeCount(), 7u);
+  EXPECT_TRUE(p.isFree(1));
+  EXPECT_TRUE(p.isFree(4));
+  ASSERT_TRUE(p.give(chosen).isOk());
+  EXPECT_EQ(p.runCount(), 1u);
+  EXPECT_EQ(p.freeCount(), 10u);
+}
+
+}  // namespace
+}  // namespace hxfer

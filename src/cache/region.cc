@@ -118,7 +118,28 @@ StatusOr<std::unique_ptr<Region>> Region::mapFd(uint32_t id, int fd, uint64_t le
   return std::unique_ptr<Region>(new Region(id, static_cast<uint8_t*>(p), length, mapped, fd));
 }
 
+StatusOr<std::unique_ptr<Region>> Region::borrow(uint32_t id, uint8_t* data, uint64_t length,
+                                                 int fd) {
+  const std::string what = "region " + std::to_string(id);
+  if (data == nullptr && length != 0) return InvalidArgument(what + ": null buffer");
+  if (fd >= 0) {
+    const int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
+      return PermissionDenied(what + ": fd " + std::to_string(fd) +
+                              " is not a memfd sealed against shrinking and growing");
+    }
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < length) {
+      return InvalidArgument(what + ": fd " + std::to_string(fd) + " holds " +
+                             std::to_string(st.st_size) + " bytes, fewer than " +
+                             std::to_string(length));
+    }
+  }
+  return std::unique_ptr<Region>(new Region(id, data, length, 0, fd, /*borrowed=*/true));
+}
+
 Region::~Region() {
+  if (borrowed_) return;
   if (data_) munmap(data_, mapped_);
   if (fd_ >= 0) close(fd_);
 }

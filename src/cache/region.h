@@ -32,6 +32,14 @@ class Region {
   // `length`. A sparse file is mapped without pre-faulting (it charges nothing until written).
   static StatusOr<std::unique_ptr<Region>> mapFd(uint32_t id, int fd, uint64_t length);
 
+  // Wraps memory someone else owns (an engine's pool), without copying: the Region neither
+  // unmaps `data` nor closes `fd` when destroyed. `fd` (-1: none) is a memfd whose offset 0 is
+  // `data`, for the shm transport to hand to peers; it must be sealed against shrinking and
+  // growing and hold `length` bytes (PermissionDenied / InvalidArgument otherwise, naming the
+  // region). REQUIRES: `data` stays mapped for `length` bytes while the Region lives.
+  static StatusOr<std::unique_ptr<Region>> borrow(uint32_t id, uint8_t* data, uint64_t length,
+                                                  int fd = -1);
+
   ~Region();
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
@@ -40,19 +48,22 @@ class Region {
   uint8_t* data() const { return data_; }
   uint64_t length() const { return length_; }  // the length asked for (not rounded)
   int fd() const { return fd_; }               // -1 for anonymous regions
+  bool borrowed() const { return borrowed_; }  // borrow(): memory of someone else
   bool contains(uint64_t offset, uint64_t bytes) const {
     return offset <= length_ && bytes <= length_ - offset;
   }
 
  private:
-  Region(uint32_t id, uint8_t* data, uint64_t length, uint64_t mapped, int fd)
-      : id_(id), data_(data), length_(length), mapped_(mapped), fd_(fd) {}
+  Region(uint32_t id, uint8_t* data, uint64_t length, uint64_t mapped, int fd,
+         bool borrowed = false)
+      : id_(id), data_(data), length_(length), mapped_(mapped), fd_(fd), borrowed_(borrowed) {}
 
   uint32_t id_;
   uint8_t* data_;
   uint64_t length_;
   uint64_t mapped_;
   int fd_;
+  bool borrowed_;
 };
 
 }  // namespace hxfer

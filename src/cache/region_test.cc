@@ -1,9 +1,11 @@
 #include "cache/region.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <vector>
 
 namespace hxfer {
 namespace {
@@ -36,6 +38,30 @@ TEST(Region, MapFdRejectsShortFile) {
   ASSERT_TRUE(a.isOk());
   auto b = Region::mapFd(0, dup((*a)->fd()), 1 << 20);
   EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Region, BorrowWrapsEngineMemoryWithoutOwningIt) {
+  std::vector<uint8_t> engine(8192, 7);
+  {
+    auto r = Region::borrow(3, engine.data(), engine.size());
+    ASSERT_TRUE(r.isOk()) << r.status().toString();
+    EXPECT_TRUE((*r)->borrowed());
+    EXPECT_EQ((*r)->data(), engine.data());
+    EXPECT_EQ((*r)->fd(), -1);
+  }
+  EXPECT_EQ(engine[100], 7);  // still the engine's, not unmapped
+  auto memfd = Region::allocate(0, 4096, Region::Backing::kMemfd, "x");
+  ASSERT_TRUE(memfd.isOk());
+  {
+    auto r = Region::borrow(1, (*memfd)->data(), 4096, (*memfd)->fd());
+    ASSERT_TRUE(r.isOk()) << r.status().toString();
+  }
+  EXPECT_GE(fcntl((*memfd)->fd(), F_GETFD), 0);  // not closed by the borrower
+  auto too_long = Region::borrow(1, (*memfd)->data(), 1 << 20, (*memfd)->fd());
+  EXPECT_EQ(too_long.status().code(), StatusCode::kInvalidArgument);
+  auto not_memfd = Region::borrow(1, engine.data(), engine.size(), 0);
+  EXPECT_EQ(not_memfd.status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(Region::borrow(1, nullptr, 10).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

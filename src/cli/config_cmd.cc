@@ -23,6 +23,7 @@ struct ConfigOptions {
   bool other_host = false;
   bool single_process = false;
   bool ucx_rma = false;
+  std::string memory = "shareable";
 };
 
 int runConfig(const ConfigOptions& o) {
@@ -37,6 +38,11 @@ int runConfig(const ConfigOptions& o) {
   env.peers_same_host = !o.other_host;
   env.single_process = o.single_process;
   env.ucx_cheap_small_writes = o.ucx_rma;
+  if (o.memory != "shareable" && o.memory != "private") {
+    return reportError(InvalidArgument("--memory=" + o.memory +
+                                       " is not one of: shareable, private"));
+  }
+  env.memory_shareable = o.memory == "shareable";
   const auto preference = engine::preferredStateLayout(*model);
   engine::RoutingExplanation e = engine::explainRouting({*backend, *layout}, env, preference);
 
@@ -44,6 +50,7 @@ int runConfig(const ConfigOptions& o) {
     nlohmann::json j;
     j["model"] = model->name;
     j["requested"] = {{"backend", o.backend}, {"state_layout", o.state_layout}};
+    j["memory"] = o.memory;
     j["decisions"] = nlohmann::json::array();
     for (const auto& d : e.decisions) {
       j["decisions"].push_back({{"setting", d.setting}, {"value", d.value}, {"reason", d.reason}});
@@ -91,6 +98,10 @@ void addConfigCommand(CLI::App& app) {
                 "Every rank runs in this one process (inproc can reach them)");
   cmd->add_flag("--ucx-rma", o->ucx_rma,
                 "UCX has real one-sided RMA here (RDMA, cuda_ipc), so small writes are cheap");
+  cmd->add_option("--memory", o->memory,
+                  "The pools: shareable (hxfer's own, or engine pools with a memfd) or private "
+                  "(engine memory shm cannot share; auto then picks ucx)")
+      ->default_val("shareable");
   cmd->callback([o] {
     const int rc = runConfig(*o);
     if (rc != 0) throw CLI::RuntimeError(rc);

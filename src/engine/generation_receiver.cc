@@ -238,7 +238,8 @@ void GenerationReceiver::sendLocked(transport::PeerId peer, const wire::Message&
 }
 
 StatusOr<Allocation> GenerationReceiver::startRequest(uint64_t request_id, uint32_t num_tokens,
-                                                      uint32_t prefix_tokens, Bytes aux) {
+                                                      uint32_t prefix_tokens, Bytes aux,
+                                                      const EnginePages* pages) {
   std::lock_guard lock(mu_);
   if (stop_) return Unavailable("receiver is shut down");
   if (sinks_.count(request_id)) {
@@ -257,7 +258,13 @@ StatusOr<Allocation> GenerationReceiver::startRequest(uint64_t request_id, uint3
     }
   }
   metrics_.requestStarted();
-  auto alloc = cache_->allocate(request_id, num_tokens);
+  auto take_pages = [&]() -> StatusOr<Allocation> {
+    if (pages == nullptr) return cache_->allocate(request_id, num_tokens);
+    const size_t used = std::min<size_t>(pages->blocks.size(), cache_->blocksFor(num_tokens));
+    return cache_->adopt(request_id, num_tokens,
+                         std::span<const uint32_t>(pages->blocks.data(), used), pages->slot);
+  };
+  StatusOr<Allocation> alloc = take_pages();
   if (!alloc.isOk()) {
     metrics_.requestFailed(causeOf(alloc.status()));
     return alloc.status();

@@ -60,6 +60,12 @@ struct RequestResult {
   bool terminal() const { return state != State::kInProgress; }
 };
 
+// The pages an engine chose for one request on this rank: block ids in order, and the slot.
+struct EnginePages {
+  std::vector<uint32_t> blocks;
+  std::optional<uint32_t> slot;
+};
+
 class GenerationReceiver {
  public:
   struct Options : EngineOptions {
@@ -90,8 +96,12 @@ class GenerationReceiver {
   // `prefix_tokens` (whole blocks of them) are already held here and not sent. `aux` travels
   // with the request. Errors: ResourceExhausted (no pages), InvalidArgument (known id),
   // Unavailable / Incompatible (a needed peer is down or refused; nothing stays allocated).
+  // With `pages` (engine-driven allocation), the engine's blocks and slot are adopted instead
+  // (HybridCacheManager::adopt; only the first blocksFor(num_tokens) blocks are touched and
+  // fenced) and its errors returned: a page still fenced by an earlier request is refused.
   StatusOr<Allocation> startRequest(uint64_t request_id, uint32_t num_tokens,
-                                    uint32_t prefix_tokens = 0, Bytes aux = {});
+                                    uint32_t prefix_tokens = 0, Bytes aux = {},
+                                    const EnginePages* pages = nullptr);
   // The request's state now; NotFound for an unknown (or released) id.
   StatusOr<RequestResult> poll(uint64_t request_id) const;
   // Waits for a terminal state; the in-progress result when the deadline passes first.

@@ -78,7 +78,10 @@ std::string unreachableBecause(BackendKind b, const RoutingEnvironment& env) {
     case BackendKind::kInproc:
       return env.single_process ? "" : "it needs every rank in one process";
     case BackendKind::kShm:
-      return env.peers_same_host ? "" : "it needs every peer on this host";
+      if (!env.peers_same_host) return "it needs every peer on this host";
+      return env.memory_shareable ? ""
+                                  : "it needs shareable (memfd) pools, and these are private "
+                                    "memory";
     case BackendKind::kUcx:
       return "";
   }
@@ -88,7 +91,8 @@ std::string unreachableBecause(BackendKind b, const RoutingEnvironment& env) {
 // The deployment settings, as `config` spells them.
 std::string deploymentWords(const RoutingEnvironment& env) {
   return std::string(env.peers_same_host ? "peers=same-host" : "peers=other-host") +
-         (env.single_process ? " in one process" : " in separate processes");
+         (env.single_process ? " in one process" : " in separate processes") +
+         (env.memory_shareable ? "" : ", memory=private");
 }
 
 std::string smallWritesWords(BackendKind b, const RoutingEnvironment& env) {
@@ -118,25 +122,27 @@ Status resolveBackend(const RoutingRequest& req, const RoutingEnvironment& env,
     *backend = b;
     return OkStatus();
   }
-  if (env.peers_same_host && env.shm_compiled) {
+  if (env.peers_same_host && env.memory_shareable && env.shm_compiled) {
     out->decisions.push_back(
-        {"backend", "shm", "requested auto; every peer is on this host and shm is compiled in"});
+        {"backend", "shm",
+         "requested auto; every peer is on this host, the pools are shareable memory and shm "
+         "is compiled in"});
     *backend = BackendKind::kShm;
     return OkStatus();
   }
+  const std::string no_shm = !env.peers_same_host    ? "peers are on another host"
+                             : !env.memory_shareable ? "the pools are private memory (shm cannot "
+                                                       "share it)"
+                                                     : "shm is not compiled in";
   if (env.ucx_compiled) {
-    out->decisions.push_back(
-        {"backend", "ucx",
-         std::string("requested auto; ") +
-             (env.peers_same_host ? "shm is not compiled in" : "peers are on another host") +
-             " and ucx is compiled in"});
+    out->decisions.push_back({"backend", "ucx",
+                              "requested auto; " + no_shm +
+                                  " and ucx is compiled in (it reaches same-host peers through "
+                                  "its own paths)"});
     *backend = BackendKind::kUcx;
     return OkStatus();
   }
-  return Unavailable(
-      std::string("backend=auto finds no backend: ") +
-      (env.peers_same_host ? "shm is not compiled in" : "peers are on another host") +
-      " and ucx is not compiled in");
+  return Unavailable("backend=auto finds no backend: " + no_shm + " and ucx is not compiled in");
 }
 
 void resolveLayout(const RoutingRequest& req, const RoutingEnvironment& env,

@@ -4,7 +4,7 @@
 //
 // Order (fixed, printed by `hxfer config --explain`):
 //   1. backend: the requested one if compiled in and reachable; `auto` picks shm when every
-//      peer is on this host, else ucx. `auto` never picks inproc (tests and single-process
+//      peer is on this host and the pools are shareable memory, else ucx. `auto` never picks inproc (tests and single-process
 //      tools ask for it by name).
 //   2. state layout, only once the backend is known: the requested one; `auto` honours the
 //      model's preferred layout (hybrid models prefer paged) when the backend writes many small
@@ -51,6 +51,10 @@ struct RoutingEnvironment {
   bool ucx_compiled = false;
   // Every peer runs on this host (shm can reach it).
   bool peers_same_host = true;
+  // The pools are shareable memory (memfd: hxfer's own pools, or engine pools taken from a
+  // SharedBuffer or passed with an fd). Private engine memory cannot be handed to a peer, so
+  // shm cannot reach it; ucx reaches it through its own paths.
+  bool memory_shareable = true;
   // Every rank runs in this one process (inproc can reach it).
   bool single_process = false;
   // UCX writes many small records cheaply: it selected a transport with real one-sided RMA

@@ -245,3 +245,32 @@ TEST(Routing, ParsersAcceptAutoAndNamesAndRejectOthers) {
 
 }  // namespace
 }  // namespace hxfer::engine
+
+namespace hxfer::engine {
+namespace {
+
+// Engine memory that has no memfd cannot be handed to a same-host peer: auto goes to ucx and
+// says so; shm asked by name is refused, naming the memory.
+TEST(Routing, PrivateEngineMemoryRoutesToUcxAndRefusesShm) {
+  RoutingEnvironment e;
+  e.ucx_compiled = true;
+  e.memory_shareable = false;
+  RoutingExplanation x = explainRouting({std::nullopt, std::nullopt}, e, StateLayout::kPaged);
+  ASSERT_TRUE(x.routing.has_value()) << x.status.toString();
+  EXPECT_EQ(x.routing->backend, BackendKind::kUcx);
+  ASSERT_FALSE(x.decisions.empty());
+  EXPECT_NE(x.decisions[0].reason.find("private memory"), std::string::npos)
+      << x.decisions[0].reason;
+  auto shm = resolveRouting({BackendKind::kShm, std::nullopt}, e, StateLayout::kPaged);
+  ASSERT_FALSE(shm.isOk());
+  EXPECT_NE(shm.status().message().find("memory=private"), std::string::npos)
+      << shm.status().toString();
+  EXPECT_NE(shm.status().message().find("shareable"), std::string::npos);
+  e.memory_shareable = true;
+  auto back = resolveRouting({std::nullopt, std::nullopt}, e, StateLayout::kPaged);
+  ASSERT_TRUE(back.isOk());
+  EXPECT_EQ(back->backend, BackendKind::kShm);
+}
+
+}  // namespace
+}  // namespace hxfer::engine

@@ -1,0 +1,312 @@
+// hxfer's public API: what a serving engine includes to move the cache state of a hybrid model
+// out of its own pools on a context (prefill) instance and into its own pools on a generation
+// (decode) instance (docs/api.md). Everything outside include/hxfer/ is internal.
+//
+//   Layout    one rank's cache as the engine lays it out (an engine by name with options).
+//   Memory    the engine's buffers for that layout, one per pool, registered without a copy.
+//   Sender    the context rank: markReady(id, blocks, slot, aux) once prefill wrote the pages.
+//   Receiver  the generation rank: start(id, num_tokens, blocks, slot), then wait/poll, release.
+//
+// Page lifetime contract (docs/api.md): hxfer never allocates or frees engine pages; it fences
+// them. The blocks and slot named in markReady()/start() are hxfer's to touch from that call
+// until hxfer reports the request released: holds(id) turns false and the on_released
+// callback runs with the id. A cancelled, failed or timed-out request stays fenced until every
+// write into or out of its pages has reached a terminal state. A page still fenced is refused
+// (InvalidArgument naming it and its request) when the engine names it for another request.
+//   Sender:   released once every generation rank that asked got its answer, or on cancel(),
+//             lease expiry or shutdown(), each after the writes out of the pages ended.
+//   Receiver: a request that succeeded (Result::ok) is the engine's to read; release(id)
+//             releases its pages. A failed or cancelled one is released by hxfer itself once
+//             no write into it can still land; release(id) then only forgets the result.
+//
+// Errors: every call returns Status/StatusOr (hxfer/status.h); messages name the field and the
+// value. Thread-safety: every method of Sender and Receiver may be called from any thread;
+// on_released runs on a thread of its own, without hxfer's locks held, and may call back into
+// the Sender or Receiver (anything but shutdown); on_request runs on the progress thread and
+// must not block for long. Layout and Memory are values (shared handles), safe to
+// copy and share.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "hxfer/status.h"
+
+namespace hxfer {
+
+inline constexpr int kApiVersion = 1;
+
+// ---- Layout ----
+
+struct LayoutOptions {
+  // How the engine lays its cache out (docs/layouts.md): "hxfer", "trtllm-v1", "trtllm-v2",
+  // "vllm", "sglang"; kv_layout "nhd" | "hnd" (vllm, trtllm-v2), conv_layout "sd" | "ds"
+  // (vllm), state_layout "paged" | "layer-major" (hxfer). Empty: the engine's default.
+  std::string engine = "hxfer";
+  std::string kv_layout, conv_layout, state_layout;
+  // A preset name (`hxfer models`) or the path of a Hugging Face config.json; empty: the
+  // default preset.
+  std::string model;
+  uint32_t tp = 1, tp_rank = 0, pp = 1, pp_rank = 0;
+  // The engine's pool capacities on this rank: kv blocks and recurrent-state slots.
+  uint32_t num_blocks = 0, num_slots = 0;
+  uint32_t tokens_per_block = 32;
+  // "fp32" | "fp16" | "bf16" | "fp8"; empty: the config's torch_dtype (ssm: fp32).
+  std::string kv_dtype, conv_dtype, ssm_dtype;
+};
+
+// One pool (region) of a rank's layout: the buffer the engine registers under `name`.
+// `shape`/`strides` (bytes) describe it as rows of the pool's outermost index: blocks, slots
+// or layers, whichever its records are strided by last.
+struct PoolInfo {
+  std::string name;  // "kv0", "layer.3", "k.5", "conv0", ... (stable per engine)
+  uint64_t bytes = 0;
+  std::vector<uint64_t> shape;
+  std::vector<uint64_t> strides;
+};
+
+class Layout {
+ public:
+  // Errors name the option and the value: an unknown engine or option, a model that is not a
+  // preset or readable config, a tp/pp the model does not shard into, zero capacities where
+  // the rank needs them, vllm with a Mamba page larger than the attention page.
+  static StatusOr<Layout> engine(const LayoutOptions& options);
+
+  const LayoutOptions& options() const;
+  const std::vector<PoolInfo>& pools() const;
+  // nullptr when no pool has that name.
+  const PoolInfo* pool(std::string_view name) const;
+  bool hasKv() const;     // the rank holds attention layers (blocks are used)
+  bool hasState() const;  // the rank holds recurrent layers (a slot is used)
+  // Blocks that num_tokens tokens occupy on this rank (0 without attention layers).
+  uint32_t blocksFor(uint32_t num_tokens) const;
+  // "vllm(kv=nhd,conv=sd) nemotron-h-8b tp=2 rank 0 pp=1 rank 0, 64 blocks x 32 tokens, 8 slots"
+  std::string describe() const;
+  bool operator==(const Layout& other) const;
+
+  struct Impl;
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  explicit Layout(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<const Impl> impl_;
+};
+
+// ---- Memory ----
+
+enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
+
+// One engine buffer: `bytes` at `data`. `fd` (-1: none) is a memfd whose offset 0 is `data`,
+// sealed against shrinking and growing (SharedBuffer makes such); with it the shm transport can
+// share the buffer with same-host peers, without it traffic goes through UCX.
+struct Buffer {
+  void* data = nullptr;
+  uint64_t bytes = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  int fd = -1;
+};
+
+// Host memory the shm transport can share: a sealed memfd mapped here, pre-faulted. An engine
+// that wants the same-host shm path takes its pools from these.
+class SharedBuffer {
+ public:
+  // ResourceExhausted when the memory cannot be had.
+  static StatusOr<std::shared_ptr<SharedBuffer>> allocate(uint64_t bytes,
+                                                          std::string_view name = "pool");
+  ~SharedBuffer();
+  SharedBuffer(const SharedBuffer&) = delete;
+  SharedBuffer& operator=(const SharedBuffer&) = delete;
+
+  void* data() const;
+  uint64_t bytes() const;
+  int fd() const;
+  Buffer buffer() const { return Buffer{data(), bytes(), MemoryKind::kHost, fd()}; }
+
+ private:
+  struct Impl;
+  explicit SharedBuffer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The engine's buffers for one Layout, one per pool by name, registered without a copy.
+// REQUIRES: the buffers stay valid while any Sender or Receiver made from this Memory lives.
+// One Sender or Receiver uses a Memory at a time (it holds the page fences).
+class Memory {
+ public:
+  // InvalidArgument naming the pool: a pool without a buffer, a buffer for no pool, a buffer
+  // smaller than its pool (both sizes), a null pointer; Unimplemented-as-InvalidArgument for
+  // MemoryKind::kCuda (host memory only in this version); an fd that is not a sealed memfd.
+  static StatusOr<Memory> wrap(const Layout& layout, const std::map<std::string, Buffer>& buffers);
+
+  const Layout& layout() const;
+  // Every pool has an fd (shm can share it).
+  bool shareable() const;
+
+  struct Impl;
+  Impl& impl() const { return *impl_; }
+
+ private:
+  explicit Memory(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+// ---- Shared by both sides ----
+
+struct Metrics {
+  uint64_t requests_started = 0, requests_ok = 0, requests_failed = 0, requests_cancelled = 0;
+  uint64_t bytes = 0, ops = 0, leases_expired = 0, quarantined_requests = 0, peers_lost = 0;
+  uint64_t handshakes_ok = 0, handshakes_refused = 0, accounting_errors = 0;
+  // Requests whose pages hxfer fences now (markReady/start up to released).
+  uint64_t requests_held = 0;
+  double latency_p50_us = 0, latency_p99_us = 0;
+  std::string json;  // every counter of the rank, one JSON object
+};
+
+struct TransportOptions {
+  // "auto" | "shm" | "ucx" | "inproc" (same process only). auto: shm when the memory is
+  // shareable (Sender), the backend the peers' addresses name (Receiver). routing() says
+  // which was chosen and why.
+  std::string backend = "auto";
+  // Where to listen (Sender): ucx "ip:port" (port 0 picks one), shm an abstract socket name;
+  // empty, or an ip:port when shm was chosen: a generated name.
+  std::string listen;
+  // Both sides prove they hold it before any memory or message crosses; empty: no token
+  // (anyone who can reach the address may connect; a warning is logged).
+  std::string token;
+  std::string instance = "hxfer";  // names this serving instance in logs and the handshake
+  // Hash every request's bytes on the sender, verify on the receiver.
+  bool checksum = false;
+  // UCX settings applied on top of UCX_* environment variables, e.g. {"TLS", "tcp"}.
+  std::vector<std::pair<std::string, std::string>> ucx_options;
+  // Called with the id of every request whose pages hxfer released (see the contract above).
+  std::function<void(uint64_t request_id)> on_released;
+};
+
+// ---- Sender (context rank) ----
+
+struct SenderOptions : TransportOptions {
+  // Pages marked ready that not every overlapping generation rank asked for within this time
+  // are released (Metrics::leases_expired).
+  std::chrono::milliseconds lease_timeout{30000};
+  // Called when the first generation rank asks for a request id, with its prompt length and
+  // aux bytes; it may call markReady().
+  std::function<void(uint64_t request_id, uint64_t num_tokens, const std::string& aux)> on_request;
+};
+
+class Sender {
+ public:
+  // Errors: `memory` made for another layout; a backend the memory or build cannot use (shm
+  // with private memory names both); listen failures.
+  static StatusOr<std::unique_ptr<Sender>> create(const Layout& layout, const Memory& memory,
+                                                  SenderOptions options);
+  ~Sender();  // shutdown()
+  Sender(const Sender&) = delete;
+  Sender& operator=(const Sender&) = delete;
+
+  // "shm:<name>", "ucx:<ip>:<port>" or "inproc:<name>": what a Receiver's peers list holds.
+  std::string address() const;
+  std::string backend() const;
+  std::string routing() const;  // the backend choice and its reason, one line
+
+  // Prefill state of `request_id` is in `blocks` (the request's block table, in token order)
+  // and `slot`: hxfer fences them until it releases the request. `aux` (at most 16 KiB,
+  // e.g. the first sampled token) reaches every generation rank with the result.
+  // InvalidArgument: a page outside its pool, listed twice or still fenced (naming it), a known
+  // id, aux too large, no slot on a rank with recurrent layers. Unavailable after shutdown().
+  // Cancelled / Timeout: cancelled before, or every asker gave up (the pages are released).
+  Status markReady(uint64_t request_id, std::span<const uint32_t> blocks,
+                   std::optional<uint32_t> slot, std::string_view aux = {});
+  // Cancels at any point; always ok; idempotent.
+  Status cancel(uint64_t request_id);
+  // Whether hxfer still fences the pages of `request_id`.
+  bool holds(uint64_t request_id) const;
+  size_t connectedPeers() const;
+  Metrics metrics() const;
+  // Ends every request (its pages released once its writes stopped) and disconnects.
+  // Idempotent.
+  void shutdown();
+
+  struct Impl;
+
+ private:
+  explicit Sender(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---- Receiver (generation rank) ----
+
+struct ReceiverOptions : TransportOptions {
+  // The context instance's ranks, index pp_rank * peer_tp + tp_rank, as Sender::address()
+  // gives them ("ip:port" alone is read as ucx).
+  std::vector<std::string> peers;
+  uint32_t peer_tp = 0;  // 0: peers.size() / peer_pp
+  uint32_t peer_pp = 1;
+  std::chrono::milliseconds request_timeout{30000};
+  std::chrono::milliseconds handshake_timeout{10000};
+};
+
+struct Result {
+  enum class State : uint8_t { kInProgress, kDone, kFailed };
+  State state = State::kInProgress;
+  Status status;       // ok when kDone; why when kFailed
+  uint64_t bytes = 0;  // bytes received (kDone)
+  std::string aux;     // what the context side gave markReady (kDone)
+  std::chrono::nanoseconds latency{0};
+  bool ok() const { return state == State::kDone; }
+  bool terminal() const { return state != State::kInProgress; }
+};
+
+class Receiver {
+ public:
+  // Errors: `memory` made for another layout; peers that do not match peer_tp x peer_pp;
+  // addresses of mixed or unknown backends; shm peers with private memory.
+  static StatusOr<std::unique_ptr<Receiver>> create(const Layout& layout, const Memory& memory,
+                                                    ReceiverOptions options);
+  ~Receiver();  // shutdown()
+  Receiver(const Receiver&) = delete;
+  Receiver& operator=(const Receiver&) = delete;
+
+  std::string backend() const;
+  std::string routing() const;
+  // Waits until every context rank this rank reads from completed its handshake.
+  Status waitForPeers(std::chrono::milliseconds timeout);
+
+  // Asks the context ranks for `request_id`'s state of `num_tokens` tokens, into `blocks`
+  // (the request's block table; only the first blocksFor(num_tokens) are touched) and `slot`.
+  // `prefix_tokens` (whole blocks) are already here and not sent. Errors as Sender::markReady
+  // for the pages; Unavailable / Incompatible when a needed context rank is down or refused
+  // (nothing stays fenced).
+  Status start(uint64_t request_id, uint32_t num_tokens, std::span<const uint32_t> blocks,
+               std::optional<uint32_t> slot, uint32_t prefix_tokens = 0,
+               std::string_view aux = {});
+  // The request's state now; NotFound for an unknown or released id.
+  StatusOr<Result> poll(uint64_t request_id) const;
+  // Waits for a terminal state; the in-progress result when `timeout` passes first.
+  StatusOr<Result> wait(uint64_t request_id, std::chrono::milliseconds timeout);
+  // Fails an in-progress request with Cancelled; its pages are released once no write into
+  // them can still land. A no-op for a terminal request; NotFound for an unknown id.
+  Status cancel(uint64_t request_id);
+  // Forgets a terminal request and releases its pages (see the contract). InvalidArgument
+  // while in progress, NotFound for an unknown id.
+  Status release(uint64_t request_id);
+  bool holds(uint64_t request_id) const;
+  Metrics metrics() const;
+  void shutdown();
+
+  struct Impl;
+
+ private:
+  explicit Receiver(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hxfer

@@ -1,0 +1,509 @@
+// The public API over engine-owned memory: layouts and pools by engine, buffer registration,
+// the transceivers in every engine layout with the engine choosing pages, and the page
+// lifetime contract (a page is never handed back while a write into or out of it may run).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "api/api_impl.h"
+#include "cache/engine_layout.h"
+#include "hxfer/hxfer.h"
+#include "plan/oracle.h"
+
+namespace hxfer {
+namespace {
+
+using namespace std::chrono_literals;
+
+LayoutOptions options(std::string engine, uint32_t tp, uint32_t tp_rank, uint32_t blocks = 16,
+                      uint32_t slots = 4) {
+  LayoutOptions o;
+  o.engine = std::move(engine);
+  o.tp = tp;
+  o.tp_rank = tp_rank;
+  o.num_blocks = blocks;
+  o.num_slots = slots;
+  return o;
+}
+
+// One rank of an engine: its layout, the pools it allocated itself, and hxfer's view of them.
+struct EngineRank {
+  Layout layout;
+  std::map<std::string, std::vector<uint8_t>> pools;
+  std::map<std::string, std::shared_ptr<SharedBuffer>> shared;
+  std::optional<Memory> memory;
+
+  static EngineRank make(const LayoutOptions& o, bool shareable = false) {
+    auto l = Layout::engine(o);
+    EXPECT_TRUE(l.isOk()) << l.status().toString();
+    EngineRank r{*l, {}, {}, std::nullopt};
+    std::map<std::string, Buffer> buffers;
+    for (const PoolInfo& p : r.layout.pools()) {
+      if (shareable) {
+        auto sb = SharedBuffer::allocate(p.bytes, p.name);
+        EXPECT_TRUE(sb.isOk()) << sb.status().toString();
+        r.shared[p.name] = *sb;
+        buffers[p.name] = (*sb)->buffer();
+      } else {
+        auto& v = r.pools[p.name];
+        v.assign(p.bytes, 0);
+        buffers[p.name] = Buffer{v.data(), v.size()};
+      }
+    }
+    auto m = Memory::wrap(r.layout, buffers);
+    EXPECT_TRUE(m.isOk()) << m.status().toString();
+    r.memory = *m;
+    return r;
+  }
+
+  RankMemory rankMemory() const {
+    const RankLayout& l = layout.impl().layout;
+    RankMemory mem(l.regions.size());
+    for (const RegionSpec& spec : l.regions) {
+      auto it = pools.find(spec.name);
+      uint8_t* data = it != pools.end() ? const_cast<uint8_t*>(it->second.data())
+                                        : static_cast<uint8_t*>(shared.at(spec.name)->data());
+      mem[spec.id] = RegionMemory{data, spec.length};
+    }
+    return mem;
+  }
+  const RankLayout& rankLayout() const { return layout.impl().layout; }
+};
+
+// Ids whose pages were reported released, in order.
+struct Released {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<uint64_t> ids;
+  std::function<void(uint64_t)> callback() {
+    return [this](uint64_t id) {
+      std::lock_guard lock(mu);
+      ids.push_back(id);
+      cv.notify_all();
+    };
+  }
+  bool waitFor(uint64_t id, std::chrono::milliseconds timeout = 10s) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, timeout,
+                       [&] { return std::find(ids.begin(), ids.end(), id) != ids.end(); });
+  }
+  size_t count(uint64_t id) {
+    std::lock_guard lock(mu);
+    return std::count(ids.begin(), ids.end(), id);
+  }
+};
+
+TEST(ApiLayout, PoolsNameEveryRegionOfTheEngineLayoutWithItsBytes) {
+  auto l = Layout::engine(options("sglang", 2, 0, 64, 8));
+  ASSERT_TRUE(l.isOk()) << l.status().toString();
+  const RankLayout& rl = l->impl().layout;
+  ASSERT_EQ(l->pools().size(), rl.regions.size());
+  std::set<std::string> names;
+  for (size_t i = 0; i < rl.regions.size(); ++i) {
+    const PoolInfo& p = l->pools()[i];
+    EXPECT_EQ(p.name, rl.regions[i].name);
+    EXPECT_EQ(p.bytes, rl.regions[i].length);
+    ASSERT_EQ(p.shape.size(), p.strides.size());
+    uint64_t extent = 1;
+    for (size_t d = 0; d < p.shape.size(); ++d) extent = std::max(extent, p.shape[d] * p.strides[d]);
+    EXPECT_EQ(extent, p.bytes) << p.name;
+    names.insert(p.name);
+  }
+  // sglang keeps per-layer k/v buffers and layer-major conv/ssm pools.
+  EXPECT_TRUE(names.count("conv0")) << ::testing::PrintToString(names);
+  EXPECT_TRUE(std::any_of(names.begin(), names.end(), [](const std::string& n) {
+    return n.rfind("k.", 0) == 0;
+  }));
+  EXPECT_TRUE(l->hasKv());
+  EXPECT_TRUE(l->hasState());
+  EXPECT_EQ(l->blocksFor(60), 2u);
+  EXPECT_NE(l->describe().find("sglang"), std::string::npos) << l->describe();
+}
+
+TEST(ApiLayout, ErrorsNameTheOptionAndTheValue) {
+  auto expect = [](LayoutOptions o, StatusCode code, std::string words) {
+    auto l = Layout::engine(o);
+    ASSERT_FALSE(l.isOk());
+    EXPECT_EQ(l.status().code(), code) << l.status().toString();
+    EXPECT_NE(l.status().message().find(words), std::string::npos) << l.status().toString();
+  };
+  LayoutOptions o = options("nonesuch", 1, 0);
+  expect(o, StatusCode::kInvalidArgument, "nonesuch");
+  o = options("hxfer", 2, 2);
+  expect(o, StatusCode::kInvalidArgument, "tp_rank=2");
+  o = options("hxfer", 1, 0);
+  o.kv_dtype = "int3";
+  expect(o, StatusCode::kInvalidArgument, "kv_dtype");
+  o = options("hxfer", 1, 0);
+  o.model = "no-such-dir/config.json";
+  expect(o, StatusCode::kNotFound, "no-such-dir/config.json");
+  o = options("hxfer", 1, 0);
+  o.tokens_per_block = 0;
+  expect(o, StatusCode::kInvalidArgument, "tokens_per_block=0");
+  o = options("vllm", 1, 0);
+  o.state_layout = "layer-major";
+  expect(o, StatusCode::kInvalidArgument, "vllm");
+}
+
+TEST(ApiMemory, RefusesAMissingPoolAnUnknownNameAShortBufferAndDeviceMemory) {
+  auto l = Layout::engine(options("vllm", 1, 0));
+  ASSERT_TRUE(l.isOk()) << l.status().toString();
+  std::map<std::string, std::vector<uint8_t>> pools;
+  std::map<std::string, Buffer> buffers;
+  for (const PoolInfo& p : l->pools()) {
+    pools[p.name].assign(p.bytes, 0);
+    buffers[p.name] = Buffer{pools[p.name].data(), p.bytes};
+  }
+  ASSERT_TRUE(Memory::wrap(*l, buffers).isOk());
+  const std::string first = l->pools()[0].name;
+
+  auto missing = buffers;
+  missing.erase(first);
+  auto m = Memory::wrap(*l, missing);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_NE(m.status().message().find("pool " + first + " has no buffer"), std::string::npos)
+      << m.status().toString();
+
+  auto extra = buffers;
+  extra["k.99"] = buffers[first];
+  m = Memory::wrap(*l, extra);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_NE(m.status().message().find("'k.99'"), std::string::npos) << m.status().toString();
+
+  auto short_buffer = buffers;
+  short_buffer[first].bytes -= 1;
+  m = Memory::wrap(*l, short_buffer);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find(std::to_string(l->pools()[0].bytes - 1) + " bytes"),
+            std::string::npos)
+      << m.status().toString();
+
+  auto device = buffers;
+  device[first].kind = MemoryKind::kCuda;
+  m = Memory::wrap(*l, device);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_NE(m.status().message().find("CUDA"), std::string::npos) << m.status().toString();
+
+  auto bad_fd = buffers;
+  bad_fd[first].fd = 0;  // stdin: not a sealed memfd
+  m = Memory::wrap(*l, bad_fd);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_EQ(m.status().code(), StatusCode::kPermissionDenied) << m.status().toString();
+}
+
+// A context instance at tp 2 in layout `ctx` and a generation instance at tp 1 in layout `gen`,
+// in one process over `backend`: the engine picks scattered pages on both sides, the oracle
+// fills the context pages and checks every generation byte.
+void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std::string& backend,
+                    bool shareable) {
+  SCOPED_TRACE(ctx.toString() + " -> " + gen.toString() + " over " + backend);
+  auto side = [](const EngineLayout& e, uint32_t tp, uint32_t rank) {
+    LayoutOptions o = options(std::string(engineName(e.engine)), tp, rank);
+    if (e.engine == Engine::kHxfer) o.state_layout = std::string(stateLayoutName(e.state));
+    if (e.engine == Engine::kVllm || e.engine == Engine::kTrtllmV2) {
+      o.kv_layout = e.kv == KvOrder::kNhd ? "nhd" : "hnd";
+    }
+    if (e.engine == Engine::kVllm) o.conv_layout = e.conv == ConvOrder::kSd ? "sd" : "ds";
+    return o;
+  };
+  Released ctx_released, gen_released;
+  std::vector<EngineRank> ctx_ranks;
+  std::vector<std::unique_ptr<Sender>> senders;
+  std::vector<std::string> addresses;
+  for (uint32_t r = 0; r < 2; ++r) {
+    ctx_ranks.push_back(EngineRank::make(side(ctx, 2, r), shareable));
+  }
+  for (uint32_t r = 0; r < 2; ++r) {
+    SenderOptions so;
+    so.backend = backend;
+    so.token = "secret";
+    so.ucx_options = {{"TLS", "tcp"}};
+    so.on_released = ctx_released.callback();
+    auto s = Sender::create(ctx_ranks[r].layout, *ctx_ranks[r].memory, so);
+    ASSERT_TRUE(s.isOk()) << s.status().toString();
+    EXPECT_EQ((*s)->backend(), backend) << (*s)->routing();
+    addresses.push_back((*s)->address());
+    senders.push_back(std::move(*s));
+  }
+  EngineRank g = EngineRank::make(side(gen, 1, 0), shareable);
+  ReceiverOptions ro;
+  ro.peers = addresses;
+  ro.token = "secret";
+  ro.ucx_options = {{"TLS", "tcp"}};
+  ro.on_released = gen_released.callback();
+  auto rx = Receiver::create(g.layout, *g.memory, ro);
+  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
+  ASSERT_TRUE((*rx)->waitForPeers(20s).isOk());
+
+  const uint64_t id = 7;
+  const uint32_t tokens = 60;  // 2 blocks of 32, the last one partial
+  const std::vector<uint32_t> ctx_blocks = {11, 3}, gen_blocks = {9, 0};
+  for (uint32_t r = 0; r < 2; ++r) {
+    ASSERT_TRUE(fillRank(ctx_ranks[r].rankLayout(), ctx_ranks[r].rankMemory(),
+                         RankIds{ctx_blocks, 1}, id)
+                    .isOk());
+    ASSERT_TRUE(senders[r]->markReady(id, ctx_blocks, 1, r == 0 ? "tok" : "").isOk());
+    EXPECT_TRUE(senders[r]->holds(id));
+  }
+  ASSERT_TRUE((*rx)->start(id, tokens, gen_blocks, 2).isOk());
+  auto res = (*rx)->wait(id, 30s);
+  ASSERT_TRUE(res.isOk()) << res.status().toString();
+  ASSERT_TRUE(res->ok()) << res->status.toString();
+  EXPECT_EQ(res->aux, "tok");
+  EXPECT_GT(res->bytes, 0u);
+  auto report = checkRank(g.rankLayout(), g.rankMemory(), RankIds{gen_blocks, 2}, id,
+                          BlockRange{0, 2, tokens}, tokens);
+  ASSERT_TRUE(report.isOk()) << report.status().toString();
+  EXPECT_TRUE(report->ok()) << report->toString();
+  EXPECT_GT(report->bytes_checked, 0u);
+
+  // The generation pages stay fenced until release; the context ones until answered.
+  EXPECT_TRUE((*rx)->holds(id));
+  EXPECT_EQ(gen_released.count(id), 0u);
+  ASSERT_TRUE((*rx)->release(id).isOk());
+  EXPECT_TRUE(gen_released.waitFor(id));
+  EXPECT_FALSE((*rx)->holds(id));
+  EXPECT_TRUE(ctx_released.waitFor(id));
+  for (auto& s : senders) {
+    for (int i = 0; i < 200 && s->holds(id); ++i) std::this_thread::sleep_for(10ms);
+    EXPECT_FALSE(s->holds(id));
+    EXPECT_EQ(s->metrics().requests_held, 0u);
+  }
+  EXPECT_EQ((*rx)->metrics().requests_ok, 1u);
+  EXPECT_EQ((*rx)->metrics().requests_held, 0u);
+}
+
+TEST(ApiTransfer, EngineMemoryInEveryEngineLayoutMovesEveryByte) {
+  const std::vector<EngineLayout> all = allEngineLayouts();
+  // Every layout is a context once and a generation once, paired with the next one.
+  for (size_t i = 0; i < all.size(); ++i) {
+    moveOneRequest(all[i], all[(i + 3) % all.size()], "inproc", false);
+  }
+}
+
+TEST(ApiTransfer, SharedBuffersMoveOverShm) {
+  const std::vector<EngineLayout> all = allEngineLayouts();
+  moveOneRequest(all.front(), all.back(), "shm", true);
+}
+
+TEST(ApiTransfer, PrivateMemoryMovesOverUcx) {
+  const std::vector<EngineLayout> all = allEngineLayouts();
+  moveOneRequest(all.back(), all.front(), "ucx", false);
+}
+
+TEST(ApiRouting, AutoPicksShmForSharedBuffersAndUcxForPrivateMemorySayingWhy) {
+  EngineRank shared = EngineRank::make(options("hxfer", 1, 0), true);
+  EngineRank priv = EngineRank::make(options("hxfer", 1, 0), false);
+  EXPECT_TRUE(shared.memory->shareable());
+  EXPECT_FALSE(priv.memory->shareable());
+  SenderOptions so;
+  so.listen = "127.0.0.1:0";
+  auto s1 = Sender::create(shared.layout, *shared.memory, so);
+  ASSERT_TRUE(s1.isOk()) << s1.status().toString();
+  EXPECT_EQ((*s1)->backend(), "shm") << (*s1)->routing();
+  EXPECT_EQ((*s1)->address().rfind("shm:", 0), 0u) << (*s1)->address();
+  auto s2 = Sender::create(priv.layout, *priv.memory, so);
+  ASSERT_TRUE(s2.isOk()) << s2.status().toString();
+  EXPECT_EQ((*s2)->backend(), "ucx");
+  EXPECT_NE((*s2)->routing().find("private memory"), std::string::npos) << (*s2)->routing();
+  EXPECT_EQ((*s2)->address().rfind("ucx:127.0.0.1:", 0), 0u) << (*s2)->address();
+
+  // A receiver with private memory cannot take shm peers; shm asked by name with private
+  // memory is refused, naming both.
+  EngineRank gen = EngineRank::make(options("hxfer", 1, 0), false);
+  ReceiverOptions ro;
+  ro.peers = {(*s1)->address()};
+  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_FALSE(rx.isOk());
+  EXPECT_NE(rx.status().message().find("shareable"), std::string::npos) << rx.status().toString();
+  so.backend = "shm";
+  auto s3 = Sender::create(gen.layout, *gen.memory, so);
+  ASSERT_FALSE(s3.isOk());
+  EXPECT_NE(s3.status().message().find("backend=shm"), std::string::npos)
+      << s3.status().toString();
+  // Addresses that mix backends, or name none, are refused.
+  ro.peers = {"shm:a", "ucx:127.0.0.1:1"};
+  ro.peer_tp = 2;
+  rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_FALSE(rx.isOk());
+  EXPECT_NE(rx.status().message().find("mix"), std::string::npos) << rx.status().toString();
+  ro.peers = {"somewhere"};
+  ro.peer_tp = 0;
+  rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_FALSE(rx.isOk());
+  EXPECT_NE(rx.status().message().find("somewhere"), std::string::npos) << rx.status().toString();
+}
+
+TEST(ApiPages, MarkReadyRefusesPagesOutsideTwiceOrStillFencedAndNamesThem) {
+  EngineRank ctx = EngineRank::make(options("trtllm-v2", 1, 0));
+  Released released;
+  SenderOptions so;
+  so.backend = "inproc";
+  so.on_released = released.callback();
+  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
+  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  const std::vector<uint32_t> outside = {3, 16}, twice = {3, 3}, ok = {3, 4};
+  Status s = (*tx)->markReady(1, outside, 0);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("block 16 is outside the pool of 16"), std::string::npos)
+      << s.toString();
+  s = (*tx)->markReady(1, twice, 0);
+  EXPECT_NE(s.message().find("block 3 listed twice"), std::string::npos) << s.toString();
+  s = (*tx)->markReady(1, ok, std::nullopt);
+  EXPECT_NE(s.message().find("no slot given"), std::string::npos) << s.toString();
+  s = (*tx)->markReady(1, ok, 9);
+  EXPECT_NE(s.message().find("slot 9 is outside"), std::string::npos) << s.toString();
+  EXPECT_FALSE((*tx)->holds(1));
+
+  ASSERT_TRUE((*tx)->markReady(1, ok, 0).isOk());
+  const std::vector<uint32_t> overlap = {5, 4};
+  s = (*tx)->markReady(2, overlap, 1);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("block 4 is still held by request 1"), std::string::npos)
+      << s.toString();
+  s = (*tx)->markReady(1, overlap, 1);
+  EXPECT_NE(s.message().find("already known"), std::string::npos) << s.toString();
+  s = (*tx)->markReady(3, std::vector<uint32_t>{7}, 2, std::string(20000, 'x'));
+  EXPECT_NE(s.message().find("aux is 20000 bytes"), std::string::npos) << s.toString();
+  EXPECT_FALSE((*tx)->holds(3));
+
+  // Cancel releases the pages (nothing was posted), once; they can then be named again.
+  ASSERT_TRUE((*tx)->cancel(1).isOk());
+  ASSERT_TRUE(released.waitFor(1));
+  EXPECT_FALSE((*tx)->holds(1));
+  EXPECT_TRUE((*tx)->markReady(2, overlap, 0).isOk());
+  (*tx)->shutdown();
+  EXPECT_TRUE(released.waitFor(2));
+  EXPECT_EQ(released.count(1), 1u);
+  EXPECT_EQ((*tx)->markReady(4, ok, 0).code(), StatusCode::kUnavailable);
+}
+
+TEST(ApiPages, UnaskedPagesAreReleasedWhenTheLeaseExpires) {
+  EngineRank ctx = EngineRank::make(options("vllm", 1, 0));
+  Released released;
+  SenderOptions so;
+  so.backend = "inproc";
+  so.lease_timeout = 200ms;
+  so.on_released = released.callback();
+  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
+  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  ASSERT_TRUE((*tx)->markReady(5, std::vector<uint32_t>{2}, 3).isOk());
+  EXPECT_TRUE((*tx)->holds(5));
+  ASSERT_TRUE(released.waitFor(5));
+  EXPECT_FALSE((*tx)->holds(5));
+  EXPECT_EQ((*tx)->metrics().leases_expired, 1u);
+}
+
+// A cancelled generation request stays fenced while its context rank may still answer: the
+// context's progress thread is held inside on_request, so the Cancel cannot be answered yet.
+TEST(ApiPages, CancelledRequestStaysFencedUntilTheContextRankAnswered) {
+  EngineRank ctx = EngineRank::make(options("sglang", 1, 0));
+  EngineRank gen = EngineRank::make(options("hxfer", 1, 0));
+  std::mutex mu;
+  std::condition_variable cv;
+  bool asked = false, go = false;
+  SenderOptions so;
+  so.backend = "inproc";
+  so.on_request = [&](uint64_t, uint64_t, const std::string&) {
+    std::unique_lock lock(mu);
+    asked = true;
+    cv.notify_all();
+    cv.wait(lock, [&] { return go; });
+  };
+  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
+  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  Released released;
+  ReceiverOptions ro;
+  ro.peers = {(*tx)->address()};
+  ro.on_released = released.callback();
+  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
+  ASSERT_TRUE((*rx)->waitForPeers(10s).isOk());
+
+  const std::vector<uint32_t> blocks = {4, 5};
+  ASSERT_TRUE((*rx)->start(1, 40, blocks, 0).isOk());
+  {
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return asked; }));
+  }
+  ASSERT_TRUE((*rx)->cancel(1).isOk());
+  auto r = (*rx)->poll(1);
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->state, Result::State::kFailed);
+  EXPECT_EQ(r->status.code(), StatusCode::kCancelled);
+  // Still fenced: the engine may not reuse the pages, and hxfer refuses them.
+  EXPECT_TRUE((*rx)->holds(1));
+  Status s = (*rx)->start(2, 40, blocks, 1);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("still held by request 1 (freed, fenced"), std::string::npos)
+      << s.toString();
+  EXPECT_EQ(released.count(1), 0u);
+  {
+    std::lock_guard lock(mu);
+    go = true;
+    cv.notify_all();
+  }
+  ASSERT_TRUE(released.waitFor(1));
+  EXPECT_FALSE((*rx)->holds(1));
+  EXPECT_TRUE((*rx)->release(1).isOk());  // forgets the failed result
+  (*tx)->shutdown();
+}
+
+// The context instance goes away mid-request: the generation request fails, and its pages come
+// back only once the connection is gone (no write can still land).
+TEST(ApiPages, LostContextRankFailsTheRequestAndReleasesItsPages) {
+  EngineRank ctx = EngineRank::make(options("trtllm-v1", 1, 0));
+  EngineRank gen = EngineRank::make(options("vllm", 1, 0));
+  SenderOptions so;
+  so.backend = "inproc";
+  Released ctx_released;
+  so.on_released = ctx_released.callback();
+  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
+  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  Released released;
+  ReceiverOptions ro;
+  ro.peers = {(*tx)->address()};
+  ro.on_released = released.callback();
+  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
+  ASSERT_TRUE((*rx)->waitForPeers(10s).isOk());
+  ASSERT_TRUE((*rx)->start(3, 32, std::vector<uint32_t>{1}, 1).isOk());
+  (*tx)->shutdown();
+  auto r = (*rx)->wait(3, 10s);
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->state, Result::State::kFailed) << r->status.toString();
+  ASSERT_TRUE(released.waitFor(3));
+  EXPECT_FALSE((*rx)->holds(3));
+  EXPECT_EQ((*rx)->metrics().requests_held, 0u);
+  // The memory is free for another user once the sender is gone.
+  auto tx2 = Sender::create(ctx.layout, *ctx.memory, so);
+  EXPECT_TRUE(tx2.isOk()) << tx2.status().toString();
+}
+
+TEST(ApiPages, OneMemoryServesOneTransceiverAtATime) {
+  EngineRank ctx = EngineRank::make(options("hxfer", 1, 0));
+  SenderOptions so;
+  so.backend = "inproc";
+  auto a = Sender::create(ctx.layout, *ctx.memory, so);
+  ASSERT_TRUE(a.isOk()) << a.status().toString();
+  auto b = Sender::create(ctx.layout, *ctx.memory, so);
+  ASSERT_FALSE(b.isOk());
+  EXPECT_NE(b.status().message().find("already used"), std::string::npos);
+  EngineRank other = EngineRank::make(options("vllm", 1, 0));
+  auto c = Sender::create(other.layout, *ctx.memory, so);
+  ASSERT_FALSE(c.isOk());
+  EXPECT_NE(c.status().message().find("another layout"), std::string::npos)
+      << c.status().toString();
+}
+
+}  // namespace
+}  // namespace hxfer

@@ -1,0 +1,617 @@
+// The public API (include/hxfer/hxfer.h) over the engine layer: a Layout is an engine layout
+// built with buildEngineLayout, a Memory a HybridCacheManager over borrowed regions (the
+// engine's buffers; the manager only fences pages the engine names), a Sender a
+// ContextSender and a Receiver a GenerationReceiver. Release notifications leave the
+// manager's lock through a Dispatcher thread, so engine callbacks may call back into hxfer.
+#include "hxfer/hxfer.h"
+
+#include "api/api_impl.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "cache/cache_manager.h"
+#include "cache/engine_layout.h"
+#include "cache/region.h"
+#include "common/status.h"
+#include "engine/context_sender.h"
+#include "engine/generation_receiver.h"
+#include "engine/model_source.h"
+#include "engine/routing.h"
+#include "model/presets.h"
+#include "transport/transport.h"
+#include "wire/messages.h"
+
+namespace hxfer {
+
+namespace {
+
+std::string str(uint64_t v) { return std::to_string(v); }
+
+// Delivers release notifications to the engine's callback on a thread of its own: the cache
+// manager reports them with its lock (and often the transceiver's) held.
+class Dispatcher {
+ public:
+  explicit Dispatcher(std::function<void(uint64_t)> callback) : callback_(std::move(callback)) {
+    if (callback_) thread_ = std::thread([this] { run(); });
+  }
+  ~Dispatcher() { stop(); }
+
+  void push(uint64_t id) {
+    if (!callback_) return;
+    std::lock_guard lock(mu_);
+    queue_.push_back(id);
+    cv_.notify_one();
+  }
+  // Delivers what is queued, then ends the thread. Idempotent.
+  void stop() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+      cv_.notify_one();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void run() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and drained
+      const uint64_t id = queue_.front();
+      queue_.pop_front();
+      lock.unlock();
+      callback_(id);
+      lock.lock();
+    }
+  }
+
+  const std::function<void(uint64_t)> callback_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<uint64_t> queue_;  // guarded by mu_
+  bool stop_ = false;           // guarded by mu_
+  std::thread thread_;
+};
+
+// The pool as rows of its outermost strided index (PoolInfo).
+void describePool(const RankLayout& l, const RegionSpec& spec, PoolInfo* out) {
+  out->shape = {spec.length};
+  out->strides = {1};
+  for (const PoolView& v : l.views) {
+    if (v.region_id != spec.id) continue;
+    uint64_t n = v.num_indices, stride = v.index_stride;
+    if (v.layers.size() > 1 && v.layer_stride > stride) {
+      n = v.layers.size();
+      stride = v.layer_stride;
+    }
+    if (n > 1 && stride != 0 && n * stride == spec.length) {
+      out->shape = {n, stride};
+      out->strides = {stride, 1};
+    }
+    return;
+  }
+}
+
+Status applyDType(std::string_view field, const std::string& value, DType* out) {
+  if (value.empty()) return OkStatus();
+  auto d = parseDType(value);
+  if (!d.isOk()) return d.status().withContext(field);
+  *out = *d;
+  return OkStatus();
+}
+
+// The page lifetime hook shared by both sides: a Memory used by one transceiver at a time.
+Status claim(const Layout& layout, const Memory& memory, Dispatcher* dispatcher) {
+  if (!(memory.layout() == layout)) {
+    return InvalidArgument("memory was registered for another layout: " +
+                           memory.layout().describe() + ", not " + layout.describe());
+  }
+  Memory::Impl& m = memory.impl();
+  if (m.in_use.exchange(true)) {
+    return InvalidArgument("memory is already used by another Sender or Receiver");
+  }
+  // No request is known (the previous user, if any, ended all of its own): safe to set.
+  m.cache->setReleaseListener([dispatcher](uint64_t id) { dispatcher->push(id); });
+  return OkStatus();
+}
+
+void unclaim(Memory::Impl& m) {
+  m.cache->setReleaseListener(nullptr);
+  m.in_use.store(false);
+}
+
+struct Routed {
+  engine::BackendKind backend;
+  std::string reason;
+};
+
+StatusOr<Routed> route(const std::string& requested, std::optional<engine::BackendKind> implied,
+                       bool shareable) {
+  auto asked = engine::parseBackendRequest(requested);
+  if (!asked.isOk()) return asked.status().withContext("backend");
+  std::optional<engine::BackendKind> want = *asked ? *asked : implied;
+  engine::RoutingEnvironment env = engine::probeRoutingEnvironment();
+  env.memory_shareable = shareable;
+  env.single_process = want == engine::BackendKind::kInproc;
+  engine::RoutingExplanation e = engine::explainRouting({want, std::nullopt}, env, std::nullopt);
+  if (e.decisions.empty() || e.decisions[0].setting != "backend") return e.status;
+  const auto& d = e.decisions[0];
+  return Routed{e.routing ? e.routing->backend : *engine::parseBackendRequest(d.value).value(),
+                "backend=" + d.value + ": " + d.reason};
+}
+
+StatusOr<std::unique_ptr<transport::Agent>> makeAgent(const TransportOptions& o,
+                                                      engine::BackendKind backend,
+                                                      std::string listen, std::string label) {
+  transport::AgentConfig c;
+  c.backend = std::string(engine::backendName(backend));
+  c.listen = std::move(listen);
+  c.label = std::move(label);
+  c.ucx_options = o.ucx_options;
+  c.auth_token = o.token;
+  return transport::createAgent(c);
+}
+
+Metrics toMetrics(const engine::MetricsSnapshot& s, const HybridCacheManager& cache) {
+  Metrics m;
+  m.requests_started = s.requests_started;
+  m.requests_ok = s.requests_ok;
+  m.requests_failed = s.requests_failed;
+  m.requests_cancelled = s.requests_cancelled;
+  m.bytes = s.bytes;
+  m.ops = s.ops;
+  m.leases_expired = s.leases_expired;
+  m.quarantined_requests = s.quarantined_requests;
+  m.peers_lost = s.peers_lost;
+  m.handshakes_ok = s.handshakes_ok;
+  m.handshakes_refused = s.handshakes_refused;
+  m.accounting_errors = s.accounting_errors;
+  const CacheCounters c = cache.counters();
+  m.requests_held = uint64_t{c.live_requests} + c.quarantined_requests;
+  m.latency_p50_us = std::chrono::duration<double, std::micro>(s.latency.quantile(0.5)).count();
+  m.latency_p99_us = std::chrono::duration<double, std::micro>(s.latency.quantile(0.99)).count();
+  std::string json = s.toJson();
+  // One more counter, in the same object: the fenced requests.
+  if (!json.empty() && json.back() == '}') {
+    json.pop_back();
+    json += ",\"requests_held\":" + str(m.requests_held) + "}";
+  }
+  m.json = std::move(json);
+  return m;
+}
+
+// Transport addresses start with their backend's name (transport.h).
+const std::vector<std::pair<std::string, engine::BackendKind>> kSchemes = {
+    {"shm:", engine::BackendKind::kShm},
+    {"ucx:", engine::BackendKind::kUcx},
+    {"inproc:", engine::BackendKind::kInproc}};
+
+// "ip:port" (digits after the last colon): a ucx address written without a scheme.
+bool looksLikeHostPort(const std::string& a) {
+  const size_t colon = a.rfind(':');
+  return colon != std::string::npos && colon + 1 < a.size() &&
+         std::all_of(a.begin() + colon + 1, a.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+}  // namespace
+
+// ---- Layout ----
+
+StatusOr<Layout> Layout::engine(const LayoutOptions& o) {
+  auto impl = std::make_shared<Impl>();
+  impl->options = o;
+  const std::string name = o.model.empty() ? std::string(kDefaultPreset) : o.model;
+  auto model = engine::loadModel(name);
+  if (!model.isOk()) return model.status().withContext("model");
+  ModelSpec& m = *model;
+  RETURN_IF_ERROR(applyDType("kv_dtype", o.kv_dtype, &m.kv_dtype));
+  RETURN_IF_ERROR(applyDType("conv_dtype", o.conv_dtype, &m.conv_dtype));
+  RETURN_IF_ERROR(applyDType("ssm_dtype", o.ssm_dtype, &m.ssm_dtype));
+  if (o.tokens_per_block == 0) return InvalidArgument("tokens_per_block=0; it must be >= 1");
+  m.tokens_per_block = o.tokens_per_block;
+  RETURN_IF_ERROR(m.validate());
+  auto el = parseEngineLayout(o.engine, o.kv_layout, o.conv_layout, o.state_layout);
+  if (!el.isOk()) return el.status();
+  if (o.tp_rank >= o.tp) {
+    return InvalidArgument("tp_rank=" + str(o.tp_rank) + " is not below tp=" + str(o.tp));
+  }
+  if (o.pp_rank >= o.pp) {
+    return InvalidArgument("pp_rank=" + str(o.pp_rank) + " is not below pp=" + str(o.pp));
+  }
+  impl->parallel.tp = o.tp;
+  impl->parallel.pp = o.pp;
+  auto layout =
+      buildEngineLayout(m, impl->parallel, o.tp_rank, o.pp_rank, *el, o.num_blocks, o.num_slots);
+  if (!layout.isOk()) return layout.status();
+  impl->model = std::move(m);
+  impl->engine = *el;
+  impl->layout = std::move(*layout);
+  for (const RegionSpec& spec : impl->layout.regions) {
+    PoolInfo p;
+    p.name = spec.name;
+    p.bytes = spec.length;
+    describePool(impl->layout, spec, &p);
+    impl->pools.push_back(std::move(p));
+  }
+  return Layout(std::move(impl));
+}
+
+const LayoutOptions& Layout::options() const { return impl_->options; }
+const std::vector<PoolInfo>& Layout::pools() const { return impl_->pools; }
+
+const PoolInfo* Layout::pool(std::string_view name) const {
+  for (const PoolInfo& p : impl_->pools) {
+    if (p.name == name) return &p;
+  }
+  return nullptr;
+}
+
+bool Layout::hasKv() const { return impl_->layout.num_blocks > 0; }
+bool Layout::hasState() const { return impl_->layout.num_slots > 0; }
+
+uint32_t Layout::blocksFor(uint32_t num_tokens) const {
+  if (!hasKv()) return 0;
+  const uint64_t t = impl_->layout.tokens_per_block;
+  return static_cast<uint32_t>((uint64_t{num_tokens} + t - 1) / t);
+}
+
+std::string Layout::describe() const {
+  const RankLayout& l = impl_->layout;
+  return impl_->engine.toString() + " " + impl_->model.name + " tp=" + str(l.tp) + " rank " +
+         str(l.tp_rank) + " pp=" + str(l.pp) + " rank " + str(l.pp_rank) + ", " +
+         str(l.num_blocks) + " blocks x " + str(l.tokens_per_block) + " tokens, " +
+         str(l.num_slots) + " slots";
+}
+
+bool Layout::operator==(const Layout& other) const {
+  return impl_ == other.impl_ ||
+         (impl_->layout == other.impl_->layout && impl_->engine == other.impl_->engine);
+}
+
+// ---- SharedBuffer ----
+
+struct SharedBuffer::Impl {
+  std::unique_ptr<Region> region;
+};
+
+SharedBuffer::SharedBuffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+SharedBuffer::~SharedBuffer() = default;
+
+StatusOr<std::shared_ptr<SharedBuffer>> SharedBuffer::allocate(uint64_t bytes,
+                                                               std::string_view name) {
+  auto region = Region::allocate(0, bytes, Region::Backing::kMemfd, "hxfer-" + std::string(name));
+  if (!region.isOk()) return region.status().withContext("shared buffer " + std::string(name));
+  auto impl = std::make_unique<Impl>();
+  impl->region = std::move(*region);
+  return std::shared_ptr<SharedBuffer>(new SharedBuffer(std::move(impl)));
+}
+
+void* SharedBuffer::data() const { return impl_->region->data(); }
+uint64_t SharedBuffer::bytes() const { return impl_->region->length(); }
+int SharedBuffer::fd() const { return impl_->region->fd(); }
+
+// ---- Memory ----
+
+StatusOr<Memory> Memory::wrap(const Layout& layout, const std::map<std::string, Buffer>& buffers) {
+  const RankLayout& l = layout.impl().layout;
+  for (const auto& [name, buffer] : buffers) {
+    if (layout.pool(name) == nullptr) {
+      std::string names;
+      for (const PoolInfo& p : layout.pools()) names += (names.empty() ? "" : ", ") + p.name;
+      return InvalidArgument("buffer '" + name + "' names no pool of the layout (its pools: " +
+                             names + ")");
+    }
+  }
+  auto impl = std::make_shared<Impl>(layout);
+  impl->shareable = true;
+  std::vector<std::unique_ptr<Region>> regions;
+  for (const RegionSpec& spec : l.regions) {
+    auto it = buffers.find(spec.name);
+    if (it == buffers.end()) return InvalidArgument("pool " + spec.name + " has no buffer");
+    const Buffer& b = it->second;
+    if (b.kind != MemoryKind::kHost) {
+      return InvalidArgument("pool " + spec.name +
+                             ": CUDA device memory is not supported in this version (host "
+                             "memory only)");
+    }
+    if (b.data == nullptr) return InvalidArgument("pool " + spec.name + ": null buffer");
+    if (b.bytes < spec.length) {
+      return InvalidArgument("pool " + spec.name + ": buffer is " + str(b.bytes) +
+                             " bytes, the pool needs " + str(spec.length));
+    }
+    auto r = Region::borrow(spec.id, static_cast<uint8_t*>(b.data), spec.length, b.fd);
+    if (!r.isOk()) return r.status().withContext("pool " + spec.name);
+    impl->shareable = impl->shareable && b.fd >= 0;
+    regions.push_back(std::move(*r));
+  }
+  auto cache = HybridCacheManager::wrap(l, std::move(regions));
+  if (!cache.isOk()) return cache.status();
+  impl->cache = std::move(*cache);
+  return Memory(std::move(impl));
+}
+
+const Layout& Memory::layout() const { return impl_->layout; }
+bool Memory::shareable() const { return impl_->shareable; }
+
+// ---- Sender ----
+
+struct Sender::Impl {
+  Layout layout;
+  Memory memory;
+  std::unique_ptr<Dispatcher> dispatcher;
+  std::unique_ptr<engine::ContextSender> sender;
+  engine::BackendKind backend = engine::BackendKind::kUcx;
+  std::string routing;
+  std::once_flag shutdown_once;
+
+  Impl(Layout l, Memory m) : layout(std::move(l)), memory(std::move(m)) {}
+  HybridCacheManager& cache() const { return *memory.impl().cache; }
+  void shutdown() {
+    std::call_once(shutdown_once, [this] {
+      if (sender) sender->shutdown();
+      sender.reset();
+      dispatcher->stop();
+      unclaim(memory.impl());
+    });
+  }
+};
+
+Sender::Sender(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Sender::~Sender() { shutdown(); }
+
+StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Memory& memory,
+                                                 SenderOptions o) {
+  auto impl = std::make_unique<Impl>(layout, memory);
+  ASSIGN_OR_RETURN(Routed routed, route(o.backend, std::nullopt, memory.shareable()));
+  impl->backend = routed.backend;
+  impl->routing = routed.reason;
+  std::string listen = o.listen;
+  if (routed.backend != engine::BackendKind::kUcx && looksLikeHostPort(listen)) listen.clear();
+  if (routed.backend == engine::BackendKind::kUcx && listen.empty()) listen = "127.0.0.1:0";
+  const RankLayout& l = layout.impl().layout;
+  auto agent = makeAgent(o, routed.backend, listen,
+                         o.instance + "-ctx" + str(l.pp_rank * l.tp + l.tp_rank));
+  if (!agent.isOk()) return agent.status();
+
+  impl->dispatcher = std::make_unique<Dispatcher>(o.on_released);
+  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher.get()));
+  engine::ContextSender::Options so;
+  so.instance_id = o.instance;
+  so.model = layout.impl().model;
+  so.parallel = layout.impl().parallel;
+  so.tp_rank = l.tp_rank;
+  so.pp_rank = l.pp_rank;
+  so.checksum = o.checksum;
+  so.lease_timeout = o.lease_timeout;
+  if (o.on_request) {
+    so.on_request = [cb = o.on_request](uint64_t id, uint64_t tokens, const Bytes& aux) {
+      cb(id, tokens, std::string(aux.begin(), aux.end()));
+    };
+  }
+  auto sender = engine::ContextSender::create(std::move(so), &impl->cache(), std::move(*agent));
+  if (!sender.isOk()) {
+    impl->dispatcher->stop();
+    unclaim(memory.impl());
+    return sender.status();
+  }
+  impl->sender = std::move(*sender);
+  return std::unique_ptr<Sender>(new Sender(std::move(impl)));
+}
+
+std::string Sender::address() const {
+  return impl_->sender ? impl_->sender->address() : "";
+}
+std::string Sender::backend() const { return std::string(engine::backendName(impl_->backend)); }
+std::string Sender::routing() const { return impl_->routing; }
+
+Status Sender::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
+                         std::optional<uint32_t> slot, std::string_view aux) {
+  if (!impl_->sender) return Unavailable("sender is shut down");
+  if (aux.size() > wire::kMaxAuxBytes) {
+    return InvalidArgument("aux is " + str(aux.size()) + " bytes, limit " +
+                           str(wire::kMaxAuxBytes));
+  }
+  HybridCacheManager& cache = impl_->cache();
+  const uint64_t tokens = uint64_t{blocks.size()} * cache.layout().tokens_per_block;
+  if (tokens > UINT32_MAX) return InvalidArgument("too many blocks: " + str(blocks.size()));
+  auto alloc = cache.adopt(request_id, static_cast<uint32_t>(tokens), blocks, slot);
+  if (!alloc.isOk()) return alloc.status();
+  Status s = impl_->sender->markReady(request_id, Bytes(aux.begin(), aux.end()));
+  // InvalidArgument / Unavailable leave the pages with the caller: hand them back (released
+  // at once: nothing was posted).
+  if (s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kUnavailable) {
+    (void)cache.free(request_id);
+  }
+  return s;
+}
+
+Status Sender::cancel(uint64_t request_id) {
+  if (!impl_->sender) return OkStatus();
+  return impl_->sender->cancel(request_id);
+}
+
+bool Sender::holds(uint64_t request_id) const { return impl_->cache().find(request_id).isOk(); }
+
+size_t Sender::connectedPeers() const {
+  return impl_->sender ? impl_->sender->connectedPeers() : 0;
+}
+
+Metrics Sender::metrics() const {
+  return toMetrics(impl_->sender ? impl_->sender->metrics() : engine::MetricsSnapshot{},
+                   impl_->cache());
+}
+
+void Sender::shutdown() { impl_->shutdown(); }
+
+// ---- Receiver ----
+
+struct Receiver::Impl {
+  Layout layout;
+  Memory memory;
+  std::unique_ptr<Dispatcher> dispatcher;
+  std::unique_ptr<engine::GenerationReceiver> receiver;
+  engine::BackendKind backend = engine::BackendKind::kUcx;
+  std::string routing;
+  std::once_flag shutdown_once;
+
+  Impl(Layout l, Memory m) : layout(std::move(l)), memory(std::move(m)) {}
+  HybridCacheManager& cache() const { return *memory.impl().cache; }
+  void shutdown() {
+    std::call_once(shutdown_once, [this] {
+      if (receiver) receiver->shutdown();
+      receiver.reset();
+      dispatcher->stop();
+      unclaim(memory.impl());
+    });
+  }
+};
+
+Receiver::Receiver(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Receiver::~Receiver() { shutdown(); }
+
+StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const Memory& memory,
+                                                     ReceiverOptions o) {
+  if (o.peers.empty()) return InvalidArgument("peers is empty: name every context rank");
+  if (o.peer_pp == 0) return InvalidArgument("peer_pp=0; it must be >= 1");
+  const uint32_t n = static_cast<uint32_t>(o.peers.size());
+  const uint32_t peer_tp = o.peer_tp != 0 ? o.peer_tp : n / o.peer_pp;
+  if (peer_tp == 0 || uint64_t{peer_tp} * o.peer_pp != n) {
+    return InvalidArgument("peers has " + str(n) + " addresses, peer_tp=" + str(peer_tp) +
+                           " x peer_pp=" + str(o.peer_pp) + " context ranks expected");
+  }
+  // The backend every address names (a scheme, or ip:port for ucx).
+  std::optional<engine::BackendKind> implied;
+  std::vector<std::string> addresses;
+  for (const std::string& a : o.peers) {
+    std::optional<engine::BackendKind> b;
+    std::string address = a;
+    for (const auto& [scheme, kind] : kSchemes) {
+      if (a.rfind(scheme, 0) == 0) b = kind;
+    }
+    if (!b && looksLikeHostPort(a)) {
+      b = engine::BackendKind::kUcx;
+      address = "ucx:" + a;
+    }
+    if (!b) {
+      return InvalidArgument("peer address '" + a +
+                             "' names no backend: it starts with shm:, ucx: or inproc: (as "
+                             "Sender::address gives it), or is a ucx ip:port");
+    }
+    if (b && implied && *b != *implied) {
+      return InvalidArgument("peer addresses mix backends: '" + a + "' is " +
+                             std::string(engine::backendName(*b)) + ", an earlier one " +
+                             std::string(engine::backendName(*implied)));
+    }
+    implied = b;
+    addresses.push_back(address);
+  }
+  ASSIGN_OR_RETURN(Routed routed, route(o.backend, implied, memory.shareable()));
+  if (implied && routed.backend != *implied) {
+    return InvalidArgument("backend=" + o.backend + " but the peer addresses are " +
+                           std::string(engine::backendName(*implied)));
+  }
+  auto impl = std::make_unique<Impl>(layout, memory);
+  impl->backend = routed.backend;
+  impl->routing = routed.reason;
+  const RankLayout& l = layout.impl().layout;
+  auto agent = makeAgent(o, routed.backend,
+                         routed.backend == engine::BackendKind::kUcx ? "127.0.0.1:0" : "",
+                         o.instance + "-gen" + str(l.pp_rank * l.tp + l.tp_rank));
+  if (!agent.isOk()) return agent.status();
+
+  impl->dispatcher = std::make_unique<Dispatcher>(o.on_released);
+  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher.get()));
+  engine::GenerationReceiver::Options ro;
+  ro.instance_id = o.instance;
+  ro.model = layout.impl().model;
+  ro.parallel = layout.impl().parallel;
+  ro.tp_rank = l.tp_rank;
+  ro.pp_rank = l.pp_rank;
+  ro.checksum = o.checksum;
+  ro.ctx_parallel.tp = peer_tp;
+  ro.ctx_parallel.pp = o.peer_pp;
+  ro.ctx_addresses = std::move(addresses);
+  ro.request_timeout = o.request_timeout;
+  ro.handshake_timeout = o.handshake_timeout;
+  auto receiver =
+      engine::GenerationReceiver::create(std::move(ro), &impl->cache(), std::move(*agent));
+  if (!receiver.isOk()) {
+    impl->dispatcher->stop();
+    unclaim(memory.impl());
+    return receiver.status();
+  }
+  impl->receiver = std::move(*receiver);
+  return std::unique_ptr<Receiver>(new Receiver(std::move(impl)));
+}
+
+std::string Receiver::backend() const { return std::string(engine::backendName(impl_->backend)); }
+std::string Receiver::routing() const { return impl_->routing; }
+
+Status Receiver::waitForPeers(std::chrono::milliseconds timeout) {
+  if (!impl_->receiver) return Unavailable("receiver is shut down");
+  return impl_->receiver->waitForPeers(engine::Clock::now() + timeout);
+}
+
+Status Receiver::start(uint64_t request_id, uint32_t num_tokens, std::span<const uint32_t> blocks,
+                       std::optional<uint32_t> slot, uint32_t prefix_tokens,
+                       std::string_view aux) {
+  if (!impl_->receiver) return Unavailable("receiver is shut down");
+  engine::EnginePages pages{std::vector<uint32_t>(blocks.begin(), blocks.end()), slot};
+  auto alloc = impl_->receiver->startRequest(request_id, num_tokens, prefix_tokens,
+                                             Bytes(aux.begin(), aux.end()), &pages);
+  return alloc.status();
+}
+
+namespace {
+Result toResult(const engine::RequestResult& r) {
+  Result out;
+  out.state = r.state == engine::RequestResult::State::kDone     ? Result::State::kDone
+              : r.state == engine::RequestResult::State::kFailed ? Result::State::kFailed
+                                                                 : Result::State::kInProgress;
+  out.status = r.status;
+  out.bytes = r.bytes;
+  out.aux.assign(r.aux.begin(), r.aux.end());
+  out.latency = r.latency;
+  return out;
+}
+}  // namespace
+
+StatusOr<Result> Receiver::poll(uint64_t request_id) const {
+  if (!impl_->receiver) return Unavailable("receiver is shut down");
+  ASSIGN_OR_RETURN(engine::RequestResult r, impl_->receiver->poll(request_id));
+  return toResult(r);
+}
+
+StatusOr<Result> Receiver::wait(uint64_t request_id, std::chrono::milliseconds timeout) {
+  if (!impl_->receiver) return Unavailable("receiver is shut down");
+  ASSIGN_OR_RETURN(engine::RequestResult r,
+                   impl_->receiver->wait(request_id, engine::Clock::now() + timeout));
+  return toResult(r);
+}
+
+Status Receiver::cancel(uint64_t request_id) {
+  if (!impl_->receiver) return Unavailable("receiver is shut down");
+  return impl_->receiver->cancel(request_id);
+}
+
+Status Receiver::release(uint64_t request_id) {
+  if (!impl_->receiver) return Unavailable("receiver is shut down");
+  return impl_->receiver->release(request_id);
+}
+
+bool Receiver::holds(uint64_t request_id) const { return impl_->cache().find(request_id).isOk(); }
+
+Metrics Receiver::metrics() const {
+  return toMetrics(impl_->receiver ? impl_->receiver->metrics() : engine::MetricsSnapshot{},
+                   impl_->cache());
+}
+
+void Receiver::shutdown() { impl_->shutdown(); }
+
+}  // namespace hxfer
