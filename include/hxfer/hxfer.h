@@ -39,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "hxfer/record_dim.h"
 #include "hxfer/status.h"
 
 namespace hxfer {
@@ -74,6 +75,34 @@ struct PoolInfo {
   std::vector<uint64_t> strides;
 };
 
+// Where one layer's records of one role lie in a pool, element by element: what an engine (or
+// a test computing a real model) needs to read and write the cache in this layout. The record
+// of index i (a block for kv, a slot for conv/ssm) starts at byte `offset + i * index_stride`
+// of pool `pool`. Inside it, dims are named logically (kv: "kv", "head", "token", "dim"; conv:
+// "channel", "window"; mamba2 ssm: "head", "head_dim", "state"; gdn ssm: "head", "key",
+// "value"; mamba1 ssm: "channel", "state"), listed outermost first as the engine declares the
+// tensor, each with its size on this rank and byte stride. The unit dim ("head" or "channel")
+// holds the rank's units of every section; RecordSection places them: local unit u of the
+// section starts at byte `base + u * unit_stride` of the record, and its element c along the
+// unit dim (c < unit_len) at `+ c * within_stride`; inner dims add index x stride.
+struct RecordSection {
+  std::string name;         // "K", "V", "x", "B", "C", "Q", "heads", "channels"
+  uint32_t first_unit = 0;  // the global unit of local unit 0 (TP sharding)
+  uint32_t units = 0;       // units of the section on this rank
+  uint32_t unit_len = 0;    // elements of one unit along the unit dim
+  uint64_t base = 0, unit_stride = 0, within_stride = 0;
+};
+struct RecordPart {
+  std::string pool;
+  uint64_t offset = 0;
+  uint64_t index_stride = 0;
+  uint32_t num_indices = 0;
+  std::string dtype;  // "fp32", "fp16", "bf16", "fp8"
+  uint32_t element_bytes = 0;
+  std::vector<RecordDim> dims;
+  std::vector<RecordSection> sections;
+};
+
 class Layout {
  public:
   // Errors name the option and the value: an unknown engine or option, a model that is not a
@@ -89,6 +118,12 @@ class Layout {
   bool hasState() const;  // the rank holds recurrent layers (a slot is used)
   // Blocks that num_tokens tokens occupy on this rank (0 without attention layers).
   uint32_t blocksFor(uint32_t num_tokens) const;
+  // The records of global layer `layer` for `role` ("kv", "conv" or "ssm") on this rank: one
+  // part, or two where K and V live in pools of their own. NotFound when this rank holds no
+  // such record (another pp stage, or a layer without that role); InvalidArgument for a role.
+  StatusOr<std::vector<RecordPart>> records(uint32_t layer, std::string_view role) const;
+  // Global layer ids this rank holds records of (its pp stage's layers with a cache).
+  std::vector<uint32_t> layers() const;
   // "vllm(kv=nhd,conv=sd) nemotron-h-8b tp=2 rank 0 pp=1 rank 0, 64 blocks x 32 tokens, 8 slots"
   std::string describe() const;
   bool operator==(const Layout& other) const;

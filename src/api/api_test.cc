@@ -16,6 +16,7 @@
 #include "api/api_impl.h"
 #include "cache/engine_layout.h"
 #include "hxfer/hxfer.h"
+#include "cache/record_layout.h"
 #include "plan/oracle.h"
 
 namespace hxfer {
@@ -126,6 +127,102 @@ TEST(ApiLayout, PoolsNameEveryRegionOfTheEngineLayoutWithItsBytes) {
   EXPECT_TRUE(l->hasState());
   EXPECT_EQ(l->blocksFor(60), 2u);
   EXPECT_NE(l->describe().find("sglang"), std::string::npos) << l->describe();
+}
+
+// records() must say where every element lies: fill a request with the oracle (which writes
+// through the layout's own description) and read every element back through records(),
+// numbering its bytes the way the oracle does (a unit's bytes in hxfer's order: unit dim, then
+// inner dims; kv seeded per token row).
+TEST(ApiLayout, RecordsLocateEveryElementWhereTheOracleWroteIt) {
+  for (const EngineLayout& e : allEngineLayouts()) {
+    LayoutOptions o = options(std::string(engineName(e.engine)), 2, 1);
+    if (e.engine == Engine::kHxfer) o.state_layout = std::string(stateLayoutName(e.state));
+    if (e.engine == Engine::kVllm || e.engine == Engine::kTrtllmV2) {
+      o.kv_layout = e.kv == KvOrder::kNhd ? "nhd" : "hnd";
+    }
+    if (e.engine == Engine::kVllm) o.conv_layout = e.conv == ConvOrder::kSd ? "sd" : "ds";
+    SCOPED_TRACE(e.toString());
+    EngineRank r = EngineRank::make(o);
+    const uint32_t block = 5, slot = 2;
+    const uint64_t id = 99;
+    ASSERT_TRUE(fillRank(r.rankLayout(), r.rankMemory(), RankIds{{block}, slot}, id).isOk());
+    ASSERT_FALSE(r.layout.layers().empty());
+    uint64_t checked = 0;
+    for (uint32_t layer : r.layout.layers()) {
+      for (std::string role : {"kv", "conv", "ssm"}) {
+        auto parts = r.layout.records(layer, role);
+        if (!parts.isOk()) {
+          EXPECT_EQ(parts.status().code(), StatusCode::kNotFound) << parts.status().toString();
+          continue;
+        }
+        const Role rl = role == "kv" ? Role::kKv : role == "conv" ? Role::kConv : Role::kSsm;
+        for (const RecordPart& part : *parts) {
+          const uint8_t* pool = r.pools.at(part.pool).data();
+          const uint8_t* rec = pool + part.offset + (rl == Role::kKv ? block : slot) * part.index_stride;
+          // Inner dims: every dim but the section dim ("kv") and the unit dim.
+          std::vector<RecordDim> inner;
+          for (const RecordDim& d : part.dims) {
+            if (d.name != "kv" && d.name != "head" && d.name != "channel") inner.push_back(d);
+          }
+          for (const RecordSection& sec : part.sections) {
+            for (uint32_t u = 0; u < sec.units; ++u) {
+              for (uint32_t c = 0; c < sec.unit_len; ++c) {
+                // Walk the inner dims in the canonical order (logical names) of the role.
+                const LogicalDims ld = logicalDims(
+                    rl == Role::kKv ? LayerKind::kAttention
+                                    : r.layout.impl().model.layers[layer].recurrent,
+                    rl);
+                std::vector<const RecordDim*> order;
+                for (const std::string& n : ld.inner) {
+                  for (const RecordDim& d : inner) {
+                    if (d.name == n) order.push_back(&d);
+                  }
+                }
+                ASSERT_EQ(order.size(), inner.size());
+                uint64_t count = 1;
+                for (auto* d : order) count *= d->size;
+                for (uint64_t flat = 0; flat < count; ++flat) {
+                  uint64_t rest = flat, at = sec.base + u * sec.unit_stride + c * sec.within_stride;
+                  uint64_t token = 0, numbered = c;  // the oracle's element number in the unit
+                  for (size_t k = order.size(); k-- > 0;) {
+                    const uint64_t idx = rest % order[k]->size;
+                    rest /= order[k]->size;
+                    at += idx * order[k]->stride;
+                  }
+                  rest = flat;
+                  std::vector<uint64_t> idx(order.size());
+                  for (size_t k = order.size(); k-- > 0;) {
+                    idx[k] = rest % order[k]->size;
+                    rest /= order[k]->size;
+                  }
+                  for (size_t k = 0; k < order.size(); ++k) {
+                    if (order[k]->name == "token") {
+                      token = idx[k];
+                      continue;
+                    }
+                    numbered = numbered * order[k]->size + idx[k];
+                  }
+                  const uint64_t seed = oracleUnitSeed(id, layer, rl, sec.name,
+                                                       sec.first_unit + u, token);
+                  for (uint32_t b = 0; b < part.element_bytes; ++b) {
+                    ASSERT_EQ(rec[at + b], oracleByte(seed, numbered * part.element_bytes + b))
+                        << "layer " << layer << " " << role << " " << sec.name << " unit "
+                        << sec.first_unit + u << " c " << c << " flat " << flat;
+                  }
+                  ++checked;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+    EXPECT_GT(checked, 1000u);
+  }
+  auto l = Layout::engine(options("sglang", 1, 0));
+  ASSERT_TRUE(l.isOk());
+  EXPECT_EQ(l->records(0, "weights").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(l->records(999, "kv").status().code(), StatusCode::kNotFound);
 }
 
 TEST(ApiLayout, ErrorsNameTheOptionAndTheValue) {

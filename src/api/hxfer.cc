@@ -16,6 +16,7 @@
 
 #include "cache/cache_manager.h"
 #include "cache/engine_layout.h"
+#include "cache/record_layout.h"
 #include "cache/region.h"
 #include "common/status.h"
 #include "engine/context_sender.h"
@@ -259,6 +260,68 @@ uint32_t Layout::blocksFor(uint32_t num_tokens) const {
   if (!hasKv()) return 0;
   const uint64_t t = impl_->layout.tokens_per_block;
   return static_cast<uint32_t>((uint64_t{num_tokens} + t - 1) / t);
+}
+
+StatusOr<std::vector<RecordPart>> Layout::records(uint32_t layer, std::string_view role) const {
+  std::optional<Role> r;
+  for (Role c : {Role::kKv, Role::kConv, Role::kSsm}) {
+    if (roleName(c) == role) r = c;
+  }
+  if (!r) return InvalidArgument("role '" + std::string(role) + "' is not one of: kv, conv, ssm");
+  const RankLayout& l = impl_->layout;
+  const ModelSpec& model = impl_->model;
+  std::vector<RecordPart> parts;
+  for (const PoolView& v : l.views) {
+    if (v.role != *r) continue;
+    auto it = std::find(v.layers.begin(), v.layers.end(), layer);
+    if (it == v.layers.end()) continue;
+    const uint64_t local_layer = static_cast<uint64_t>(it - v.layers.begin());
+    const uint32_t element_bytes = static_cast<uint32_t>(dtypeSize(l.dtypeOf(*r)));
+    ASSIGN_OR_RETURN(std::vector<uint32_t> local,
+                     localUnitCounts(v.sections, l.tp, l.tp_rank));
+    const LogicalDims ld = logicalDims(v.kind, v.role);
+    StatusOr<RecordLayout> rec = Status(StatusCode::kInternal, "no record layout");
+    if (v.record) {
+      rec = *v.record;
+    } else if (*r == Role::kKv) {
+      rec = kvRecordLayout(l, v);
+    } else {
+      rec = canonicalRecordLayout(v.kind, v.role, v.sections, local, element_bytes,
+                                  innerSizes(model, model.layers.at(layer), v.role));
+    }
+    if (!rec.isOk()) return rec.status();
+    RecordPart part;
+    part.pool = l.findRegion(v.region_id)->name;
+    part.offset = v.base + local_layer * v.layer_stride;
+    part.index_stride = v.index_stride;
+    part.num_indices = v.num_indices;
+    part.dtype = std::string(dtypeName(l.dtypeOf(*r)));
+    part.element_bytes = element_bytes;
+    for (const auto& d : rec->dims) part.dims.push_back({d.name, d.size, d.stride});
+    const std::vector<uint32_t> inner = innerSizesOf(*rec, ld);
+    for (size_t s = 0; s < v.sections.size(); ++s) {
+      const Section& sec = v.sections[s];
+      ASSIGN_OR_RETURN(UnitRange units, shardUnits(sec.units, l.tp, l.tp_rank, sec.name));
+      ASSIGN_OR_RETURN(uint32_t len, unitLength(sec, element_bytes, inner));
+      const SectionPlacement p = placeSection(*rec, ld, v.sections, local, s, len);
+      part.sections.push_back(
+          {sec.name, units.first, local[s], len, p.base, p.unit_stride, p.within_stride});
+    }
+    parts.push_back(std::move(part));
+  }
+  if (parts.empty()) {
+    return NotFound("layer " + str(layer) + " has no " + std::string(role) +
+                    " record on this rank (" + describe() + ")");
+  }
+  return parts;
+}
+
+std::vector<uint32_t> Layout::layers() const {
+  std::vector<uint32_t> out;
+  for (const PoolView& v : impl_->layout.views) out.insert(out.end(), v.layers.begin(), v.layers.end());
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
 }
 
 std::string Layout::describe() const {

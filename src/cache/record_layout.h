@@ -31,16 +31,11 @@
 #include <vector>
 
 #include "common/status.h"
+#include "hxfer/record_dim.h"
 #include "model/model.h"
 
 namespace hxfer {
 
-struct RecordDim {
-  std::string name;
-  uint32_t size = 0;    // elements along it on this rank
-  uint64_t stride = 0;  // bytes between neighbours along it
-  bool operator==(const RecordDim&) const = default;
-};
 
 struct RecordLayout {
   std::vector<RecordDim> dims;  // as the engine declares the tensor, outermost first
