@@ -266,8 +266,10 @@ class Sender {
   bool holds(uint64_t request_id) const;
   size_t connectedPeers() const;
   Metrics metrics() const;
-  // Ends every request (its pages released once its writes stopped) and disconnects.
-  // Idempotent.
+  // Ends every request (its pages released once its writes stopped) and disconnects; releases
+  // up to its return are reported, later ones not (holds() still tells). Other calls racing
+  // it return Unavailable. Idempotent; may be called from on_released (the Sender must then
+  // not be destroyed inside the callback).
   void shutdown();
 
   struct Impl;
@@ -335,6 +337,8 @@ class Receiver {
   Status release(uint64_t request_id);
   bool holds(uint64_t request_id) const;
   Metrics metrics() const;
+  // As Sender::shutdown(); requests that succeeded and were not released stay the engine's
+  // (release() still works; that release is not reported to on_released).
   void shutdown();
 
   struct Impl;

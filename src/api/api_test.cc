@@ -586,6 +586,55 @@ TEST(ApiPages, LostContextRankFailsTheRequestAndReleasesItsPages) {
   EXPECT_TRUE(tx2.isOk()) << tx2.status().toString();
 }
 
+TEST(ApiPages, CallsRacingShutdownReturnUnavailableAndShutdownMayComeFromOnReleased) {
+  EngineRank ctx = EngineRank::make(options("vllm", 1, 0));
+  std::unique_ptr<Sender> tx;
+  std::atomic<int> from_callback{0};
+  constexpr uint64_t kTrigger = uint64_t{1} << 40;
+  SenderOptions so;
+  so.backend = "inproc";
+  so.on_released = [&](uint64_t id) {
+    if (id == kTrigger) {
+      tx->shutdown();  // called back in, on the dispatcher's own thread
+      from_callback = 1;
+    }
+  };
+  auto made = Sender::create(ctx.layout, *ctx.memory, so);
+  ASSERT_TRUE(made.isOk()) << made.status().toString();
+  tx = std::move(*made);
+  std::atomic<bool> go{true};
+  std::atomic<uint64_t> unavailable{0};
+  std::thread hammer([&] {
+    for (uint64_t i = 0; go; ++i) {
+      const std::vector<uint32_t> block = {static_cast<uint32_t>(i % 16)};
+      Status s = tx->markReady(i, block, static_cast<uint32_t>(i % 4));
+      if (s.code() == StatusCode::kUnavailable) ++unavailable;
+      (void)tx->cancel(i);
+      (void)tx->metrics();
+      (void)tx->holds(i);
+    }
+  });
+  std::this_thread::sleep_for(50ms);
+  tx->shutdown();
+  std::this_thread::sleep_for(20ms);
+  go = false;
+  hammer.join();
+  EXPECT_GT(unavailable.load(), 0u);
+  EXPECT_EQ(tx->markReady(2000, std::vector<uint32_t>{1}, 1).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(tx->metrics().requests_held, 0u);
+
+  // shutdown() from inside on_released: no self-join, no exception.
+  EngineRank other = EngineRank::make(options("hxfer", 1, 0));
+  made = Sender::create(other.layout, *other.memory, so);
+  ASSERT_TRUE(made.isOk()) << made.status().toString();
+  tx = std::move(*made);
+  ASSERT_TRUE(tx->markReady(kTrigger, std::vector<uint32_t>{0}, 0).isOk());
+  ASSERT_TRUE(tx->cancel(kTrigger).isOk());
+  for (int i = 0; i < 500 && from_callback == 0; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(from_callback.load(), 1);
+  EXPECT_EQ(tx->markReady(1001, std::vector<uint32_t>{1}, 1).code(), StatusCode::kUnavailable);
+}
+
 TEST(ApiPages, OneMemoryServesOneTransceiverAtATime) {
   EngineRank ctx = EngineRank::make(options("hxfer", 1, 0));
   SenderOptions so;

@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <shared_mutex>
 #include <thread>
 
 #include "cache/cache_manager.h"
@@ -34,67 +35,88 @@ namespace {
 std::string str(uint64_t v) { return std::to_string(v); }
 
 // Delivers release notifications to the engine's callback on a thread of its own: the cache
-// manager reports them with its lock (and often the transceiver's) held.
+// manager reports them with its lock (and often the transceiver's) held. The thread owns its
+// state (shared), so stop() and the destructor may run on it, from inside the callback (a
+// shutdown called back in): they then leave the thread to end after the callback returns.
 class Dispatcher {
  public:
-  explicit Dispatcher(std::function<void(uint64_t)> callback) : callback_(std::move(callback)) {
-    if (callback_) thread_ = std::thread([this] { run(); });
+  explicit Dispatcher(std::function<void(uint64_t)> callback)
+      : state_(std::make_shared<State>()) {
+    state_->callback = std::move(callback);
+    if (state_->callback) thread_ = std::thread([st = state_] { run(*st); });
   }
   ~Dispatcher() { stop(); }
 
+  // After stop(), ids are dropped: nobody is listening any more.
   void push(uint64_t id) {
-    if (!callback_) return;
-    std::lock_guard lock(mu_);
-    queue_.push_back(id);
-    cv_.notify_one();
+    if (!state_->callback) return;
+    std::lock_guard lock(state_->mu);
+    if (state_->stop) return;
+    state_->queue.push_back(id);
+    state_->cv.notify_one();
   }
-  // Delivers what is queued, then ends the thread. Idempotent.
+  // Delivers what is queued, then ends the thread (joined unless this is that thread).
+  // Idempotent.
   void stop() {
     {
-      std::lock_guard lock(mu_);
-      stop_ = true;
-      cv_.notify_one();
+      std::lock_guard lock(state_->mu);
+      state_->stop = true;
+      state_->cv.notify_one();
     }
-    if (thread_.joinable()) thread_.join();
+    if (!thread_.joinable()) return;
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      thread_.detach();
+    } else {
+      thread_.join();
+    }
   }
 
  private:
-  void run() {
-    std::unique_lock lock(mu_);
+  struct State {
+    std::function<void(uint64_t)> callback;  // fixed at construction
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<uint64_t> queue;  // guarded by mu
+    bool stop = false;           // guarded by mu
+  };
+
+  static void run(State& st) {
+    std::unique_lock lock(st.mu);
     for (;;) {
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stop_ and drained
-      const uint64_t id = queue_.front();
-      queue_.pop_front();
+      st.cv.wait(lock, [&] { return st.stop || !st.queue.empty(); });
+      if (st.queue.empty()) return;  // stopped and drained
+      const uint64_t id = st.queue.front();
+      st.queue.pop_front();
       lock.unlock();
-      callback_(id);
+      st.callback(id);
       lock.lock();
     }
   }
 
-  const std::function<void(uint64_t)> callback_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<uint64_t> queue_;  // guarded by mu_
-  bool stop_ = false;           // guarded by mu_
+  std::shared_ptr<State> state_;
   std::thread thread_;
 };
 
-// The pool as rows of its outermost strided index (PoolInfo).
+// The pool as rows of its strided indices (PoolInfo): blocks or slots and layers, outermost
+// first, down to one record's pitch in bytes, when they tile the pool exactly.
 void describePool(const RankLayout& l, const RegionSpec& spec, PoolInfo* out) {
   out->shape = {spec.length};
   out->strides = {1};
   for (const PoolView& v : l.views) {
     if (v.region_id != spec.id) continue;
-    uint64_t n = v.num_indices, stride = v.index_stride;
-    if (v.layers.size() > 1 && v.layer_stride > stride) {
-      n = v.layers.size();
-      stride = v.layer_stride;
+    std::vector<std::pair<uint64_t, uint64_t>> dims;  // (size, stride)
+    if (v.num_indices > 1 && v.index_stride != 0) dims.push_back({v.num_indices, v.index_stride});
+    if (v.layers.size() > 1 && v.layer_stride != 0) dims.push_back({v.layers.size(), v.layer_stride});
+    std::sort(dims.begin(), dims.end(), [](auto& a, auto& b) { return a.second > b.second; });
+    if (dims.empty() || dims[0].first * dims[0].second != spec.length) return;
+    out->shape = {dims[0].first};
+    out->strides = {dims[0].second};
+    if (dims.size() == 2 && dims[1].first * dims[1].second == dims[0].second) {
+      out->shape.push_back(dims[1].first);
+      out->strides.push_back(dims[1].second);
     }
-    if (n > 1 && stride != 0 && n * stride == spec.length) {
-      out->shape = {n, stride};
-      out->strides = {stride, 1};
-    }
+    out->shape.push_back(out->strides.back());
+    out->strides.push_back(1);
     return;
   }
 }
@@ -108,7 +130,8 @@ Status applyDType(std::string_view field, const std::string& value, DType* out) 
 }
 
 // The page lifetime hook shared by both sides: a Memory used by one transceiver at a time.
-Status claim(const Layout& layout, const Memory& memory, Dispatcher* dispatcher) {
+Status claim(const Layout& layout, const Memory& memory,
+             const std::shared_ptr<Dispatcher>& dispatcher) {
   if (!(memory.layout() == layout)) {
     return InvalidArgument("memory was registered for another layout: " +
                            memory.layout().describe() + ", not " + layout.describe());
@@ -117,15 +140,13 @@ Status claim(const Layout& layout, const Memory& memory, Dispatcher* dispatcher)
   if (m.in_use.exchange(true)) {
     return InvalidArgument("memory is already used by another Sender or Receiver");
   }
-  // No request is known (the previous user, if any, ended all of its own): safe to set.
+  // A late release of the previous user's (a write that outlived its bounded shutdown wait)
+  // reaches its own dispatcher, which drops it; from here on releases come to this one.
   m.cache->setReleaseListener([dispatcher](uint64_t id) { dispatcher->push(id); });
   return OkStatus();
 }
 
-void unclaim(Memory::Impl& m) {
-  m.cache->setReleaseListener(nullptr);
-  m.in_use.store(false);
-}
+void unclaim(Memory::Impl& m) { m.in_use.store(false); }
 
 struct Routed {
   engine::BackendKind backend;
@@ -407,18 +428,26 @@ bool Memory::shareable() const { return impl_->shareable; }
 struct Sender::Impl {
   Layout layout;
   Memory memory;
-  std::unique_ptr<Dispatcher> dispatcher;
+  std::shared_ptr<Dispatcher> dispatcher;
   std::unique_ptr<engine::ContextSender> sender;
   engine::BackendKind backend = engine::BackendKind::kUcx;
   std::string routing;
   std::once_flag shutdown_once;
+  // Calls that touch the pages hold it shared; shutdown() takes it once, exclusively, to mark
+  // the end, so no call is half-way through when the memory is handed back.
+  mutable std::shared_mutex mu;
+  bool stopped = false;  // guarded by mu
 
   Impl(Layout l, Memory m) : layout(std::move(l)), memory(std::move(m)) {}
   HybridCacheManager& cache() const { return *memory.impl().cache; }
+  // The sender stays until the Impl dies: a call racing shutdown() reaches a stopped one.
   void shutdown() {
     std::call_once(shutdown_once, [this] {
       if (sender) sender->shutdown();
-      sender.reset();
+      {
+        std::unique_lock lock(mu);
+        stopped = true;
+      }
       dispatcher->stop();
       unclaim(memory.impl());
     });
@@ -442,8 +471,8 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
                          o.instance + "-ctx" + str(l.pp_rank * l.tp + l.tp_rank));
   if (!agent.isOk()) return agent.status();
 
-  impl->dispatcher = std::make_unique<Dispatcher>(o.on_released);
-  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher.get()));
+  impl->dispatcher = std::make_shared<Dispatcher>(o.on_released);
+  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher));
   engine::ContextSender::Options so;
   so.instance_id = o.instance;
   so.model = layout.impl().model;
@@ -467,15 +496,14 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
   return std::unique_ptr<Sender>(new Sender(std::move(impl)));
 }
 
-std::string Sender::address() const {
-  return impl_->sender ? impl_->sender->address() : "";
-}
+std::string Sender::address() const { return impl_->sender->address(); }
 std::string Sender::backend() const { return std::string(engine::backendName(impl_->backend)); }
 std::string Sender::routing() const { return impl_->routing; }
 
 Status Sender::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
                          std::optional<uint32_t> slot, std::string_view aux) {
-  if (!impl_->sender) return Unavailable("sender is shut down");
+  std::shared_lock lock(impl_->mu);
+  if (impl_->stopped) return Unavailable("sender is shut down");
   if (aux.size() > wire::kMaxAuxBytes) {
     return InvalidArgument("aux is " + str(aux.size()) + " bytes, limit " +
                            str(wire::kMaxAuxBytes));
@@ -494,21 +522,13 @@ Status Sender::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
   return s;
 }
 
-Status Sender::cancel(uint64_t request_id) {
-  if (!impl_->sender) return OkStatus();
-  return impl_->sender->cancel(request_id);
-}
+Status Sender::cancel(uint64_t request_id) { return impl_->sender->cancel(request_id); }
 
 bool Sender::holds(uint64_t request_id) const { return impl_->cache().find(request_id).isOk(); }
 
-size_t Sender::connectedPeers() const {
-  return impl_->sender ? impl_->sender->connectedPeers() : 0;
-}
+size_t Sender::connectedPeers() const { return impl_->sender->connectedPeers(); }
 
-Metrics Sender::metrics() const {
-  return toMetrics(impl_->sender ? impl_->sender->metrics() : engine::MetricsSnapshot{},
-                   impl_->cache());
-}
+Metrics Sender::metrics() const { return toMetrics(impl_->sender->metrics(), impl_->cache()); }
 
 void Sender::shutdown() { impl_->shutdown(); }
 
@@ -517,18 +537,26 @@ void Sender::shutdown() { impl_->shutdown(); }
 struct Receiver::Impl {
   Layout layout;
   Memory memory;
-  std::unique_ptr<Dispatcher> dispatcher;
+  std::shared_ptr<Dispatcher> dispatcher;
   std::unique_ptr<engine::GenerationReceiver> receiver;
   engine::BackendKind backend = engine::BackendKind::kUcx;
   std::string routing;
   std::once_flag shutdown_once;
+  // Calls that touch the pages hold it shared; shutdown() takes it once, exclusively, to mark
+  // the end, so no call is half-way through when the memory is handed back.
+  mutable std::shared_mutex mu;
+  bool stopped = false;  // guarded by mu
 
   Impl(Layout l, Memory m) : layout(std::move(l)), memory(std::move(m)) {}
   HybridCacheManager& cache() const { return *memory.impl().cache; }
+  // The receiver stays until the Impl dies: a call racing shutdown() reaches a stopped one.
   void shutdown() {
     std::call_once(shutdown_once, [this] {
       if (receiver) receiver->shutdown();
-      receiver.reset();
+      {
+        std::unique_lock lock(mu);
+        stopped = true;
+      }
       dispatcher->stop();
       unclaim(memory.impl());
     });
@@ -588,8 +616,8 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
                          o.instance + "-gen" + str(l.pp_rank * l.tp + l.tp_rank));
   if (!agent.isOk()) return agent.status();
 
-  impl->dispatcher = std::make_unique<Dispatcher>(o.on_released);
-  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher.get()));
+  impl->dispatcher = std::make_shared<Dispatcher>(o.on_released);
+  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher));
   engine::GenerationReceiver::Options ro;
   ro.instance_id = o.instance;
   ro.model = layout.impl().model;
@@ -617,14 +645,14 @@ std::string Receiver::backend() const { return std::string(engine::backendName(i
 std::string Receiver::routing() const { return impl_->routing; }
 
 Status Receiver::waitForPeers(std::chrono::milliseconds timeout) {
-  if (!impl_->receiver) return Unavailable("receiver is shut down");
   return impl_->receiver->waitForPeers(engine::Clock::now() + timeout);
 }
 
 Status Receiver::start(uint64_t request_id, uint32_t num_tokens, std::span<const uint32_t> blocks,
                        std::optional<uint32_t> slot, uint32_t prefix_tokens,
                        std::string_view aux) {
-  if (!impl_->receiver) return Unavailable("receiver is shut down");
+  std::shared_lock lock(impl_->mu);
+  if (impl_->stopped) return Unavailable("receiver is shut down");
   engine::EnginePages pages{std::vector<uint32_t>(blocks.begin(), blocks.end()), slot};
   auto alloc = impl_->receiver->startRequest(request_id, num_tokens, prefix_tokens,
                                              Bytes(aux.begin(), aux.end()), &pages);
@@ -646,33 +674,28 @@ Result toResult(const engine::RequestResult& r) {
 }  // namespace
 
 StatusOr<Result> Receiver::poll(uint64_t request_id) const {
-  if (!impl_->receiver) return Unavailable("receiver is shut down");
   ASSIGN_OR_RETURN(engine::RequestResult r, impl_->receiver->poll(request_id));
   return toResult(r);
 }
 
 StatusOr<Result> Receiver::wait(uint64_t request_id, std::chrono::milliseconds timeout) {
-  if (!impl_->receiver) return Unavailable("receiver is shut down");
   ASSIGN_OR_RETURN(engine::RequestResult r,
                    impl_->receiver->wait(request_id, engine::Clock::now() + timeout));
   return toResult(r);
 }
 
 Status Receiver::cancel(uint64_t request_id) {
-  if (!impl_->receiver) return Unavailable("receiver is shut down");
   return impl_->receiver->cancel(request_id);
 }
 
 Status Receiver::release(uint64_t request_id) {
-  if (!impl_->receiver) return Unavailable("receiver is shut down");
   return impl_->receiver->release(request_id);
 }
 
 bool Receiver::holds(uint64_t request_id) const { return impl_->cache().find(request_id).isOk(); }
 
 Metrics Receiver::metrics() const {
-  return toMetrics(impl_->receiver ? impl_->receiver->metrics() : engine::MetricsSnapshot{},
-                   impl_->cache());
+  return toMetrics(impl_->receiver->metrics(), impl_->cache());
 }
 
 void Receiver::shutdown() { impl_->shutdown(); }

@@ -197,8 +197,9 @@ class HybridCacheManager {
   // nothing is in flight, else at the last endTransfer()): from then on no write into or out
   // of them can run, and the engine may reuse them. Runs on the thread that released them,
   // with the manager's lock held: it must not call the manager and must not block.
-  // REQUIRES: set before the first request (not synchronized with releases).
+  // Replaces the previous listener (under the lock, so a release never sees half of one).
   void setReleaseListener(std::function<void(uint64_t request_id)> listener) {
+    std::lock_guard<std::mutex> lock(mu_);
     release_listener_ = std::move(listener);
   }
 
@@ -227,7 +228,7 @@ class HybridCacheManager {
   IdPool slots_;                                    // guarded by mu_
   std::unordered_map<uint64_t, Request> requests_;  // guarded by mu_
   CacheCounters stats_;  // guarded by mu_; the lifetime totals and used/quarantined counts
-  std::function<void(uint64_t)> release_listener_;  // fixed before the first request
+  std::function<void(uint64_t)> release_listener_;  // guarded by mu_
 };
 
 }  // namespace hxfer
