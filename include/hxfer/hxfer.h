@@ -22,8 +22,8 @@
 // Errors: every call returns Status/StatusOr (hxfer/status.h); messages name the field and the
 // value. Thread-safety: every method of Sender and Receiver may be called from any thread;
 // on_released runs on a thread of its own, without hxfer's locks held, and may call back into
-// the Sender or Receiver (anything but shutdown); on_request runs on the progress thread and
-// must not block for long. Layout and Memory are values (shared handles), safe to
+// the Sender or Receiver (shutdown too, but must not destroy it); on_request runs on the
+// progress thread, must not block for long and must not call shutdown. Layout and Memory are values (shared handles), safe to
 // copy and share.
 #pragma once
 
@@ -178,8 +178,9 @@ class SharedBuffer {
 class Memory {
  public:
   // InvalidArgument naming the pool: a pool without a buffer, a buffer for no pool, a buffer
-  // smaller than its pool (both sizes), a null pointer; Unimplemented-as-InvalidArgument for
-  // MemoryKind::kCuda (host memory only in this version); an fd that is not a sealed memfd.
+  // smaller than its pool (both sizes), a null pointer, MemoryKind::kCuda (host memory only in
+  // this version), an fd that does not map the buffer from offset 0. PermissionDenied: an fd
+  // that is not a memfd sealed against shrinking and growing.
   static StatusOr<Memory> wrap(const Layout& layout, const std::map<std::string, Buffer>& buffers);
 
   const Layout& layout() const;

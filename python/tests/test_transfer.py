@@ -40,8 +40,8 @@ def return_trip(A, P, B, gen_mem, request_id, num_tokens, gen_pages, back_pages,
     return moved
 
 
-def test_issue_snippet_moves_sglang_tp2_state_into_a_trtllm_v2_rank_and_back_byte_exact():
-    # The issue's snippet, verbatim but for the loop over the two context ranks.
+def test_documented_snippet_moves_sglang_tp2_state_into_a_trtllm_v2_rank_and_back_byte_exact():
+    # The snippet of docs/api.md, verbatim but for the loop over the two context ranks.
     addrs, senders, ctx_layouts, ctx_pools = [], [], [], []
     for rank in range(2):
         lay = hxfer.Layout.engine("sglang", model="nemotron-h-8b", tp=2, tp_rank=rank, pp=1,

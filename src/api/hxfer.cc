@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <thread>
 
@@ -43,9 +44,24 @@ class Dispatcher {
   explicit Dispatcher(std::function<void(uint64_t)> callback)
       : state_(std::make_shared<State>()) {
     state_->callback = std::move(callback);
-    if (state_->callback) thread_ = std::thread([st = state_] { run(*st); });
+    if (state_->callback) {
+      std::lock_guard lock(state_->mu);  // thread_id is read under it (onThread)
+      thread_ = std::thread([st = state_] { run(*st); });
+      state_->thread_id = thread_.get_id();
+    } else {
+      state_->finished = true;
+    }
   }
-  ~Dispatcher() { stop(); }
+  // Waits until the thread delivered its last id, unless this is that thread (a callback
+  // that dropped the last reference to its Sender or Receiver).
+  ~Dispatcher() {
+    stop();
+    if (onThread()) return;
+    std::unique_lock lock(state_->mu);
+    state_->cv.wait(lock, [&] { return state_->finished; });
+  }
+
+  bool onThread() const { return state_->thread_id == std::this_thread::get_id(); }
 
   // After stop(), ids are dropped: nobody is listening any more.
   void push(uint64_t id) {
@@ -78,13 +94,19 @@ class Dispatcher {
     std::condition_variable cv;
     std::deque<uint64_t> queue;  // guarded by mu
     bool stop = false;           // guarded by mu
+    bool finished = false;       // guarded by mu: run() returned
+    std::thread::id thread_id;   // set once, before run() looks at anything
   };
 
   static void run(State& st) {
     std::unique_lock lock(st.mu);
     for (;;) {
       st.cv.wait(lock, [&] { return st.stop || !st.queue.empty(); });
-      if (st.queue.empty()) return;  // stopped and drained
+      if (st.queue.empty()) {  // stopped and drained
+        st.finished = true;
+        st.cv.notify_all();
+        return;
+      }
       const uint64_t id = st.queue.front();
       st.queue.pop_front();
       lock.unlock();
@@ -131,7 +153,7 @@ Status applyDType(std::string_view field, const std::string& value, DType* out) 
 
 // The page lifetime hook shared by both sides: a Memory used by one transceiver at a time.
 Status claim(const Layout& layout, const Memory& memory,
-             const std::shared_ptr<Dispatcher>& dispatcher) {
+             const std::shared_ptr<Dispatcher>& dispatcher, uint64_t owner) {
   if (!(memory.layout() == layout)) {
     return InvalidArgument("memory was registered for another layout: " +
                            memory.layout().describe() + ", not " + layout.describe());
@@ -140,13 +162,31 @@ Status claim(const Layout& layout, const Memory& memory,
   if (m.in_use.exchange(true)) {
     return InvalidArgument("memory is already used by another Sender or Receiver");
   }
-  // A late release of the previous user's (a write that outlived its bounded shutdown wait)
-  // reaches its own dispatcher, which drops it; from here on releases come to this one.
-  m.cache->setReleaseListener([dispatcher](uint64_t id) { dispatcher->push(id); });
+  // Only this transceiver's requests (adopted with its owner tag): a late release of an
+  // earlier user's is not reported here.
+  m.cache->setReleaseListener([dispatcher, owner](uint64_t id, uint64_t tag) {
+    if (tag == owner) dispatcher->push(id);
+  });
   return OkStatus();
 }
 
-void unclaim(Memory::Impl& m) { m.in_use.store(false); }
+// Releases after this are not reported (the callback is dropped, and with it whatever the
+// engine's callback holds).
+void unclaim(Memory::Impl& m) {
+  m.cache->setReleaseListener(nullptr);
+  m.in_use.store(false);
+}
+
+uint64_t nextOwner() {
+  static std::atomic<uint64_t> next{1};
+  return next++;
+}
+
+// Deadlines far in the future saturate instead of overflowing the clock.
+std::chrono::milliseconds clampTimeout(std::chrono::milliseconds t) {
+  constexpr std::chrono::milliseconds kMax = std::chrono::hours(24 * 365);
+  return std::clamp(t, std::chrono::milliseconds(0), kMax);
+}
 
 struct Routed {
   engine::BackendKind backend;
@@ -429,28 +469,45 @@ struct Sender::Impl {
   Layout layout;
   Memory memory;
   std::shared_ptr<Dispatcher> dispatcher;
+  bool claimed = false;  // the Memory is this Sender's (claim() succeeded)
   std::unique_ptr<engine::ContextSender> sender;
   engine::BackendKind backend = engine::BackendKind::kUcx;
   std::string routing;
-  std::once_flag shutdown_once;
+  const uint64_t owner = nextOwner();  // tags the pages this Sender adopts
   // Calls that touch the pages hold it shared; shutdown() takes it once, exclusively, to mark
   // the end, so no call is half-way through when the memory is handed back.
   mutable std::shared_mutex mu;
   bool stopped = false;  // guarded by mu
+  std::mutex shutdown_mu;
+  std::condition_variable shutdown_cv;
+  bool shutdown_started = false, shutdown_done = false;  // guarded by shutdown_mu
 
   Impl(Layout l, Memory m) : layout(std::move(l)), memory(std::move(m)) {}
+  ~Impl() { shutdown(); }
   HybridCacheManager& cache() const { return *memory.impl().cache; }
   // The sender stays until the Impl dies: a call racing shutdown() reaches a stopped one.
+  // A second caller waits for the first, except on the release thread (a callback calling
+  // back in while another thread shuts down, which waits for that callback): it returns.
   void shutdown() {
-    std::call_once(shutdown_once, [this] {
-      if (sender) sender->shutdown();
-      {
-        std::unique_lock lock(mu);
-        stopped = true;
+    {
+      std::unique_lock lock(shutdown_mu);
+      if (shutdown_started) {
+        if (dispatcher && dispatcher->onThread()) return;
+        shutdown_cv.wait(lock, [&] { return shutdown_done; });
+        return;
       }
-      dispatcher->stop();
-      unclaim(memory.impl());
-    });
+      shutdown_started = true;
+    }
+    if (sender) sender->shutdown();
+    {
+      std::unique_lock lock(mu);
+      stopped = true;
+    }
+    if (dispatcher) dispatcher->stop();
+    if (claimed) unclaim(memory.impl());
+    std::lock_guard lock(shutdown_mu);
+    shutdown_done = true;
+    shutdown_cv.notify_all();
   }
 };
 
@@ -472,7 +529,8 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
   if (!agent.isOk()) return agent.status();
 
   impl->dispatcher = std::make_shared<Dispatcher>(o.on_released);
-  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher));
+  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher, impl->owner));
+  impl->claimed = true;
   engine::ContextSender::Options so;
   so.instance_id = o.instance;
   so.model = layout.impl().model;
@@ -480,18 +538,14 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
   so.tp_rank = l.tp_rank;
   so.pp_rank = l.pp_rank;
   so.checksum = o.checksum;
-  so.lease_timeout = o.lease_timeout;
+  so.lease_timeout = clampTimeout(o.lease_timeout);
   if (o.on_request) {
     so.on_request = [cb = o.on_request](uint64_t id, uint64_t tokens, const Bytes& aux) {
       cb(id, tokens, std::string(aux.begin(), aux.end()));
     };
   }
   auto sender = engine::ContextSender::create(std::move(so), &impl->cache(), std::move(*agent));
-  if (!sender.isOk()) {
-    impl->dispatcher->stop();
-    unclaim(memory.impl());
-    return sender.status();
-  }
+  if (!sender.isOk()) return sender.status();  // ~Impl hands the memory back
   impl->sender = std::move(*sender);
   return std::unique_ptr<Sender>(new Sender(std::move(impl)));
 }
@@ -511,7 +565,7 @@ Status Sender::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
   HybridCacheManager& cache = impl_->cache();
   const uint64_t tokens = uint64_t{blocks.size()} * cache.layout().tokens_per_block;
   if (tokens > UINT32_MAX) return InvalidArgument("too many blocks: " + str(blocks.size()));
-  auto alloc = cache.adopt(request_id, static_cast<uint32_t>(tokens), blocks, slot);
+  auto alloc = cache.adopt(request_id, static_cast<uint32_t>(tokens), blocks, slot, impl_->owner);
   if (!alloc.isOk()) return alloc.status();
   Status s = impl_->sender->markReady(request_id, Bytes(aux.begin(), aux.end()));
   // InvalidArgument / Unavailable leave the pages with the caller: hand them back (released
@@ -538,28 +592,54 @@ struct Receiver::Impl {
   Layout layout;
   Memory memory;
   std::shared_ptr<Dispatcher> dispatcher;
+  bool claimed = false;  // the Memory is this Receiver's (claim() succeeded)
   std::unique_ptr<engine::GenerationReceiver> receiver;
+  // Requests started and not yet released, released when the Receiver is destroyed (nobody
+  // could release them afterwards).
+  std::mutex started_mu;
+  std::set<uint64_t> started;  // guarded by started_mu
   engine::BackendKind backend = engine::BackendKind::kUcx;
   std::string routing;
-  std::once_flag shutdown_once;
+  const uint64_t owner = nextOwner();  // tags the pages this Receiver adopts
   // Calls that touch the pages hold it shared; shutdown() takes it once, exclusively, to mark
   // the end, so no call is half-way through when the memory is handed back.
   mutable std::shared_mutex mu;
   bool stopped = false;  // guarded by mu
+  std::mutex shutdown_mu;
+  std::condition_variable shutdown_cv;
+  bool shutdown_started = false, shutdown_done = false;  // guarded by shutdown_mu
 
   Impl(Layout l, Memory m) : layout(std::move(l)), memory(std::move(m)) {}
+  ~Impl() {
+    shutdown();
+    if (!receiver) return;
+    std::lock_guard lock(started_mu);
+    for (uint64_t id : started) (void)receiver->release(id);
+  }
   HybridCacheManager& cache() const { return *memory.impl().cache; }
   // The receiver stays until the Impl dies: a call racing shutdown() reaches a stopped one.
+  // A second caller waits for the first, except on the release thread (a callback calling
+  // back in while another thread shuts down, which waits for that callback): it returns.
   void shutdown() {
-    std::call_once(shutdown_once, [this] {
-      if (receiver) receiver->shutdown();
-      {
-        std::unique_lock lock(mu);
-        stopped = true;
+    {
+      std::unique_lock lock(shutdown_mu);
+      if (shutdown_started) {
+        if (dispatcher && dispatcher->onThread()) return;
+        shutdown_cv.wait(lock, [&] { return shutdown_done; });
+        return;
       }
-      dispatcher->stop();
-      unclaim(memory.impl());
-    });
+      shutdown_started = true;
+    }
+    if (receiver) receiver->shutdown();
+    {
+      std::unique_lock lock(mu);
+      stopped = true;
+    }
+    if (dispatcher) dispatcher->stop();
+    if (claimed) unclaim(memory.impl());
+    std::lock_guard lock(shutdown_mu);
+    shutdown_done = true;
+    shutdown_cv.notify_all();
   }
 };
 
@@ -617,7 +697,8 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
   if (!agent.isOk()) return agent.status();
 
   impl->dispatcher = std::make_shared<Dispatcher>(o.on_released);
-  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher));
+  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher, impl->owner));
+  impl->claimed = true;
   engine::GenerationReceiver::Options ro;
   ro.instance_id = o.instance;
   ro.model = layout.impl().model;
@@ -628,15 +709,11 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
   ro.ctx_parallel.tp = peer_tp;
   ro.ctx_parallel.pp = o.peer_pp;
   ro.ctx_addresses = std::move(addresses);
-  ro.request_timeout = o.request_timeout;
-  ro.handshake_timeout = o.handshake_timeout;
+  ro.request_timeout = clampTimeout(o.request_timeout);
+  ro.handshake_timeout = clampTimeout(o.handshake_timeout);
   auto receiver =
       engine::GenerationReceiver::create(std::move(ro), &impl->cache(), std::move(*agent));
-  if (!receiver.isOk()) {
-    impl->dispatcher->stop();
-    unclaim(memory.impl());
-    return receiver.status();
-  }
+  if (!receiver.isOk()) return receiver.status();  // ~Impl hands the memory back
   impl->receiver = std::move(*receiver);
   return std::unique_ptr<Receiver>(new Receiver(std::move(impl)));
 }
@@ -645,7 +722,7 @@ std::string Receiver::backend() const { return std::string(engine::backendName(i
 std::string Receiver::routing() const { return impl_->routing; }
 
 Status Receiver::waitForPeers(std::chrono::milliseconds timeout) {
-  return impl_->receiver->waitForPeers(engine::Clock::now() + timeout);
+  return impl_->receiver->waitForPeers(engine::Clock::now() + clampTimeout(timeout));
 }
 
 Status Receiver::start(uint64_t request_id, uint32_t num_tokens, std::span<const uint32_t> blocks,
@@ -653,9 +730,14 @@ Status Receiver::start(uint64_t request_id, uint32_t num_tokens, std::span<const
                        std::string_view aux) {
   std::shared_lock lock(impl_->mu);
   if (impl_->stopped) return Unavailable("receiver is shut down");
-  engine::EnginePages pages{std::vector<uint32_t>(blocks.begin(), blocks.end()), slot};
+  engine::EnginePages pages{std::vector<uint32_t>(blocks.begin(), blocks.end()), slot,
+                            impl_->owner};
   auto alloc = impl_->receiver->startRequest(request_id, num_tokens, prefix_tokens,
                                              Bytes(aux.begin(), aux.end()), &pages);
+  if (alloc.isOk()) {
+    std::lock_guard ids(impl_->started_mu);
+    impl_->started.insert(request_id);
+  }
   return alloc.status();
 }
 
@@ -680,7 +762,7 @@ StatusOr<Result> Receiver::poll(uint64_t request_id) const {
 
 StatusOr<Result> Receiver::wait(uint64_t request_id, std::chrono::milliseconds timeout) {
   ASSIGN_OR_RETURN(engine::RequestResult r,
-                   impl_->receiver->wait(request_id, engine::Clock::now() + timeout));
+                   impl_->receiver->wait(request_id, engine::Clock::now() + clampTimeout(timeout)));
   return toResult(r);
 }
 
@@ -689,7 +771,12 @@ Status Receiver::cancel(uint64_t request_id) {
 }
 
 Status Receiver::release(uint64_t request_id) {
-  return impl_->receiver->release(request_id);
+  Status s = impl_->receiver->release(request_id);
+  if (s.isOk()) {
+    std::lock_guard ids(impl_->started_mu);
+    impl_->started.erase(request_id);
+  }
+  return s;
 }
 
 bool Receiver::holds(uint64_t request_id) const { return impl_->cache().find(request_id).isOk(); }

@@ -221,7 +221,7 @@ StatusOr<Allocation> HybridCacheManager::allocate(uint64_t request_id, uint32_t 
 
 StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num_tokens,
                                                std::span<const uint32_t> blocks,
-                                               std::optional<uint32_t> slot) {
+                                               std::optional<uint32_t> slot, uint64_t owner) {
   Allocation alloc;
   alloc.request_id = request_id;
   alloc.num_tokens = num_tokens;
@@ -295,6 +295,7 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
   ++stats_.allocations;
   Request req;
   req.alloc = alloc;
+  req.owner = owner;
   requests_.emplace(request_id, std::move(req));
   return alloc;
 }
@@ -331,8 +332,9 @@ Status HybridCacheManager::releaseLocked(uint64_t request_id, Request& req) {
   Status blocks = blocks_.give(req.alloc.blocks);
   Status slot = OkStatus();
   if (req.alloc.slot) slot = slots_.give(std::span<const uint32_t>(&*req.alloc.slot, 1));
+  const uint64_t owner = req.owner;
   requests_.erase(request_id);
-  if (release_listener_) release_listener_(request_id);
+  if (release_listener_) release_listener_(request_id, owner);
   if (!blocks.isOk()) return Internal("returning blocks: " + blocks.message());
   if (!slot.isOk()) return Internal("returning slot: " + slot.message());
   return OkStatus();

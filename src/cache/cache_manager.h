@@ -173,8 +173,10 @@ class HybridCacheManager {
   // twice, or still held by a request (live, or freed while a write into it may still run:
   // the engine reused a page before hxfer released it), when blocks are fewer than
   // blocksFor(num_tokens), or when request_id is known.
+  // `owner` tags the request for the release listener (which transceiver took the pages).
   StatusOr<Allocation> adopt(uint64_t request_id, uint32_t num_tokens,
-                             std::span<const uint32_t> blocks, std::optional<uint32_t> slot);
+                             std::span<const uint32_t> blocks, std::optional<uint32_t> slot,
+                             uint64_t owner = 0);
   // Frees a live request. NotFound for an unknown id; InvalidArgument when it was already
   // freed and waits in quarantine. Returns ok in both the immediate and the quarantined case.
   Status free(uint64_t request_id);
@@ -193,12 +195,13 @@ class HybridCacheManager {
 
   CacheCounters counters() const;
 
-  // Called with the id of every request whose pages return to the free pools (at free() when
+  // Called with the id (and adopt()'s owner tag; 0 for allocate()) of every request whose
+  // pages return to the free pools (at free() when
   // nothing is in flight, else at the last endTransfer()): from then on no write into or out
   // of them can run, and the engine may reuse them. Runs on the thread that released them,
   // with the manager's lock held: it must not call the manager and must not block.
   // Replaces the previous listener (under the lock, so a release never sees half of one).
-  void setReleaseListener(std::function<void(uint64_t request_id)> listener) {
+  void setReleaseListener(std::function<void(uint64_t request_id, uint64_t owner)> listener) {
     std::lock_guard<std::mutex> lock(mu_);
     release_listener_ = std::move(listener);
   }
@@ -214,6 +217,7 @@ class HybridCacheManager {
     Allocation alloc;
     uint32_t inflight = 0;
     bool freed = false;  // quarantined: freed while in flight
+    uint64_t owner = 0;  // adopt()'s tag
   };
 
   HybridCacheManager(RankLayout layout, std::vector<std::unique_ptr<Region>> regions);
@@ -228,7 +232,7 @@ class HybridCacheManager {
   IdPool slots_;                                    // guarded by mu_
   std::unordered_map<uint64_t, Request> requests_;  // guarded by mu_
   CacheCounters stats_;  // guarded by mu_; the lifetime totals and used/quarantined counts
-  std::function<void(uint64_t)> release_listener_;  // guarded by mu_
+  std::function<void(uint64_t, uint64_t)> release_listener_;  // guarded by mu_
 };
 
 }  // namespace hxfer

@@ -519,11 +519,14 @@ TEST(CacheManagerEngine, AdoptFencesTheEnginesPagesAndReportsTheirRelease) {
   auto m = HybridCacheManager::wrap(*layout, std::move(regions));
   ASSERT_TRUE(m.isOk()) << m.status().toString();
   std::vector<uint64_t> released;
-  (*m)->setReleaseListener([&](uint64_t id) { released.push_back(id); });
+  (*m)->setReleaseListener([&](uint64_t id, uint64_t owner) {
+    released.push_back(id);
+    EXPECT_EQ(owner, id == 4 ? 0u : 7u);  // allocate()'s request has no owner
+  });
   EXPECT_EQ((*m)->regionBase(0), memory[0].data());
 
   const std::vector<uint32_t> blocks = {6, 1};
-  auto a = (*m)->adopt(1, 64, blocks, 1);
+  auto a = (*m)->adopt(1, 64, blocks, 1, 7);
   ASSERT_TRUE(a.isOk()) << a.status().toString();
   EXPECT_EQ(a->blocks, blocks);  // the engine's order (token order), not sorted
   EXPECT_EQ(a->slot, 1u);
@@ -550,7 +553,7 @@ TEST(CacheManagerEngine, AdoptFencesTheEnginesPagesAndReportsTheirRelease) {
       << s.toString();
   ASSERT_TRUE((*m)->endTransfer(1).isOk());
   EXPECT_EQ(released, std::vector<uint64_t>{1});
-  ASSERT_TRUE((*m)->adopt(3, 32, std::vector<uint32_t>{6}, 1).isOk());
+  ASSERT_TRUE((*m)->adopt(3, 32, std::vector<uint32_t>{6}, 1, 7).isOk());
   // Engine-chosen and manager-chosen pages share one space.
   auto own = (*m)->allocate(4, 200);
   ASSERT_TRUE(own.isOk());

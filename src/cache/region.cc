@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
@@ -118,6 +119,34 @@ StatusOr<std::unique_ptr<Region>> Region::mapFd(uint32_t id, int fd, uint64_t le
   return std::unique_ptr<Region>(new Region(id, static_cast<uint8_t*>(p), length, mapped, fd));
 }
 
+namespace {
+
+// Whether `data` lies in a shared mapping of the file `st` describes, at file offset 0
+// (/proc/self/maps: "start-end perms offset dev inode path").
+bool mapsFdAtOffsetZero(const uint8_t* data, const struct stat& st) {
+  FILE* maps = std::fopen("/proc/self/maps", "r");
+  if (maps == nullptr) return false;
+  const auto addr = reinterpret_cast<uintptr_t>(data);
+  char line[512];
+  bool found = false;
+  while (std::fgets(line, sizeof line, maps) != nullptr) {
+    unsigned long start = 0, end = 0, offset = 0, inode = 0;
+    char perms[8] = {};
+    unsigned dev_major = 0, dev_minor = 0;
+    if (std::sscanf(line, "%lx-%lx %7s %lx %x:%x %lu", &start, &end, perms, &offset, &dev_major,
+                    &dev_minor, &inode) != 7) {
+      continue;
+    }
+    if (addr < start || addr >= end) continue;
+    found = perms[3] == 's' && inode == st.st_ino && offset + (addr - start) == 0;
+    break;
+  }
+  std::fclose(maps);
+  return found;
+}
+
+}  // namespace
+
 StatusOr<std::unique_ptr<Region>> Region::borrow(uint32_t id, uint8_t* data, uint64_t length,
                                                  int fd) {
   const std::string what = "region " + std::to_string(id);
@@ -133,6 +162,13 @@ StatusOr<std::unique_ptr<Region>> Region::borrow(uint32_t id, uint8_t* data, uin
       return InvalidArgument(what + ": fd " + std::to_string(fd) + " holds " +
                              std::to_string(st.st_size) + " bytes, fewer than " +
                              std::to_string(length));
+    }
+    // Peers map the fd from offset 0: it must be the very memory at `data`, or their writes
+    // would land somewhere the engine never reads.
+    if (!mapsFdAtOffsetZero(data, st)) {
+      return InvalidArgument(what + ": fd " + std::to_string(fd) +
+                             " does not back the buffer (the buffer is not a mapping of it "
+                             "from offset 0)");
     }
   }
   return std::unique_ptr<Region>(new Region(id, data, length, 0, fd, /*borrowed=*/true));

@@ -34,9 +34,10 @@ class Region {
 
   // Wraps memory someone else owns (an engine's pool), without copying: the Region neither
   // unmaps `data` nor closes `fd` when destroyed. `fd` (-1: none) is a memfd whose offset 0 is
-  // `data`, for the shm transport to hand to peers; it must be sealed against shrinking and
-  // growing and hold `length` bytes (PermissionDenied / InvalidArgument otherwise, naming the
-  // region). REQUIRES: `data` stays mapped for `length` bytes while the Region lives.
+  // `data`, for the shm transport to hand to peers: PermissionDenied unless it is sealed
+  // against shrinking and growing; InvalidArgument unless it holds `length` bytes and `data`
+  // lies in a shared mapping of it at offset 0 (checked in /proc/self/maps). REQUIRES: `data`
+  // stays mapped for `length` bytes while the Region lives.
   static StatusOr<std::unique_ptr<Region>> borrow(uint32_t id, uint8_t* data, uint64_t length,
                                                   int fd = -1);
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace hxfer {
@@ -57,6 +58,15 @@ TEST(Region, BorrowWrapsEngineMemoryWithoutOwningIt) {
     ASSERT_TRUE(r.isOk()) << r.status().toString();
   }
   EXPECT_GE(fcntl((*memfd)->fd(), F_GETFD), 0);  // not closed by the borrower
+  // The fd must be the memory at `data`, from offset 0.
+  auto other = Region::allocate(0, 8192, Region::Backing::kMemfd, "y");
+  ASSERT_TRUE(other.isOk());
+  auto wrong_fd = Region::borrow(1, (*memfd)->data(), 4096, (*other)->fd());
+  EXPECT_EQ(wrong_fd.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(wrong_fd.status().message().find("does not back the buffer"), std::string::npos)
+      << wrong_fd.status().toString();
+  auto inside = Region::borrow(1, (*other)->data() + 4096, 4096, (*other)->fd());
+  EXPECT_EQ(inside.status().code(), StatusCode::kInvalidArgument) << inside.status().toString();
   auto too_long = Region::borrow(1, (*memfd)->data(), 1 << 20, (*memfd)->fd());
   EXPECT_EQ(too_long.status().code(), StatusCode::kInvalidArgument);
   auto not_memfd = Region::borrow(1, engine.data(), engine.size(), 0);

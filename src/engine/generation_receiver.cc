@@ -6,12 +6,17 @@
 
 #include <algorithm>
 #include <future>
+#include <set>
 #include <thread>
 
 #include "common/logging.h"
 #include "engine/handshake.h"
 
 namespace hxfer::engine {
+
+// How long shutdown() waits for the transport to confirm that the connections it closed are
+// gone, so that the pages of requests still in flight can be released.
+constexpr std::chrono::seconds kShutdownFenceWait{5};
 
 // One context rank this rank talks to.
 struct GenerationReceiver::CtxPeer {
@@ -262,7 +267,8 @@ StatusOr<Allocation> GenerationReceiver::startRequest(uint64_t request_id, uint3
     if (pages == nullptr) return cache_->allocate(request_id, num_tokens);
     const size_t used = std::min<size_t>(pages->blocks.size(), cache_->blocksFor(num_tokens));
     return cache_->adopt(request_id, num_tokens,
-                         std::span<const uint32_t>(pages->blocks.data(), used), pages->slot);
+                         std::span<const uint32_t>(pages->blocks.data(), used), pages->slot,
+                         pages->owner);
   };
   StatusOr<Allocation> alloc = take_pages();
   if (!alloc.isOk()) {
@@ -806,22 +812,60 @@ void GenerationReceiver::shutdown() {
     }
     std::vector<std::pair<CtxPeer*, StatusOr<transport::PeerId>>> connected;
     for (auto& [peer, future] : connecting) connected.emplace_back(peer, future.get());
-    std::lock_guard lock(mu_);
+    std::unique_lock lock(mu_);
     for (auto& [peer, id] : connected) finishConnectLocked(*peer, std::move(id));
     for (auto& [id, sink] : sinks_) {
       failLocked(*sink, Cancelled("receiver shut down"), FailureCause::kCancelled);
     }
-    // Once disconnected no context rank can write here, so in-flight gates end.
-    for (auto& p : peers_) {
-      if (p->state == CtxPeer::State::kHandshaking || p->state == CtxPeer::State::kReady) {
-        (void)agent_->disconnect(p->id);
+    // A part in flight keeps its fence until the transport reports its connection lost: only
+    // then can no write of that context rank still land in the pages (a disconnect returns
+    // before the peer's copies stop). Pages may be engine memory, reused the moment they are
+    // released.
+    std::set<transport::PeerId> awaiting;
+    for (size_t i = 0; i < peers_.size(); ++i) {
+      CtxPeer& p = *peers_[i];
+      const bool connected_now =
+          p.state == CtxPeer::State::kHandshaking || p.state == CtxPeer::State::kReady;
+      if (connected_now) (void)agent_->disconnect(p.id);
+      p.state = CtxPeer::State::kDown;
+      for (auto& [id, sink] : sinks_) {
+        for (Part& part : sink->parts) {
+          if (connected_now && part.peer == i && part.in_flight && part.fenced_by == 0) {
+            part.fenced_by = p.id;
+          }
+        }
       }
-      p->state = CtxPeer::State::kDown;
+    }
+    for (auto& [id, sink] : sinks_) {
+      for (Part& part : sink->parts) {
+        if (!part.in_flight) continue;
+        if (part.fenced_by != 0) {
+          awaiting.insert(part.fenced_by);
+        } else {
+          endPartLocked(*sink, part);  // never reached a connection: nothing can write
+        }
+      }
+    }
+    lock.unlock();
+    std::vector<transport::PeerId> lost;
+    const Clock::time_point until = Clock::now() + kShutdownFenceWait;
+    while (!awaiting.empty() && Clock::now() < until) {
+      std::optional<transport::Event> e = agent_->pollEvent(std::chrono::milliseconds(20));
+      if (e && e->kind == transport::Event::Kind::kPeerLost && awaiting.erase(e->peer)) {
+        lost.push_back(e->peer);
+      }
+    }
+    lock.lock();
+    for (transport::PeerId connection : lost) releaseFencesLocked(connection);
+    if (!awaiting.empty()) {
+      HXFER_LOG_WARN(
+          "generation: shut down with {} context connections not confirmed closed; their "
+          "requests' pages stay fenced",
+          awaiting.size());
     }
     for (auto it = sinks_.begin(); it != sinks_.end();) {
       Sink& sink = *it->second;
-      for (Part& part : sink.parts) endPartLocked(sink, part);
-      if (sink.pages_freed) {
+      if (sink.pages_freed && !sink.anyInFlight()) {
         it = sinks_.erase(it);
       } else {
         ++it;

@@ -64,6 +64,7 @@ struct RequestResult {
 struct EnginePages {
   std::vector<uint32_t> blocks;
   std::optional<uint32_t> slot;
+  uint64_t owner = 0;  // HybridCacheManager::adopt's tag for the release listener
 };
 
 class GenerationReceiver {
@@ -121,9 +122,11 @@ class GenerationReceiver {
   Status selfCheck() const;
   size_t activeRequests() const;  // in progress
 
-  // Stops the progress thread, fails every request in progress, disconnects every peer (no
-  // context rank can write any more, so quarantined pages are released) and frees the pages of
-  // every request the receiver still owns. Succeeded, unreleased requests stay with the caller.
+  // Stops the progress thread, fails every request in progress, disconnects every peer and
+  // frees the pages of every request the receiver still owns. Pages a context rank may still
+  // be writing into are released only once the transport reports that connection lost (no
+  // write of it can land any more), waited for up to 5 s; past that they stay quarantined.
+  // Succeeded, unreleased requests stay with the caller.
   // A connect attempt still running is waited for (at most the agent's connect timeout), without
   // the receiver's lock: poll, wait, cancel and release answer at once meanwhile.
   void shutdown();
