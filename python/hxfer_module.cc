@@ -500,9 +500,22 @@ struct PyReceiver : PyEndpoint<hxfer::Receiver> {
   std::string backend, routing;
 };
 
+// A shutdown runs callbacks, which may drop the last reference to another endpoint: the live
+// set is looked at afresh before each one, never through a copy that may dangle.
 void shutdownAll() {
-  std::vector<Endpoint*> live(liveEndpoints().begin(), liveEndpoints().end());
-  for (Endpoint* e : live) e->shutdownNow();
+  std::set<Endpoint*> done;
+  for (;;) {
+    Endpoint* next = nullptr;
+    for (Endpoint* e : liveEndpoints()) {
+      if (!done.count(e)) {
+        next = e;
+        break;
+      }
+    }
+    if (next == nullptr) return;
+    done.insert(next);
+    next->shutdownNow();
+  }
 }
 
 const hxfer::Memory& memoryOf(const py::object& memory_obj) {
