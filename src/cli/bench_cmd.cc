@@ -346,8 +346,11 @@ int run(const BenchOptions& o) {
 }  // namespace
 
 void addBenchCommand(CLI::App& app) {
-  auto* bench = app.add_subcommand("bench", "Measure hxfer components against baselines");
-  bench->require_subcommand(1);
+  auto* bench = app.add_subcommand(
+      "bench",
+      "Measure hxfer components against baselines; `hxfer bench` alone runs every workload "
+      "(all)");
+  bench->require_subcommand(0, 1);
   auto* cmd = bench->add_subcommand(
       "transport", "GB/s of one backend between two processes, next to memcpy (and raw TCP)");
   auto o = std::make_shared<BenchOptions>();

@@ -47,3 +47,20 @@ TEST(BenchTransport, BadArgumentsExitNonZero) {
 }
 
 }  // namespace
+
+namespace hxfer::cli {
+namespace {
+
+// `hxfer bench` alone is no longer an error: it runs every workload (said in its help; the
+// run itself takes minutes, so the test reads the help and checks that a bad workload name
+// is still refused).
+TEST(BenchCommand, BenchAloneRunsEveryWorkload) {
+  auto help = testing::runHxfer("bench --help", testing::Stderr::kMerge);
+  EXPECT_EQ(help.exit_code, 0) << help.out;
+  EXPECT_NE(help.out.find("`hxfer bench` alone runs every workload"), std::string::npos)
+      << help.out;
+  EXPECT_NE(testing::runHxfer("bench nonesuch").exit_code, 0);
+}
+
+}  // namespace
+}  // namespace hxfer::cli

@@ -1454,8 +1454,10 @@ void addBenchWorkloadsCommand(CLI::App& app) {
   auto found = app.get_subcommands([](CLI::App* a) { return a->get_name() == "bench"; });
   CLI::App* bench = found.empty() ? nullptr : found.front();
   if (bench == nullptr) {
-    bench = app.add_subcommand("bench", "Measure hxfer components against baselines");
-    bench->require_subcommand(1);
+    bench = app.add_subcommand(
+        "bench",
+        "Measure hxfer components against baselines; `hxfer bench` alone runs every workload "
+        "(all)");
   }
   for (const NamedWorkload& w : kWorkloads) {
     auto* cmd = bench->add_subcommand(w.name, w.help);
@@ -1467,14 +1469,21 @@ void addBenchWorkloadsCommand(CLI::App& app) {
       if (rc != 0) throw CLI::RuntimeError(rc);
     });
   }
-  auto* all = bench->add_subcommand("all", "every workload above, in one report");
+  auto* all = bench->add_subcommand("all", "every workload above, in one report (also what "
+                                              "`hxfer bench` alone runs)");
   auto o = std::make_shared<WorkloadOptions>();
   addWorkloadOptions(all, o.get());
-  all->callback([o] {
+  auto run_all = [o] {
     std::vector<const NamedWorkload*> which;
     for (const NamedWorkload& w : kWorkloads) which.push_back(&w);
     const int rc = runWorkloads(*o, which);
     if (rc != 0) throw CLI::RuntimeError(rc);
+  };
+  all->callback(run_all);
+  // `hxfer bench` with no workload runs them all, with their defaults.
+  bench->require_subcommand(0, 1);
+  bench->callback([bench, run_all] {
+    if (bench->get_subcommands().empty()) run_all();
   });
 }
 
