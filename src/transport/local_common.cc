@@ -97,7 +97,24 @@ Status checkMessageSize(size_t bytes, uint64_t max_bytes) {
                          " bytes exceeds max_message_bytes=" + std::to_string(max_bytes));
 }
 
-CopyWorker::CopyWorker() : q_(std::make_shared<Queue>()), thread_([this] { run(); }) {}
+CopyWorker::CopyWorker() : q_(std::make_shared<Queue>()), thread_([this] { run(); }) {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  q_->helpers.threads = std::min(cores, 4u) - 1;
+  for (size_t i = 0; i < q_->helpers.threads; ++i) {
+    helper_threads_.emplace_back([h = &q_->helpers] {
+      std::unique_lock<std::mutex> lock(h->mu);
+      for (;;) {
+        h->cv.wait(lock, [&] { return h->stop || !h->tasks.empty(); });
+        if (h->tasks.empty()) return;  // stopped and drained
+        std::function<void()> task = std::move(h->tasks.front());
+        h->tasks.pop_front();
+        lock.unlock();
+        task();
+        lock.lock();
+      }
+    });
+  }
+}
 
 CopyWorker::~CopyWorker() {
   std::deque<CopyJob> left;
@@ -107,6 +124,12 @@ CopyWorker::~CopyWorker() {
   }
   q_->cv.notify_all();
   thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(q_->helpers.mu);
+    q_->helpers.stop = true;
+  }
+  q_->helpers.cv.notify_all();
+  for (std::thread& t : helper_threads_) t.join();
   {
     std::lock_guard<std::mutex> lock(q_->mu);
     left.swap(q_->jobs);
@@ -129,7 +152,7 @@ void CopyWorker::submit(CopyJob job) {
       mine = std::move(*it);
       q->jobs.erase(it);
     }
-    execute(mine);
+    execute(*q, mine);
   });
   std::shared_ptr<TransferCore> refused;
   {
@@ -147,24 +170,100 @@ void CopyWorker::submit(CopyJob job) {
   q_->cv.notify_one();
 }
 
-void CopyWorker::execute(CopyJob& job) {
-  Status result = OkStatus();
-  for (const CopySegment& seg : job.segments) {
+Status CopyWorker::copySegments(const CopyJob& job, const std::vector<CopySegment>& segments) {
+  for (const CopySegment& seg : segments) {
     if (job.core->cancelRequested()) {
-      result = Cancelled("transfer cancelled before all ops were copied");
-      break;
+      return Cancelled("transfer cancelled before all ops were copied");
     }
-    if (job.check) {
-      result = job.check();
-      if (!result.isOk()) break;
-    }
+    if (job.check) RETURN_IF_ERROR(job.check());
     std::shared_lock<std::shared_mutex> lock(seg.dst->mu);
     if (!seg.dst->alive) {
-      result = Unavailable("remote region " + std::to_string(seg.dst->id) +
-                           " was deregistered by its owner during the transfer");
-      break;
+      return Unavailable("remote region " + std::to_string(seg.dst->id) +
+                         " was deregistered by its owner during the transfer");
     }
     std::memcpy(seg.dst->base + seg.dst_offset, seg.src, seg.bytes);
+  }
+  return OkStatus();
+}
+
+namespace {
+
+// Cuts `segments` into `n` runs of about equal bytes, splitting a segment where a cut falls
+// (at 4 KiB multiples, so parts do not share cache lines or pages of a segment).
+std::vector<std::vector<CopySegment>> cutInto(const std::vector<CopySegment>& segments,
+                                              uint64_t total, size_t n) {
+  std::vector<std::vector<CopySegment>> parts(n);
+  const uint64_t share = (total / n + 4095) & ~uint64_t{4095};
+  size_t part = 0;
+  uint64_t room = share;
+  for (CopySegment seg : segments) {
+    while (seg.bytes > 0) {
+      if (room == 0 && part + 1 < n) {
+        ++part;
+        room = share;
+      }
+      const uint64_t take = part + 1 < n ? std::min(seg.bytes, room) : seg.bytes;
+      CopySegment piece = seg;
+      piece.bytes = take;
+      parts[part].push_back(piece);
+      seg.src += take;
+      seg.dst_offset += take;
+      seg.bytes -= take;
+      room -= std::min(room, take);
+    }
+  }
+  return parts;
+}
+
+}  // namespace
+
+void CopyWorker::execute(Queue& q, CopyJob& job) {
+  Status result = OkStatus();
+  uint64_t total = 0;
+  for (const CopySegment& seg : job.segments) total += seg.bytes;
+  const size_t helpers = q.helpers.threads;
+  if (helpers == 0 || total < kParallelCopyBytes) {
+    result = copySegments(job, job.segments);
+  } else {
+    // Parts 1..n-1 go to the helpers; this thread copies part 0, then waits for the others
+    // (the job's transfer may finish only when no copy of it runs any more).
+    const size_t n = helpers + 1;
+    std::vector<std::vector<CopySegment>> parts = cutInto(job.segments, total, n);
+    std::vector<Status> results(n);
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t pending = n - 1;  // guarded by mu
+    for (size_t i = 1; i < n; ++i) {
+      auto task = [&, i] {
+        Status s = copySegments(job, parts[i]);
+        std::lock_guard<std::mutex> lock(mu);
+        results[i] = std::move(s);
+        if (--pending == 0) cv.notify_all();
+      };
+      bool inline_run = false;
+      {
+        std::lock_guard<std::mutex> lock(q.helpers.mu);
+        if (q.helpers.stop) {
+          inline_run = true;
+        } else {
+          q.helpers.tasks.push_back(task);
+        }
+      }
+      if (inline_run) {
+        task();
+      } else {
+        q.helpers.cv.notify_one();
+      }
+    }
+    results[0] = copySegments(job, parts[0]);
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return pending == 0; });
+    for (Status& s : results) {
+      if (!s.isOk()) {
+        result = std::move(s);
+        break;
+      }
+    }
   }
   // The copies must be visible before anyone can observe kDone (flush semantics).
   std::atomic_thread_fence(std::memory_order_release);
@@ -182,7 +281,7 @@ void CopyWorker::run() {
       job = std::move(q_->jobs.front());
       q_->jobs.pop_front();
     }
-    execute(job);
+    execute(*q_, job);
   }
 }
 

@@ -113,9 +113,14 @@ struct CopyJob {
 };
 
 // One thread that runs copy jobs in FIFO order. Between segments it honours cancellation and
-// the job's check (peer lost).
+// the job's check (peer lost). A job of at least kParallelCopyBytes is cut into equal parts
+// that helper threads copy alongside it (one per further core, at most 3), so one large
+// request uses the machine's copy bandwidth, not one thread's; the job still finishes only
+// once every part stopped.
 // A thread waiting on a transfer whose job has not started takes the job out of the queue and
 // runs it itself (TransferCore::setWaitHelper): no hand-off to this thread and back.
+inline constexpr uint64_t kParallelCopyBytes = 8ull << 20;
+
 class CopyWorker {
  public:
   CopyWorker();
@@ -125,14 +130,25 @@ class CopyWorker {
   void submit(CopyJob job);
 
  private:
+  // Threads that copy parts of large jobs. After stop, a part submitted runs on its caller.
+  struct Helpers {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> tasks;  // guarded by mu
+    bool stop = false;                        // guarded by mu
+    size_t threads = 0;                       // fixed at construction
+  };
   struct Queue {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<CopyJob> jobs;  // guarded by mu
     bool stop = false;         // guarded by mu
+    Helpers helpers;
   };
-  static void execute(CopyJob& job);
+  static void execute(Queue& q, CopyJob& job);
+  static Status copySegments(const CopyJob& job, const std::vector<CopySegment>& segments);
   void run();
+  std::vector<std::thread> helper_threads_;
 
   std::shared_ptr<Queue> q_;  // shared with wait helpers, which may outlive the worker
   std::thread thread_;
