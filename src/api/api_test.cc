@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
@@ -440,7 +441,7 @@ TEST(ApiRouting, AutoPicksShmForSharedBuffersAndUcxForPrivateMemorySayingWhy) {
   EXPECT_NE(rx.status().message().find("somewhere"), std::string::npos) << rx.status().toString();
 }
 
-TEST(ApiPages, MarkReadyRefusesPagesOutsideTwiceOrStillFencedAndNamesThem) {
+TEST(ApiPages, MarkReadyRefusesPagesOutsideOrTwiceAndLetsRequestsSharePages) {
   EngineRank ctx = EngineRank::make(options("trtllm-v2", 1, 0));
   Released released;
   SenderOptions so;
@@ -463,25 +464,74 @@ TEST(ApiPages, MarkReadyRefusesPagesOutsideTwiceOrStillFencedAndNamesThem) {
 
   ASSERT_TRUE((*tx)->markReady(1, ok, 0).isOk());
   const std::vector<uint32_t> overlap = {5, 4};
-  s = (*tx)->markReady(2, overlap, 1);
-  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("block 4 is still held by request 1"), std::string::npos)
-      << s.toString();
   s = (*tx)->markReady(1, overlap, 1);
   EXPECT_NE(s.message().find("already known"), std::string::npos) << s.toString();
   s = (*tx)->markReady(3, std::vector<uint32_t>{7}, 2, std::string(20000, 'x'));
   EXPECT_NE(s.message().find("aux is 20000 bytes"), std::string::npos) << s.toString();
   EXPECT_FALSE((*tx)->holds(3));
 
-  // Cancel releases the pages (nothing was posted), once; they can then be named again.
+  // The sender only reads its pages, so requests may share them (a cached prompt prefix):
+  // block 4 and slot 0 stay fenced until the last request naming them is released.
+  ASSERT_TRUE((*tx)->markReady(2, overlap, 0).isOk());
   ASSERT_TRUE((*tx)->cancel(1).isOk());
   ASSERT_TRUE(released.waitFor(1));
   EXPECT_FALSE((*tx)->holds(1));
-  EXPECT_TRUE((*tx)->markReady(2, overlap, 0).isOk());
+  EXPECT_TRUE((*tx)->holds(2));
+  const CacheCounters c = ctx.memory->impl().cache->counters();
+  EXPECT_EQ(c.free_blocks, 16u - 2u) << "blocks 4 and 5 are still read by request 2";
+  EXPECT_EQ(c.free_slots, 4u - 1u);
+  EXPECT_TRUE(ctx.memory->impl().cache->selfCheck().isOk());
   (*tx)->shutdown();
   EXPECT_TRUE(released.waitFor(2));
   EXPECT_EQ(released.count(1), 1u);
+  EXPECT_EQ(ctx.memory->impl().cache->counters().free_blocks, 16u);
   EXPECT_EQ((*tx)->markReady(4, ok, 0).code(), StatusCode::kUnavailable);
+}
+
+// A prompt prefix cached once on the context side: two requests in flight name the same
+// block, both move, and both generation copies hold the shared block's bytes.
+TEST(ApiTransfer, RequestsSharingACachedPrefixBlockBothMove) {
+  EngineRank ctx = EngineRank::make(options("hxfer", 1, 0));
+  EngineRank gen = EngineRank::make(options("hxfer", 1, 0));
+  const PoolInfo* kv = ctx.layout.pool("kv0");
+  ASSERT_NE(kv, nullptr);
+  ASSERT_GE(kv->shape.size(), 2u);  // [blocks, ...]: a block's bytes are one row
+  ASSERT_EQ(kv->shape[0], 16u);
+  const uint64_t row = kv->strides[0];
+  auto& ctx_kv = ctx.pools.at("kv0");
+  for (uint64_t i = 0; i < ctx_kv.size(); ++i) ctx_kv[i] = static_cast<uint8_t>(i * 7 / 3);
+  Released released;
+  SenderOptions so;
+  so.backend = "inproc";
+  so.on_released = released.callback();
+  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
+  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  ReceiverOptions ro;
+  ro.peers = {(*tx)->address()};
+  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
+  ASSERT_TRUE((*rx)->waitForPeers(10s).isOk());
+  // Block 2 is the shared prefix; 3 and 4 the requests' own tails.
+  ASSERT_TRUE((*tx)->markReady(1, std::vector<uint32_t>{2, 3}, 0).isOk());
+  ASSERT_TRUE((*tx)->markReady(2, std::vector<uint32_t>{2, 4}, 1).isOk());
+  ASSERT_TRUE((*rx)->start(1, 64, std::vector<uint32_t>{0, 1}, 0).isOk());
+  ASSERT_TRUE((*rx)->start(2, 64, std::vector<uint32_t>{5, 6}, 1).isOk());
+  for (uint64_t id : {1, 2}) {
+    auto r = (*rx)->wait(id, 30s);
+    ASSERT_TRUE(r.isOk() && r->ok()) << (r.isOk() ? r->status.toString() : "");
+  }
+  const auto& gen_kv = gen.pools.at("kv0");
+  auto same = [&](const std::vector<uint8_t>& a, uint64_t ra, const std::vector<uint8_t>& b,
+                  uint64_t rb) { return std::memcmp(a.data() + ra * row, b.data() + rb * row, row) == 0; };
+  EXPECT_TRUE(same(gen_kv, 0, ctx_kv, 2));
+  EXPECT_TRUE(same(gen_kv, 5, ctx_kv, 2));
+  EXPECT_TRUE(same(gen_kv, 1, ctx_kv, 3));
+  EXPECT_TRUE(same(gen_kv, 6, ctx_kv, 4));
+  ASSERT_TRUE(released.waitFor(1));
+  ASSERT_TRUE(released.waitFor(2));
+  EXPECT_EQ(ctx.memory->impl().cache->counters().free_blocks, 16u);
+  ASSERT_TRUE((*rx)->release(1).isOk());
+  ASSERT_TRUE((*rx)->release(2).isOk());
 }
 
 TEST(ApiPages, UnaskedPagesAreReleasedWhenTheLeaseExpires) {

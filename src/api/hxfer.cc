@@ -153,7 +153,8 @@ Status applyDType(std::string_view field, const std::string& value, DType* out) 
 
 // The page lifetime hook shared by both sides: a Memory used by one transceiver at a time.
 Status claim(const Layout& layout, const Memory& memory,
-             const std::shared_ptr<Dispatcher>& dispatcher, uint64_t owner) {
+             const std::shared_ptr<Dispatcher>& dispatcher, uint64_t owner,
+             HybridCacheManager::FenceMode mode) {
   if (!(memory.layout() == layout)) {
     return InvalidArgument("memory was registered for another layout: " +
                            memory.layout().describe() + ", not " + layout.describe());
@@ -161,6 +162,12 @@ Status claim(const Layout& layout, const Memory& memory,
   Memory::Impl& m = memory.impl();
   if (m.in_use.exchange(true)) {
     return InvalidArgument("memory is already used by another Sender or Receiver");
+  }
+  // A Sender only reads its pages, so requests may share them (a cached prompt prefix); a
+  // Receiver writes them, so each page is one request's.
+  if (Status s = m.cache->setFenceMode(mode); !s.isOk()) {
+    m.in_use.store(false);
+    return s.withContext("memory");
   }
   // Only this transceiver's requests (adopted with its owner tag): a late release of an
   // earlier user's is not reported here.
@@ -529,7 +536,8 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
   if (!agent.isOk()) return agent.status();
 
   impl->dispatcher = std::make_shared<Dispatcher>(o.on_released);
-  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher, impl->owner));
+  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher, impl->owner,
+                        HybridCacheManager::FenceMode::kSharedReads));
   impl->claimed = true;
   engine::ContextSender::Options so;
   so.instance_id = o.instance;
@@ -697,7 +705,8 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
   if (!agent.isOk()) return agent.status();
 
   impl->dispatcher = std::make_shared<Dispatcher>(o.on_released);
-  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher, impl->owner));
+  RETURN_IF_ERROR(claim(layout, memory, impl->dispatcher, impl->owner,
+                        HybridCacheManager::FenceMode::kExclusive));
   impl->claimed = true;
   engine::GenerationReceiver::Options ro;
   ro.instance_id = o.instance;

@@ -219,6 +219,17 @@ StatusOr<Allocation> HybridCacheManager::allocate(uint64_t request_id, uint32_t 
   return out;
 }
 
+Status HybridCacheManager::setFenceMode(FenceMode mode) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (mode == fence_mode_) return OkStatus();
+  if (!requests_.empty()) {
+    return InvalidArgument("the pools still hold " + str(requests_.size()) +
+                           " requests; the fence mode changes only on empty pools");
+  }
+  fence_mode_ = mode;
+  return OkStatus();
+}
+
 StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num_tokens,
                                                std::span<const uint32_t> blocks,
                                                std::optional<uint32_t> slot, uint64_t owner) {
@@ -260,8 +271,10 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
     }
     return " is not free";
   };
+  const bool shared = fence_mode_ == FenceMode::kSharedReads;
   auto check = [&](const IdPool& pool, bool block, std::span<const uint32_t> ids) -> Status {
     const char* what = block ? "block " : "slot ";
+    const auto& refs = block ? block_refs_ : slot_refs_;
     std::vector<uint32_t> sorted(ids.begin(), ids.end());
     std::sort(sorted.begin(), sorted.end());
     for (size_t i = 0; i < sorted.size(); ++i) {
@@ -273,7 +286,8 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
         return InvalidArgument("request " + str(request_id) + ": " + what + str(sorted[i]) +
                                " listed twice");
       }
-      if (!pool.isFree(sorted[i])) {
+      // Shared reads: a page other readers hold may be named again.
+      if (!pool.isFree(sorted[i]) && !(shared && refs.count(sorted[i]))) {
         return InvalidArgument("request " + str(request_id) + ": " + what + str(sorted[i]) +
                                holder(block, sorted[i]));
       }
@@ -284,10 +298,23 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
       alloc.slot ? std::span<const uint32_t>(&*alloc.slot, 1) : std::span<const uint32_t>();
   RETURN_IF_ERROR(check(blocks_, true, alloc.blocks));
   RETURN_IF_ERROR(check(slots_, false, slot_ids));
-  if (Status s = blocks_.takeIds(alloc.blocks); !s.isOk()) return Internal(s.message());
-  if (Status s = slots_.takeIds(slot_ids); !s.isOk()) {
-    (void)blocks_.give(alloc.blocks);
-    return Internal(s.message());
+  if (shared) {
+    // The first reader of a page takes it from the free pool; later ones only count.
+    auto share = [](IdPool& pool, std::unordered_map<uint32_t, uint32_t>& refs,
+                    std::span<const uint32_t> ids) -> Status {
+      for (uint32_t id : ids) {
+        if (refs[id]++ == 0) RETURN_IF_ERROR(pool.takeIds(std::span<const uint32_t>(&id, 1)));
+      }
+      return OkStatus();
+    };
+    if (Status s = share(blocks_, block_refs_, alloc.blocks); !s.isOk()) return Internal(s.message());
+    if (Status s = share(slots_, slot_refs_, slot_ids); !s.isOk()) return Internal(s.message());
+  } else {
+    if (Status s = blocks_.takeIds(alloc.blocks); !s.isOk()) return Internal(s.message());
+    if (Status s = slots_.takeIds(slot_ids); !s.isOk()) {
+      (void)blocks_.give(alloc.blocks);
+      return Internal(s.message());
+    }
   }
   stats_.used_blocks += static_cast<uint32_t>(alloc.blocks.size());
   stats_.used_slots += static_cast<uint32_t>(slot_ids.size());
@@ -296,6 +323,7 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
   Request req;
   req.alloc = alloc;
   req.owner = owner;
+  req.adopted = true;
   requests_.emplace(request_id, std::move(req));
   return alloc;
 }
@@ -329,9 +357,28 @@ Status HybridCacheManager::free(uint64_t request_id) {
 }
 
 Status HybridCacheManager::releaseLocked(uint64_t request_id, Request& req) {
-  Status blocks = blocks_.give(req.alloc.blocks);
-  Status slot = OkStatus();
-  if (req.alloc.slot) slot = slots_.give(std::span<const uint32_t>(&*req.alloc.slot, 1));
+  Status blocks = OkStatus(), slot = OkStatus();
+  const std::span<const uint32_t> slot_ids =
+      req.alloc.slot ? std::span<const uint32_t>(&*req.alloc.slot, 1) : std::span<const uint32_t>();
+  if (fence_mode_ == FenceMode::kSharedReads && req.adopted) {
+    // The last reader of a page gives it back.
+    auto unshare = [](IdPool& pool, std::unordered_map<uint32_t, uint32_t>& refs,
+                      std::span<const uint32_t> ids) -> Status {
+      for (uint32_t id : ids) {
+        auto it = refs.find(id);
+        if (it == refs.end()) return InvalidArgument("page " + str(id) + " has no reader");
+        if (--it->second > 0) continue;
+        refs.erase(it);
+        RETURN_IF_ERROR(pool.give(std::span<const uint32_t>(&id, 1)));
+      }
+      return OkStatus();
+    };
+    blocks = unshare(blocks_, block_refs_, req.alloc.blocks);
+    slot = unshare(slots_, slot_refs_, slot_ids);
+  } else {
+    blocks = blocks_.give(req.alloc.blocks);
+    if (req.alloc.slot) slot = slots_.give(slot_ids);
+  }
   const uint64_t owner = req.owner;
   requests_.erase(request_id);
   if (release_listener_) release_listener_(request_id, owner);
@@ -395,20 +442,34 @@ Status HybridCacheManager::selfCheck() const {
   std::vector<uint64_t> block_owner(blocks_.capacity(), 0), slot_owner(slots_.capacity(), 0);
   uint64_t used_b = 0, used_s = 0, quar_b = 0, quar_s = 0, live = 0, quar = 0, inflight_req = 0,
            inflight = 0;
+  const bool shared = fence_mode_ == FenceMode::kSharedReads;
+  std::unordered_map<uint32_t, uint32_t> block_refs, slot_refs;  // recounted (shared reads)
   for (const auto& [id, r] : requests_) {
+    const bool counted = shared && r.adopted;
     for (uint32_t b : r.alloc.blocks) {
       if (b >= block_owner.size()) return fail("request " + str(id) + " holds block " + str(b));
-      if (block_owner[b] != 0) {
+      if (counted) {
+        if (blocks_.isFree(b)) return fail("block " + str(b) + " of request " + str(id) + " is free");
+        ++block_refs[b];
+        continue;
+      }
+      if (block_owner[b] != 0 || block_refs_.count(b)) {
         return fail("block " + str(b) + " held by requests " + str(block_owner[b] - 1) + " and " +
                     str(id));
       }
       if (blocks_.isFree(b)) return fail("block " + str(b) + " of request " + str(id) + " is free");
       block_owner[b] = id + 1;
     }
-    if (r.alloc.slot) {
+    if (r.alloc.slot && counted) {
+      const uint32_t s = *r.alloc.slot;
+      if (s >= slot_owner.size() || slots_.isFree(s)) {
+        return fail("slot " + str(s) + " of request " + str(id) + " is free or outside");
+      }
+      ++slot_refs[s];
+    } else if (r.alloc.slot) {
       const uint32_t s = *r.alloc.slot;
       if (s >= slot_owner.size()) return fail("request " + str(id) + " holds slot " + str(s));
-      if (slot_owner[s] != 0) return fail("slot " + str(s) + " held twice");
+      if (slot_owner[s] != 0 || slot_refs_.count(s)) return fail("slot " + str(s) + " held twice");
       if (slots_.isFree(s)) return fail("slot " + str(s) + " of request " + str(id) + " is free");
       slot_owner[s] = id + 1;
     }
@@ -429,8 +490,15 @@ Status HybridCacheManager::selfCheck() const {
                 " (blocks/slots), counters say " + str(c.used_blocks) + "/" + str(c.used_slots) +
                 " and " + str(c.quarantined_blocks) + "/" + str(c.quarantined_slots));
   }
-  if (used_b + quar_b + blocks_.freeCount() != blocks_.capacity() ||
-      used_s + quar_s + slots_.freeCount() != slots_.capacity()) {
+  if (block_refs != block_refs_ || slot_refs != slot_refs_) {
+    return fail("shared page reader counts disagree with the requests holding them");
+  }
+  // With shared reads a page counts once per reader: count the distinct pages instead.
+  uint64_t shared_b = 0, shared_s = 0;
+  for (const auto& [page, n] : block_refs) shared_b += n - 1;
+  for (const auto& [page, n] : slot_refs) shared_s += n - 1;
+  if (used_b + quar_b - shared_b + blocks_.freeCount() != blocks_.capacity() ||
+      used_s + quar_s - shared_s + slots_.freeCount() != slots_.capacity()) {
     return fail("free + used + quarantined != total (blocks " + str(blocks_.freeCount()) + "+" +
                 str(used_b) + "+" + str(quar_b) + " of " + str(blocks_.capacity()) + ", slots " +
                 str(slots_.freeCount()) + "+" + str(used_s) + "+" + str(quar_s) + " of " +

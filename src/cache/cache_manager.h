@@ -166,6 +166,14 @@ class HybridCacheManager {
   // All or nothing: ResourceExhausted (naming the pool, needed and free counts) leaves the
   // pools unchanged. InvalidArgument when request_id is already known (live or quarantined).
   StatusOr<Allocation> allocate(uint64_t request_id, uint32_t num_tokens);
+  // How adopt() fences pages. kExclusive: a page is in at most one request. kSharedReads (a
+  // context rank over engine memory, where hxfer only reads the pages): requests may name the
+  // same page, e.g. a cached prompt prefix, and it stays fenced until the last of them is
+  // released. Counters then count page references (used + quarantined may exceed the total).
+  enum class FenceMode : uint8_t { kExclusive, kSharedReads };
+  // InvalidArgument while any request is known (naming how many).
+  Status setFenceMode(FenceMode mode);
+
   // Takes the pages the engine chose for `request_id`: `blocks` (each at most once, ignored on
   // a rank without attention layers) and `slot` (required on a rank with recurrent layers,
   // ignored otherwise), for `num_tokens` tokens; the request is then live as after allocate().
@@ -217,7 +225,8 @@ class HybridCacheManager {
     Allocation alloc;
     uint32_t inflight = 0;
     bool freed = false;  // quarantined: freed while in flight
-    uint64_t owner = 0;  // adopt()'s tag
+    uint64_t owner = 0;     // adopt()'s tag
+    bool adopted = false;   // pages named by the engine (adopt), not allocate()
   };
 
   HybridCacheManager(RankLayout layout, std::vector<std::unique_ptr<Region>> regions);
@@ -233,6 +242,9 @@ class HybridCacheManager {
   std::unordered_map<uint64_t, Request> requests_;  // guarded by mu_
   CacheCounters stats_;  // guarded by mu_; the lifetime totals and used/quarantined counts
   std::function<void(uint64_t, uint64_t)> release_listener_;  // guarded by mu_
+  FenceMode fence_mode_ = FenceMode::kExclusive;              // guarded by mu_
+  // kSharedReads: the requests holding each held page (adopted pages only).
+  std::unordered_map<uint32_t, uint32_t> block_refs_, slot_refs_;  // guarded by mu_
 };
 
 }  // namespace hxfer

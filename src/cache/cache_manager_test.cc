@@ -584,3 +584,55 @@ TEST(CacheManagerEngine, WrapRefusesMissingOrShortRegions) {
 
 }  // namespace
 }  // namespace hxfer
+
+namespace hxfer {
+namespace {
+
+// A context rank only reads its pages: with shared reads, requests may name the same page (a
+// cached prompt prefix), and it returns to the free pool only with its last reader, fences
+// (quarantine) included.
+TEST(CacheManagerEngine, SharedReadsFenceAPageUntilItsLastReaderIsReleased) {
+  auto layout = buildRankLayout(tinyHybrid(), {1, 1, {}}, 0, 0, StateLayout::kPaged, 8, 2);
+  ASSERT_TRUE(layout.isOk());
+  std::vector<std::vector<uint8_t>> memory;
+  std::vector<std::unique_ptr<Region>> regions;
+  for (const RegionSpec& spec : layout->regions) {
+    memory.emplace_back(spec.length);
+    regions.push_back(*Region::borrow(spec.id, memory.back().data(), spec.length));
+  }
+  auto m = HybridCacheManager::wrap(*layout, std::move(regions));
+  ASSERT_TRUE(m.isOk());
+  HybridCacheManager& c = **m;
+  std::vector<uint64_t> released;
+  c.setReleaseListener([&](uint64_t id, uint64_t) { released.push_back(id); });
+  ASSERT_TRUE(c.setFenceMode(HybridCacheManager::FenceMode::kSharedReads).isOk());
+  ASSERT_TRUE(c.adopt(1, 64, std::vector<uint32_t>{0, 1}, 0).isOk());
+  ASSERT_TRUE(c.adopt(2, 64, std::vector<uint32_t>{0, 2}, 0).isOk());  // shares block 0, slot 0
+  EXPECT_NE(c.adopt(3, 64, std::vector<uint32_t>{3, 3}, 1).status().message().find("twice"),
+            std::string::npos);
+  EXPECT_EQ(c.counters().free_blocks, 5u);  // 0, 1, 2 held
+  EXPECT_EQ(c.counters().free_slots, 1u);
+  ASSERT_TRUE(c.selfCheck().isOk()) << c.selfCheck().toString();
+  // The mode changes only on empty pools.
+  EXPECT_EQ(c.setFenceMode(HybridCacheManager::FenceMode::kExclusive).code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(c.beginTransfer(1).isOk());
+  ASSERT_TRUE(c.free(1).isOk());  // quarantined: block 0 still read by 1 and 2
+  ASSERT_TRUE(c.free(2).isOk());
+  EXPECT_EQ(released, std::vector<uint64_t>{2});
+  EXPECT_EQ(c.counters().free_blocks, 6u);  // block 2 back; 0 and 1 wait for request 1
+  ASSERT_TRUE(c.selfCheck().isOk()) << c.selfCheck().toString();
+  ASSERT_TRUE(c.endTransfer(1).isOk());
+  EXPECT_EQ(released, (std::vector<uint64_t>{2, 1}));
+  ASSERT_TRUE(c.selfCheck().isOk());
+  expectAllFree(c.counters());
+  // An exclusive manager refuses the same sharing, naming the holder.
+  ASSERT_TRUE(c.setFenceMode(HybridCacheManager::FenceMode::kExclusive).isOk());
+  ASSERT_TRUE(c.adopt(1, 64, std::vector<uint32_t>{0, 1}, 0).isOk());
+  EXPECT_NE(c.adopt(2, 64, std::vector<uint32_t>{0, 2}, 1).status().message().find(
+                "block 0 is still held by request 1"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace hxfer
