@@ -323,9 +323,11 @@ class Receiver {
 
   // Asks the context ranks for `request_id`'s state of `num_tokens` tokens, into `blocks`
   // (the request's block table; only the first blocksFor(num_tokens) are touched) and `slot`.
-  // `prefix_tokens` (whole blocks) are already here and not sent. Errors as Sender::markReady
-  // for the pages; Unavailable / Incompatible when a needed context rank is down or refused
-  // (nothing stays fenced).
+  // `prefix_tokens` (whole blocks) are already here and not sent; those blocks are never
+  // written, so requests sharing a cached prefix may name them together. Errors: as
+  // Sender::markReady for the pages (and a block still fenced by another request, naming it);
+  // Unavailable / Incompatible when a needed context rank is down or refused (nothing stays
+  // fenced).
   Status start(uint64_t request_id, uint32_t num_tokens, std::span<const uint32_t> blocks,
                std::optional<uint32_t> slot, uint32_t prefix_tokens = 0,
                std::string_view aux = {});

@@ -489,7 +489,8 @@ TEST(ApiPages, MarkReadyRefusesPagesOutsideOrTwiceAndLetsRequestsSharePages) {
 }
 
 // A prompt prefix cached once on the context side: two requests in flight name the same
-// block, both move, and both generation copies hold the shared block's bytes.
+// block, both move, and both generation copies hold the shared block's bytes. Then a prefix
+// cached once on the generation side: two requests name it as held, only their tails move.
 TEST(ApiTransfer, RequestsSharingACachedPrefixBlockBothMove) {
   EngineRank ctx = EngineRank::make(options("hxfer", 1, 0));
   EngineRank gen = EngineRank::make(options("hxfer", 1, 0));
@@ -532,6 +533,32 @@ TEST(ApiTransfer, RequestsSharingACachedPrefixBlockBothMove) {
   EXPECT_EQ(ctx.memory->impl().cache->counters().free_blocks, 16u);
   ASSERT_TRUE((*rx)->release(1).isOk());
   ASSERT_TRUE((*rx)->release(2).isOk());
+
+  // The generation side holds the prefix (block 9, cached once): two requests name it as
+  // their prefix while in flight together; only their tails arrive, block 9 is not written.
+  auto& gen_kv_w = gen.pools.at("kv0");
+  std::fill(gen_kv_w.begin() + 9 * row, gen_kv_w.begin() + 10 * row, uint8_t{0xEE});
+  ASSERT_TRUE((*tx)->markReady(3, std::vector<uint32_t>{2, 3}, 0).isOk());
+  ASSERT_TRUE((*tx)->markReady(4, std::vector<uint32_t>{2, 4}, 1).isOk());
+  ASSERT_TRUE((*rx)->start(3, 64, std::vector<uint32_t>{9, 10}, 2, 32).isOk());
+  ASSERT_TRUE((*rx)->start(4, 64, std::vector<uint32_t>{9, 11}, 3, 32).isOk());
+  // A request that would write block 9 is refused while the prefix readers hold it.
+  Status s = (*rx)->start(5, 64, std::vector<uint32_t>{12, 9}, 0);
+  EXPECT_NE(s.message().find("block 9 is still held by request"), std::string::npos)
+      << s.toString();
+  for (uint64_t id : {3, 4}) {
+    auto r = (*rx)->wait(id, 30s);
+    ASSERT_TRUE(r.isOk() && r->ok()) << (r.isOk() ? r->status.toString() : "");
+  }
+  EXPECT_TRUE(same(gen_kv, 10, ctx_kv, 3));
+  EXPECT_TRUE(same(gen_kv, 11, ctx_kv, 4));
+  EXPECT_EQ(gen_kv[9 * row], 0xEE);
+  EXPECT_EQ(gen_kv[10 * row - 1], 0xEE);
+  ASSERT_TRUE(gen.memory->impl().cache->selfCheck().isOk());
+  ASSERT_TRUE((*rx)->release(3).isOk());
+  EXPECT_TRUE((*rx)->holds(4));
+  ASSERT_TRUE((*rx)->release(4).isOk());
+  EXPECT_EQ(gen.memory->impl().cache->counters().free_blocks, 16u);
 }
 
 TEST(ApiPages, UnaskedPagesAreReleasedWhenTheLeaseExpires) {

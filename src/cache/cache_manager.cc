@@ -232,7 +232,8 @@ Status HybridCacheManager::setFenceMode(FenceMode mode) {
 
 StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num_tokens,
                                                std::span<const uint32_t> blocks,
-                                               std::optional<uint32_t> slot, uint64_t owner) {
+                                               std::optional<uint32_t> slot, uint64_t owner,
+                                               uint32_t read_prefix) {
   Allocation alloc;
   alloc.request_id = request_id;
   alloc.num_tokens = num_tokens;
@@ -271,8 +272,13 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
     }
     return " is not free";
   };
+  // Pages hxfer only reads are fenced shared (other readers may hold them too): every page on
+  // a kSharedReads manager, and the leading read_prefix blocks on any.
   const bool shared = fence_mode_ == FenceMode::kSharedReads;
-  auto check = [&](const IdPool& pool, bool block, std::span<const uint32_t> ids) -> Status {
+  const size_t shared_blocks =
+      shared ? alloc.blocks.size() : std::min<size_t>(read_prefix, alloc.blocks.size());
+  auto check = [&](const IdPool& pool, bool block, std::span<const uint32_t> ids,
+                   size_t shareable) -> Status {
     const char* what = block ? "block " : "slot ";
     const auto& refs = block ? block_refs_ : slot_refs_;
     std::vector<uint32_t> sorted(ids.begin(), ids.end());
@@ -286,35 +292,39 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
         return InvalidArgument("request " + str(request_id) + ": " + what + str(sorted[i]) +
                                " listed twice");
       }
-      // Shared reads: a page other readers hold may be named again.
-      if (!pool.isFree(sorted[i]) && !(shared && refs.count(sorted[i]))) {
-        return InvalidArgument("request " + str(request_id) + ": " + what + str(sorted[i]) +
-                               holder(block, sorted[i]));
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      // A page read here may also be held by other readers; one written here must be free.
+      const bool read_only = i < shareable;
+      if (!pool.isFree(ids[i]) && !(read_only && refs.count(ids[i]))) {
+        return InvalidArgument("request " + str(request_id) + ": " + what + str(ids[i]) +
+                               holder(block, ids[i]));
       }
     }
     return OkStatus();
   };
   const std::span<const uint32_t> slot_ids =
       alloc.slot ? std::span<const uint32_t>(&*alloc.slot, 1) : std::span<const uint32_t>();
-  RETURN_IF_ERROR(check(blocks_, true, alloc.blocks));
-  RETURN_IF_ERROR(check(slots_, false, slot_ids));
-  if (shared) {
-    // The first reader of a page takes it from the free pool; later ones only count.
-    auto share = [](IdPool& pool, std::unordered_map<uint32_t, uint32_t>& refs,
-                    std::span<const uint32_t> ids) -> Status {
-      for (uint32_t id : ids) {
-        if (refs[id]++ == 0) RETURN_IF_ERROR(pool.takeIds(std::span<const uint32_t>(&id, 1)));
-      }
-      return OkStatus();
-    };
-    if (Status s = share(blocks_, block_refs_, alloc.blocks); !s.isOk()) return Internal(s.message());
-    if (Status s = share(slots_, slot_refs_, slot_ids); !s.isOk()) return Internal(s.message());
-  } else {
-    if (Status s = blocks_.takeIds(alloc.blocks); !s.isOk()) return Internal(s.message());
-    if (Status s = slots_.takeIds(slot_ids); !s.isOk()) {
-      (void)blocks_.give(alloc.blocks);
-      return Internal(s.message());
+  const std::span<const uint32_t> all_blocks(alloc.blocks);
+  RETURN_IF_ERROR(check(blocks_, true, all_blocks, shared_blocks));
+  RETURN_IF_ERROR(check(slots_, false, slot_ids, shared ? slot_ids.size() : 0));
+  // The first reader of a page takes it from the free pool; later ones only count.
+  auto share = [](IdPool& pool, std::unordered_map<uint32_t, uint32_t>& refs,
+                  std::span<const uint32_t> ids) -> Status {
+    for (uint32_t id : ids) {
+      if (refs[id]++ == 0) RETURN_IF_ERROR(pool.takeIds(std::span<const uint32_t>(&id, 1)));
     }
+    return OkStatus();
+  };
+  if (Status s = share(blocks_, block_refs_, all_blocks.first(shared_blocks)); !s.isOk()) {
+    return Internal(s.message());
+  }
+  if (Status s = blocks_.takeIds(all_blocks.subspan(shared_blocks)); !s.isOk()) {
+    return Internal(s.message());
+  }
+  if (Status s = shared ? share(slots_, slot_refs_, slot_ids) : slots_.takeIds(slot_ids);
+      !s.isOk()) {
+    return Internal(s.message());
   }
   stats_.used_blocks += static_cast<uint32_t>(alloc.blocks.size());
   stats_.used_slots += static_cast<uint32_t>(slot_ids.size());
@@ -323,7 +333,8 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
   Request req;
   req.alloc = alloc;
   req.owner = owner;
-  req.adopted = true;
+  req.shared_blocks = static_cast<uint32_t>(shared_blocks);
+  req.shared_slot = shared && alloc.slot.has_value();
   requests_.emplace(request_id, std::move(req));
   return alloc;
 }
@@ -360,25 +371,22 @@ Status HybridCacheManager::releaseLocked(uint64_t request_id, Request& req) {
   Status blocks = OkStatus(), slot = OkStatus();
   const std::span<const uint32_t> slot_ids =
       req.alloc.slot ? std::span<const uint32_t>(&*req.alloc.slot, 1) : std::span<const uint32_t>();
-  if (fence_mode_ == FenceMode::kSharedReads && req.adopted) {
-    // The last reader of a page gives it back.
-    auto unshare = [](IdPool& pool, std::unordered_map<uint32_t, uint32_t>& refs,
-                      std::span<const uint32_t> ids) -> Status {
-      for (uint32_t id : ids) {
-        auto it = refs.find(id);
-        if (it == refs.end()) return InvalidArgument("page " + str(id) + " has no reader");
-        if (--it->second > 0) continue;
-        refs.erase(it);
-        RETURN_IF_ERROR(pool.give(std::span<const uint32_t>(&id, 1)));
-      }
-      return OkStatus();
-    };
-    blocks = unshare(blocks_, block_refs_, req.alloc.blocks);
-    slot = unshare(slots_, slot_refs_, slot_ids);
-  } else {
-    blocks = blocks_.give(req.alloc.blocks);
-    if (req.alloc.slot) slot = slots_.give(slot_ids);
-  }
+  // The last reader of a shared page gives it back.
+  auto unshare = [](IdPool& pool, std::unordered_map<uint32_t, uint32_t>& refs,
+                    std::span<const uint32_t> ids) -> Status {
+    for (uint32_t id : ids) {
+      auto it = refs.find(id);
+      if (it == refs.end()) return InvalidArgument("page " + str(id) + " has no reader");
+      if (--it->second > 0) continue;
+      refs.erase(it);
+      RETURN_IF_ERROR(pool.give(std::span<const uint32_t>(&id, 1)));
+    }
+    return OkStatus();
+  };
+  const std::span<const uint32_t> all_blocks(req.alloc.blocks);
+  blocks = unshare(blocks_, block_refs_, all_blocks.first(req.shared_blocks));
+  if (blocks.isOk()) blocks = blocks_.give(all_blocks.subspan(req.shared_blocks));
+  slot = req.shared_slot ? unshare(slots_, slot_refs_, slot_ids) : slots_.give(slot_ids);
   const uint64_t owner = req.owner;
   requests_.erase(request_id);
   if (release_listener_) release_listener_(request_id, owner);
@@ -442,13 +450,12 @@ Status HybridCacheManager::selfCheck() const {
   std::vector<uint64_t> block_owner(blocks_.capacity(), 0), slot_owner(slots_.capacity(), 0);
   uint64_t used_b = 0, used_s = 0, quar_b = 0, quar_s = 0, live = 0, quar = 0, inflight_req = 0,
            inflight = 0;
-  const bool shared = fence_mode_ == FenceMode::kSharedReads;
-  std::unordered_map<uint32_t, uint32_t> block_refs, slot_refs;  // recounted (shared reads)
+  std::unordered_map<uint32_t, uint32_t> block_refs, slot_refs;  // recounted (shared pages)
   for (const auto& [id, r] : requests_) {
-    const bool counted = shared && r.adopted;
-    for (uint32_t b : r.alloc.blocks) {
+    for (size_t i = 0; i < r.alloc.blocks.size(); ++i) {
+      const uint32_t b = r.alloc.blocks[i];
       if (b >= block_owner.size()) return fail("request " + str(id) + " holds block " + str(b));
-      if (counted) {
+      if (i < r.shared_blocks) {
         if (blocks_.isFree(b)) return fail("block " + str(b) + " of request " + str(id) + " is free");
         ++block_refs[b];
         continue;
@@ -460,7 +467,7 @@ Status HybridCacheManager::selfCheck() const {
       if (blocks_.isFree(b)) return fail("block " + str(b) + " of request " + str(id) + " is free");
       block_owner[b] = id + 1;
     }
-    if (r.alloc.slot && counted) {
+    if (r.alloc.slot && r.shared_slot) {
       const uint32_t s = *r.alloc.slot;
       if (s >= slot_owner.size() || slots_.isFree(s)) {
         return fail("slot " + str(s) + " of request " + str(id) + " is free or outside");

@@ -182,9 +182,11 @@ class HybridCacheManager {
   // the engine reused a page before hxfer released it), when blocks are fewer than
   // blocksFor(num_tokens), or when request_id is known.
   // `owner` tags the request for the release listener (which transceiver took the pages).
+  // The first `read_prefix` blocks are only read (a prefix the generation side already holds):
+  // they are fenced shared, so other requests may name them too, as on a kSharedReads manager.
   StatusOr<Allocation> adopt(uint64_t request_id, uint32_t num_tokens,
                              std::span<const uint32_t> blocks, std::optional<uint32_t> slot,
-                             uint64_t owner = 0);
+                             uint64_t owner = 0, uint32_t read_prefix = 0);
   // Frees a live request. NotFound for an unknown id; InvalidArgument when it was already
   // freed and waits in quarantine. Returns ok in both the immediate and the quarantined case.
   Status free(uint64_t request_id);
@@ -225,8 +227,9 @@ class HybridCacheManager {
     Allocation alloc;
     uint32_t inflight = 0;
     bool freed = false;  // quarantined: freed while in flight
-    uint64_t owner = 0;     // adopt()'s tag
-    bool adopted = false;   // pages named by the engine (adopt), not allocate()
+    uint64_t owner = 0;          // adopt()'s tag
+    uint32_t shared_blocks = 0;  // the leading blocks fenced shared (read only)
+    bool shared_slot = false;    // the slot fenced shared
   };
 
   HybridCacheManager(RankLayout layout, std::vector<std::unique_ptr<Region>> regions);
@@ -243,7 +246,7 @@ class HybridCacheManager {
   CacheCounters stats_;  // guarded by mu_; the lifetime totals and used/quarantined counts
   std::function<void(uint64_t, uint64_t)> release_listener_;  // guarded by mu_
   FenceMode fence_mode_ = FenceMode::kExclusive;              // guarded by mu_
-  // kSharedReads: the requests holding each held page (adopted pages only).
+  // The requests holding each page fenced shared (read-only pages of adopt()).
   std::unordered_map<uint32_t, uint32_t> block_refs_, slot_refs_;  // guarded by mu_
 };
 

@@ -626,12 +626,30 @@ TEST(CacheManagerEngine, SharedReadsFenceAPageUntilItsLastReaderIsReleased) {
   EXPECT_EQ(released, (std::vector<uint64_t>{2, 1}));
   ASSERT_TRUE(c.selfCheck().isOk());
   expectAllFree(c.counters());
-  // An exclusive manager refuses the same sharing, naming the holder.
+  // An exclusive manager refuses the same sharing, naming the holder...
   ASSERT_TRUE(c.setFenceMode(HybridCacheManager::FenceMode::kExclusive).isOk());
   ASSERT_TRUE(c.adopt(1, 64, std::vector<uint32_t>{0, 1}, 0).isOk());
   EXPECT_NE(c.adopt(2, 64, std::vector<uint32_t>{0, 2}, 1).status().message().find(
                 "block 0 is still held by request 1"),
             std::string::npos);
+  ASSERT_TRUE(c.free(1).isOk());
+  // ...except for a read prefix (blocks a generation rank already holds and hxfer never
+  // writes): two requests share block 0 as their prefix; a request writing it is refused.
+  ASSERT_TRUE(c.adopt(3, 64, std::vector<uint32_t>{0, 1}, 0, 0, 1).isOk());
+  ASSERT_TRUE(c.adopt(4, 64, std::vector<uint32_t>{0, 2}, 1, 0, 1).isOk());
+  EXPECT_NE(c.adopt(5, 64, std::vector<uint32_t>{3, 0}, std::nullopt).status().message().find(
+                "no slot"),
+            std::string::npos);
+  c.setReleaseListener(nullptr);
+  ASSERT_TRUE(c.selfCheck().isOk()) << c.selfCheck().toString();
+  auto writer = c.adopt(5, 32, std::vector<uint32_t>{0}, 0);
+  EXPECT_NE(writer.status().message().find("block 0 is still held by request"), std::string::npos)
+      << writer.status().toString();
+  ASSERT_TRUE(c.free(3).isOk());
+  EXPECT_EQ(c.counters().free_blocks, 6u);  // 0 (read by 4) and 2 held
+  ASSERT_TRUE(c.free(4).isOk());
+  ASSERT_TRUE(c.selfCheck().isOk());
+  expectAllFree(c.counters());
 }
 
 }  // namespace

@@ -266,9 +266,13 @@ StatusOr<Allocation> GenerationReceiver::startRequest(uint64_t request_id, uint3
   auto take_pages = [&]() -> StatusOr<Allocation> {
     if (pages == nullptr) return cache_->allocate(request_id, num_tokens);
     const size_t used = std::min<size_t>(pages->blocks.size(), cache_->blocksFor(num_tokens));
+    // hxfer never writes the prefix blocks: they are fenced shared, so requests that share a
+    // cached prefix may be in flight together.
+    const uint32_t prefix_blocks = static_cast<uint32_t>(
+        std::min<size_t>(prefix_tokens / self_.layout.tokens_per_block, used));
     return cache_->adopt(request_id, num_tokens,
                          std::span<const uint32_t>(pages->blocks.data(), used), pages->slot,
-                         pages->owner);
+                         pages->owner, prefix_blocks);
   };
   StatusOr<Allocation> alloc = take_pages();
   if (!alloc.isOk()) {
