@@ -738,8 +738,7 @@ PYBIND11_MODULE(hxfer, m) {
           "dicts with pool, offset, index_stride, num_indices, dtype, element_bytes, dims "
           "[{name, size, stride}] and sections [{name, first_unit, units, unit_len, base, "
           "unit_stride, within_stride}] (docs/api.md).")
-      .def("layers", &hxfer::Layout::layers,
-           "Global layer ids this rank holds records of.")
+      .def("layers", &hxfer::Layout::layers, "Global layer ids this rank holds records of.")
       .def("describe", &hxfer::Layout::describe)
       .def("blocks_for", &hxfer::Layout::blocksFor, py::arg("num_tokens"),
            "Blocks that num_tokens tokens occupy on this rank (0 without attention layers).")

@@ -88,7 +88,6 @@ int main() {
   }
   if (auto s = (*rx)->release(1); !s.isOk()) return fail(s, "release");
   std::printf("engine_pair: %llu bytes over %s, aux '%s', every byte equal\n",
-              static_cast<unsigned long long>(r->bytes), (*rx)->backend().c_str(),
-              r->aux.c_str());
+              static_cast<unsigned long long>(r->bytes), (*rx)->backend().c_str(), r->aux.c_str());
   return 0;
 }

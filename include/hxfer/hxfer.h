@@ -24,8 +24,8 @@
 // value. Thread-safety: every method of Sender and Receiver may be called from any thread;
 // on_released runs on a thread of its own, without hxfer's locks held, and may call back into
 // the Sender or Receiver (shutdown too, but must not destroy it); on_request runs on the
-// progress thread, must not block for long and must not call shutdown. Layout and Memory are values (shared handles), safe to
-// copy and share.
+// progress thread, must not block for long and must not call shutdown. Layout and Memory are values
+// (shared handles), safe to copy and share.
 #pragma once
 
 #include <chrono>
@@ -329,8 +329,7 @@ class Receiver {
   // Unavailable / Incompatible when a needed context rank is down or refused (nothing stays
   // fenced).
   Status start(uint64_t request_id, uint32_t num_tokens, std::span<const uint32_t> blocks,
-               std::optional<uint32_t> slot, uint32_t prefix_tokens = 0,
-               std::string_view aux = {});
+               std::optional<uint32_t> slot, uint32_t prefix_tokens = 0, std::string_view aux = {});
   // The request's state now; NotFound for an unknown or released id.
   StatusOr<Result> poll(uint64_t request_id) const;
   // Waits for a terminal state; the in-progress result when `timeout` passes first.

@@ -16,8 +16,8 @@
 
 #include "api/api_impl.h"
 #include "cache/engine_layout.h"
-#include "hxfer/hxfer.h"
 #include "cache/record_layout.h"
+#include "hxfer/hxfer.h"
 #include "plan/oracle.h"
 
 namespace hxfer {
@@ -103,6 +103,24 @@ struct Released {
   }
 };
 
+// A generation rank of `gen` reading from `tx`, handshake done; nullptr (a test failure) when
+// it cannot be had.
+std::unique_ptr<Receiver> connectedReceiver(EngineRank& gen, const Sender& tx, Released* released) {
+  ReceiverOptions ro;
+  ro.peers = {tx.address()};
+  if (released != nullptr) ro.on_released = released->callback();
+  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
+  if (!rx.isOk()) {
+    ADD_FAILURE() << rx.status().toString();
+    return nullptr;
+  }
+  if (Status s = (*rx)->waitForPeers(10s); !s.isOk()) {
+    ADD_FAILURE() << s.toString();
+    return nullptr;
+  }
+  return std::move(*rx);
+}
+
 TEST(ApiLayout, PoolsNameEveryRegionOfTheEngineLayoutWithItsBytes) {
   auto l = Layout::engine(options("sglang", 2, 0, 64, 8));
   ASSERT_TRUE(l.isOk()) << l.status().toString();
@@ -115,15 +133,15 @@ TEST(ApiLayout, PoolsNameEveryRegionOfTheEngineLayoutWithItsBytes) {
     EXPECT_EQ(p.bytes, rl.regions[i].length);
     ASSERT_EQ(p.shape.size(), p.strides.size());
     uint64_t extent = 1;
-    for (size_t d = 0; d < p.shape.size(); ++d) extent = std::max(extent, p.shape[d] * p.strides[d]);
+    for (size_t d = 0; d < p.shape.size(); ++d)
+      extent = std::max(extent, p.shape[d] * p.strides[d]);
     EXPECT_EQ(extent, p.bytes) << p.name;
     names.insert(p.name);
   }
   // sglang keeps per-layer k/v buffers and layer-major conv/ssm pools.
   EXPECT_TRUE(names.count("conv0")) << ::testing::PrintToString(names);
-  EXPECT_TRUE(std::any_of(names.begin(), names.end(), [](const std::string& n) {
-    return n.rfind("k.", 0) == 0;
-  }));
+  EXPECT_TRUE(std::any_of(names.begin(), names.end(),
+                          [](const std::string& n) { return n.rfind("k.", 0) == 0; }));
   EXPECT_TRUE(l->hasKv());
   EXPECT_TRUE(l->hasState());
   EXPECT_EQ(l->blocksFor(60), 2u);
@@ -159,7 +177,8 @@ TEST(ApiLayout, RecordsLocateEveryElementWhereTheOracleWroteIt) {
         const Role rl = role == "kv" ? Role::kKv : role == "conv" ? Role::kConv : Role::kSsm;
         for (const RecordPart& part : *parts) {
           const uint8_t* pool = r.pools.at(part.pool).data();
-          const uint8_t* rec = pool + part.offset + (rl == Role::kKv ? block : slot) * part.index_stride;
+          const uint8_t* rec =
+              pool + part.offset + (rl == Role::kKv ? block : slot) * part.index_stride;
           // Inner dims: every dim but the section dim ("kv") and the unit dim.
           std::vector<RecordDim> inner;
           for (const RecordDim& d : part.dims) {
@@ -169,10 +188,10 @@ TEST(ApiLayout, RecordsLocateEveryElementWhereTheOracleWroteIt) {
             for (uint32_t u = 0; u < sec.units; ++u) {
               for (uint32_t c = 0; c < sec.unit_len; ++c) {
                 // Walk the inner dims in the canonical order (logical names) of the role.
-                const LogicalDims ld = logicalDims(
-                    rl == Role::kKv ? LayerKind::kAttention
-                                    : r.layout.impl().model.layers[layer].recurrent,
-                    rl);
+                const LogicalDims ld =
+                    logicalDims(rl == Role::kKv ? LayerKind::kAttention
+                                                : r.layout.impl().model.layers[layer].recurrent,
+                                rl);
                 std::vector<const RecordDim*> order;
                 for (const std::string& n : ld.inner) {
                   for (const RecordDim& d : inner) {
@@ -203,8 +222,8 @@ TEST(ApiLayout, RecordsLocateEveryElementWhereTheOracleWroteIt) {
                     }
                     numbered = numbered * order[k]->size + idx[k];
                   }
-                  const uint64_t seed = oracleUnitSeed(id, layer, rl, sec.name,
-                                                       sec.first_unit + u, token);
+                  const uint64_t seed =
+                      oracleUnitSeed(id, layer, rl, sec.name, sec.first_unit + u, token);
                   for (uint32_t b = 0; b < part.element_bytes; ++b) {
                     ASSERT_EQ(rec[at + b], oracleByte(seed, numbered * part.element_bytes + b))
                         << "layer " << layer << " " << role << " " << sec.name << " unit "
@@ -346,9 +365,9 @@ void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std:
   const uint32_t tokens = 60;  // 2 blocks of 32, the last one partial
   const std::vector<uint32_t> ctx_blocks = {11, 3}, gen_blocks = {9, 0};
   for (uint32_t r = 0; r < 2; ++r) {
-    ASSERT_TRUE(fillRank(ctx_ranks[r].rankLayout(), ctx_ranks[r].rankMemory(),
-                         RankIds{ctx_blocks, 1}, id)
-                    .isOk());
+    ASSERT_TRUE(
+        fillRank(ctx_ranks[r].rankLayout(), ctx_ranks[r].rankMemory(), RankIds{ctx_blocks, 1}, id)
+            .isOk());
     ASSERT_TRUE(senders[r]->markReady(id, ctx_blocks, 1, r == 0 ? "tok" : "").isOk());
     EXPECT_TRUE(senders[r]->holds(id));
   }
@@ -426,8 +445,7 @@ TEST(ApiRouting, AutoPicksShmForSharedBuffersAndUcxForPrivateMemorySayingWhy) {
   so.backend = "shm";
   auto s3 = Sender::create(gen.layout, *gen.memory, so);
   ASSERT_FALSE(s3.isOk());
-  EXPECT_NE(s3.status().message().find("backend=shm"), std::string::npos)
-      << s3.status().toString();
+  EXPECT_NE(s3.status().message().find("backend=shm"), std::string::npos) << s3.status().toString();
   // Addresses that mix backends, or name none, are refused.
   ro.peers = {"shm:a", "ucx:127.0.0.1:1"};
   ro.peer_tp = 2;
@@ -507,23 +525,22 @@ TEST(ApiTransfer, RequestsSharingACachedPrefixBlockBothMove) {
   so.on_released = released.callback();
   auto tx = Sender::create(ctx.layout, *ctx.memory, so);
   ASSERT_TRUE(tx.isOk()) << tx.status().toString();
-  ReceiverOptions ro;
-  ro.peers = {(*tx)->address()};
-  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
-  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
-  ASSERT_TRUE((*rx)->waitForPeers(10s).isOk());
+  auto rx = connectedReceiver(gen, **tx, nullptr);
+  ASSERT_NE(rx, nullptr);
   // Block 2 is the shared prefix; 3 and 4 the requests' own tails.
   ASSERT_TRUE((*tx)->markReady(1, std::vector<uint32_t>{2, 3}, 0).isOk());
   ASSERT_TRUE((*tx)->markReady(2, std::vector<uint32_t>{2, 4}, 1).isOk());
-  ASSERT_TRUE((*rx)->start(1, 64, std::vector<uint32_t>{0, 1}, 0).isOk());
-  ASSERT_TRUE((*rx)->start(2, 64, std::vector<uint32_t>{5, 6}, 1).isOk());
+  ASSERT_TRUE(rx->start(1, 64, std::vector<uint32_t>{0, 1}, 0).isOk());
+  ASSERT_TRUE(rx->start(2, 64, std::vector<uint32_t>{5, 6}, 1).isOk());
   for (uint64_t id : {1, 2}) {
-    auto r = (*rx)->wait(id, 30s);
+    auto r = rx->wait(id, 30s);
     ASSERT_TRUE(r.isOk() && r->ok()) << (r.isOk() ? r->status.toString() : "");
   }
   const auto& gen_kv = gen.pools.at("kv0");
   auto same = [&](const std::vector<uint8_t>& a, uint64_t ra, const std::vector<uint8_t>& b,
-                  uint64_t rb) { return std::memcmp(a.data() + ra * row, b.data() + rb * row, row) == 0; };
+                  uint64_t rb) {
+    return std::memcmp(a.data() + ra * row, b.data() + rb * row, row) == 0;
+  };
   EXPECT_TRUE(same(gen_kv, 0, ctx_kv, 2));
   EXPECT_TRUE(same(gen_kv, 5, ctx_kv, 2));
   EXPECT_TRUE(same(gen_kv, 1, ctx_kv, 3));
@@ -531,8 +548,8 @@ TEST(ApiTransfer, RequestsSharingACachedPrefixBlockBothMove) {
   ASSERT_TRUE(released.waitFor(1));
   ASSERT_TRUE(released.waitFor(2));
   EXPECT_EQ(ctx.memory->impl().cache->counters().free_blocks, 16u);
-  ASSERT_TRUE((*rx)->release(1).isOk());
-  ASSERT_TRUE((*rx)->release(2).isOk());
+  ASSERT_TRUE(rx->release(1).isOk());
+  ASSERT_TRUE(rx->release(2).isOk());
 
   // The generation side holds the prefix (block 9, cached once): two requests name it as
   // their prefix while in flight together; only their tails arrive, block 9 is not written.
@@ -540,14 +557,14 @@ TEST(ApiTransfer, RequestsSharingACachedPrefixBlockBothMove) {
   std::fill(gen_kv_w.begin() + 9 * row, gen_kv_w.begin() + 10 * row, uint8_t{0xEE});
   ASSERT_TRUE((*tx)->markReady(3, std::vector<uint32_t>{2, 3}, 0).isOk());
   ASSERT_TRUE((*tx)->markReady(4, std::vector<uint32_t>{2, 4}, 1).isOk());
-  ASSERT_TRUE((*rx)->start(3, 64, std::vector<uint32_t>{9, 10}, 2, 32).isOk());
-  ASSERT_TRUE((*rx)->start(4, 64, std::vector<uint32_t>{9, 11}, 3, 32).isOk());
+  ASSERT_TRUE(rx->start(3, 64, std::vector<uint32_t>{9, 10}, 2, 32).isOk());
+  ASSERT_TRUE(rx->start(4, 64, std::vector<uint32_t>{9, 11}, 3, 32).isOk());
   // A request that would write block 9 is refused while the prefix readers hold it.
-  Status s = (*rx)->start(5, 64, std::vector<uint32_t>{12, 9}, 0);
+  Status s = rx->start(5, 64, std::vector<uint32_t>{12, 9}, 0);
   EXPECT_NE(s.message().find("block 9 is still held by request"), std::string::npos)
       << s.toString();
   for (uint64_t id : {3, 4}) {
-    auto r = (*rx)->wait(id, 30s);
+    auto r = rx->wait(id, 30s);
     ASSERT_TRUE(r.isOk() && r->ok()) << (r.isOk() ? r->status.toString() : "");
   }
   EXPECT_TRUE(same(gen_kv, 10, ctx_kv, 3));
@@ -555,9 +572,9 @@ TEST(ApiTransfer, RequestsSharingACachedPrefixBlockBothMove) {
   EXPECT_EQ(gen_kv[9 * row], 0xEE);
   EXPECT_EQ(gen_kv[10 * row - 1], 0xEE);
   ASSERT_TRUE(gen.memory->impl().cache->selfCheck().isOk());
-  ASSERT_TRUE((*rx)->release(3).isOk());
-  EXPECT_TRUE((*rx)->holds(4));
-  ASSERT_TRUE((*rx)->release(4).isOk());
+  ASSERT_TRUE(rx->release(3).isOk());
+  EXPECT_TRUE(rx->holds(4));
+  ASSERT_TRUE(rx->release(4).isOk());
   EXPECT_EQ(gen.memory->impl().cache->counters().free_blocks, 16u);
 }
 
@@ -596,27 +613,23 @@ TEST(ApiPages, CancelledRequestStaysFencedUntilTheContextRankAnswered) {
   auto tx = Sender::create(ctx.layout, *ctx.memory, so);
   ASSERT_TRUE(tx.isOk()) << tx.status().toString();
   Released released;
-  ReceiverOptions ro;
-  ro.peers = {(*tx)->address()};
-  ro.on_released = released.callback();
-  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
-  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
-  ASSERT_TRUE((*rx)->waitForPeers(10s).isOk());
+  auto rx = connectedReceiver(gen, **tx, &released);
+  ASSERT_NE(rx, nullptr);
 
   const std::vector<uint32_t> blocks = {4, 5};
-  ASSERT_TRUE((*rx)->start(1, 40, blocks, 0).isOk());
+  ASSERT_TRUE(rx->start(1, 40, blocks, 0).isOk());
   {
     std::unique_lock lock(mu);
     ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return asked; }));
   }
-  ASSERT_TRUE((*rx)->cancel(1).isOk());
-  auto r = (*rx)->poll(1);
+  ASSERT_TRUE(rx->cancel(1).isOk());
+  auto r = rx->poll(1);
   ASSERT_TRUE(r.isOk());
   EXPECT_EQ(r->state, Result::State::kFailed);
   EXPECT_EQ(r->status.code(), StatusCode::kCancelled);
   // Still fenced: the engine may not reuse the pages, and hxfer refuses them.
-  EXPECT_TRUE((*rx)->holds(1));
-  Status s = (*rx)->start(2, 40, blocks, 1);
+  EXPECT_TRUE(rx->holds(1));
+  Status s = rx->start(2, 40, blocks, 1);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("still held by request 1 (freed, fenced"), std::string::npos)
       << s.toString();
@@ -627,8 +640,8 @@ TEST(ApiPages, CancelledRequestStaysFencedUntilTheContextRankAnswered) {
     cv.notify_all();
   }
   ASSERT_TRUE(released.waitFor(1));
-  EXPECT_FALSE((*rx)->holds(1));
-  EXPECT_TRUE((*rx)->release(1).isOk());  // forgets the failed result
+  EXPECT_FALSE(rx->holds(1));
+  EXPECT_TRUE(rx->release(1).isOk());  // forgets the failed result
   (*tx)->shutdown();
 }
 
@@ -644,20 +657,16 @@ TEST(ApiPages, LostContextRankFailsTheRequestAndReleasesItsPages) {
   auto tx = Sender::create(ctx.layout, *ctx.memory, so);
   ASSERT_TRUE(tx.isOk()) << tx.status().toString();
   Released released;
-  ReceiverOptions ro;
-  ro.peers = {(*tx)->address()};
-  ro.on_released = released.callback();
-  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
-  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
-  ASSERT_TRUE((*rx)->waitForPeers(10s).isOk());
-  ASSERT_TRUE((*rx)->start(3, 32, std::vector<uint32_t>{1}, 1).isOk());
+  auto rx = connectedReceiver(gen, **tx, &released);
+  ASSERT_NE(rx, nullptr);
+  ASSERT_TRUE(rx->start(3, 32, std::vector<uint32_t>{1}, 1).isOk());
   (*tx)->shutdown();
-  auto r = (*rx)->wait(3, 10s);
+  auto r = rx->wait(3, 10s);
   ASSERT_TRUE(r.isOk());
   EXPECT_EQ(r->state, Result::State::kFailed) << r->status.toString();
   ASSERT_TRUE(released.waitFor(3));
-  EXPECT_FALSE((*rx)->holds(3));
-  EXPECT_EQ((*rx)->metrics().requests_held, 0u);
+  EXPECT_FALSE(rx->holds(3));
+  EXPECT_EQ(rx->metrics().requests_held, 0u);
   // The memory is free for another user once the sender is gone.
   auto tx2 = Sender::create(ctx.layout, *ctx.memory, so);
   EXPECT_TRUE(tx2.isOk()) << tx2.status().toString();

@@ -41,8 +41,7 @@ std::string str(uint64_t v) { return std::to_string(v); }
 // shutdown called back in): they then leave the thread to end after the callback returns.
 class Dispatcher {
  public:
-  explicit Dispatcher(std::function<void(uint64_t)> callback)
-      : state_(std::make_shared<State>()) {
+  explicit Dispatcher(std::function<void(uint64_t)> callback) : state_(std::make_shared<State>()) {
     state_->callback = std::move(callback);
     if (state_->callback) {
       std::lock_guard lock(state_->mu);  // thread_id is read under it (onThread)
@@ -128,7 +127,8 @@ void describePool(const RankLayout& l, const RegionSpec& spec, PoolInfo* out) {
     if (v.region_id != spec.id) continue;
     std::vector<std::pair<uint64_t, uint64_t>> dims;  // (size, stride)
     if (v.num_indices > 1 && v.index_stride != 0) dims.push_back({v.num_indices, v.index_stride});
-    if (v.layers.size() > 1 && v.layer_stride != 0) dims.push_back({v.layers.size(), v.layer_stride});
+    if (v.layers.size() > 1 && v.layer_stride != 0)
+      dims.push_back({v.layers.size(), v.layer_stride});
     std::sort(dims.begin(), dims.end(), [](auto& a, auto& b) { return a.second > b.second; });
     if (dims.empty() || dims[0].first * dims[0].second != spec.length) return;
     out->shape = {dims[0].first};
@@ -345,8 +345,7 @@ StatusOr<std::vector<RecordPart>> Layout::records(uint32_t layer, std::string_vi
     if (it == v.layers.end()) continue;
     const uint64_t local_layer = static_cast<uint64_t>(it - v.layers.begin());
     const uint32_t element_bytes = static_cast<uint32_t>(dtypeSize(l.dtypeOf(*r)));
-    ASSIGN_OR_RETURN(std::vector<uint32_t> local,
-                     localUnitCounts(v.sections, l.tp, l.tp_rank));
+    ASSIGN_OR_RETURN(std::vector<uint32_t> local, localUnitCounts(v.sections, l.tp, l.tp_rank));
     const LogicalDims ld = logicalDims(v.kind, v.role);
     StatusOr<RecordLayout> rec = Status(StatusCode::kInternal, "no record layout");
     if (v.record) {
@@ -386,7 +385,8 @@ StatusOr<std::vector<RecordPart>> Layout::records(uint32_t layer, std::string_vi
 
 std::vector<uint32_t> Layout::layers() const {
   std::vector<uint32_t> out;
-  for (const PoolView& v : impl_->layout.views) out.insert(out.end(), v.layers.begin(), v.layers.end());
+  for (const PoolView& v : impl_->layout.views)
+    out.insert(out.end(), v.layers.begin(), v.layers.end());
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
@@ -435,8 +435,8 @@ StatusOr<Memory> Memory::wrap(const Layout& layout, const std::map<std::string, 
     if (layout.pool(name) == nullptr) {
       std::string names;
       for (const PoolInfo& p : layout.pools()) names += (names.empty() ? "" : ", ") + p.name;
-      return InvalidArgument("buffer '" + name + "' names no pool of the layout (its pools: " +
-                             names + ")");
+      return InvalidArgument("buffer '" + name +
+                             "' names no pool of the layout (its pools: " + names + ")");
     }
   }
   auto impl = std::make_shared<Impl>(layout);
@@ -472,15 +472,20 @@ bool Memory::shareable() const { return impl_->shareable; }
 
 // ---- Sender ----
 
-struct Sender::Impl {
+namespace {
+
+// What a Sender and a Receiver share: the Memory they fence, the release thread, and the
+// shutdown protocol. `T` is the transceiver (ContextSender or GenerationReceiver).
+template <typename T>
+struct Endpoint {
   Layout layout;
   Memory memory;
   std::shared_ptr<Dispatcher> dispatcher;
-  bool claimed = false;  // the Memory is this Sender's (claim() succeeded)
-  std::unique_ptr<engine::ContextSender> sender;
+  bool claimed = false;  // the Memory is this endpoint's (claim() succeeded)
+  std::unique_ptr<T> transceiver;
   engine::BackendKind backend = engine::BackendKind::kUcx;
   std::string routing;
-  const uint64_t owner = nextOwner();  // tags the pages this Sender adopts
+  const uint64_t owner = nextOwner();  // tags the pages this endpoint adopts
   // Calls that touch the pages hold it shared; shutdown() takes it once, exclusively, to mark
   // the end, so no call is half-way through when the memory is handed back.
   mutable std::shared_mutex mu;
@@ -489,11 +494,10 @@ struct Sender::Impl {
   std::condition_variable shutdown_cv;
   bool shutdown_started = false, shutdown_done = false;  // guarded by shutdown_mu
 
-  Impl(Layout l, Memory m) : layout(std::move(l)), memory(std::move(m)) {}
-  ~Impl() { shutdown(); }
+  Endpoint(Layout l, Memory m) : layout(std::move(l)), memory(std::move(m)) {}
   HybridCacheManager& cache() const { return *memory.impl().cache; }
-  // The sender stays until the Impl dies: a call racing shutdown() reaches a stopped one.
-  // A second caller waits for the first, except on the release thread (a callback calling
+  // The transceiver stays until the endpoint dies: a call racing shutdown() reaches a stopped
+  // one. A second caller waits for the first, except on the release thread (a callback calling
   // back in while another thread shuts down, which waits for that callback): it returns.
   void shutdown() {
     {
@@ -505,7 +509,7 @@ struct Sender::Impl {
       }
       shutdown_started = true;
     }
-    if (sender) sender->shutdown();
+    if (transceiver) transceiver->shutdown();
     {
       std::unique_lock lock(mu);
       stopped = true;
@@ -516,6 +520,13 @@ struct Sender::Impl {
     shutdown_done = true;
     shutdown_cv.notify_all();
   }
+};
+
+}  // namespace
+
+struct Sender::Impl : Endpoint<engine::ContextSender> {
+  using Endpoint::Endpoint;
+  ~Impl() { shutdown(); }
 };
 
 Sender::Sender(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -531,8 +542,8 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
   if (routed.backend != engine::BackendKind::kUcx && looksLikeHostPort(listen)) listen.clear();
   if (routed.backend == engine::BackendKind::kUcx && listen.empty()) listen = "127.0.0.1:0";
   const RankLayout& l = layout.impl().layout;
-  auto agent = makeAgent(o, routed.backend, listen,
-                         o.instance + "-ctx" + str(l.pp_rank * l.tp + l.tp_rank));
+  auto agent =
+      makeAgent(o, routed.backend, listen, o.instance + "-ctx" + str(l.pp_rank * l.tp + l.tp_rank));
   if (!agent.isOk()) return agent.status();
 
   impl->dispatcher = std::make_shared<Dispatcher>(o.on_released);
@@ -554,11 +565,11 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
   }
   auto sender = engine::ContextSender::create(std::move(so), &impl->cache(), std::move(*agent));
   if (!sender.isOk()) return sender.status();  // ~Impl hands the memory back
-  impl->sender = std::move(*sender);
+  impl->transceiver = std::move(*sender);
   return std::unique_ptr<Sender>(new Sender(std::move(impl)));
 }
 
-std::string Sender::address() const { return impl_->sender->address(); }
+std::string Sender::address() const { return impl_->transceiver->address(); }
 std::string Sender::backend() const { return std::string(engine::backendName(impl_->backend)); }
 std::string Sender::routing() const { return impl_->routing; }
 
@@ -575,7 +586,7 @@ Status Sender::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
   if (tokens > UINT32_MAX) return InvalidArgument("too many blocks: " + str(blocks.size()));
   auto alloc = cache.adopt(request_id, static_cast<uint32_t>(tokens), blocks, slot, impl_->owner);
   if (!alloc.isOk()) return alloc.status();
-  Status s = impl_->sender->markReady(request_id, Bytes(aux.begin(), aux.end()));
+  Status s = impl_->transceiver->markReady(request_id, Bytes(aux.begin(), aux.end()));
   // InvalidArgument / Unavailable leave the pages with the caller: hand them back (released
   // at once: nothing was posted).
   if (s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kUnavailable) {
@@ -584,71 +595,30 @@ Status Sender::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
   return s;
 }
 
-Status Sender::cancel(uint64_t request_id) { return impl_->sender->cancel(request_id); }
+Status Sender::cancel(uint64_t request_id) { return impl_->transceiver->cancel(request_id); }
 
 bool Sender::holds(uint64_t request_id) const { return impl_->cache().find(request_id).isOk(); }
 
-size_t Sender::connectedPeers() const { return impl_->sender->connectedPeers(); }
+size_t Sender::connectedPeers() const { return impl_->transceiver->connectedPeers(); }
 
-Metrics Sender::metrics() const { return toMetrics(impl_->sender->metrics(), impl_->cache()); }
+Metrics Sender::metrics() const { return toMetrics(impl_->transceiver->metrics(), impl_->cache()); }
 
 void Sender::shutdown() { impl_->shutdown(); }
 
 // ---- Receiver ----
 
-struct Receiver::Impl {
-  Layout layout;
-  Memory memory;
-  std::shared_ptr<Dispatcher> dispatcher;
-  bool claimed = false;  // the Memory is this Receiver's (claim() succeeded)
-  std::unique_ptr<engine::GenerationReceiver> receiver;
+struct Receiver::Impl : Endpoint<engine::GenerationReceiver> {
+  using Endpoint::Endpoint;
+  ~Impl() {
+    shutdown();
+    if (!transceiver) return;
+    std::lock_guard lock(started_mu);
+    for (uint64_t id : started) (void)transceiver->release(id);
+  }
   // Requests started and not yet released, released when the Receiver is destroyed (nobody
   // could release them afterwards).
   std::mutex started_mu;
   std::set<uint64_t> started;  // guarded by started_mu
-  engine::BackendKind backend = engine::BackendKind::kUcx;
-  std::string routing;
-  const uint64_t owner = nextOwner();  // tags the pages this Receiver adopts
-  // Calls that touch the pages hold it shared; shutdown() takes it once, exclusively, to mark
-  // the end, so no call is half-way through when the memory is handed back.
-  mutable std::shared_mutex mu;
-  bool stopped = false;  // guarded by mu
-  std::mutex shutdown_mu;
-  std::condition_variable shutdown_cv;
-  bool shutdown_started = false, shutdown_done = false;  // guarded by shutdown_mu
-
-  Impl(Layout l, Memory m) : layout(std::move(l)), memory(std::move(m)) {}
-  ~Impl() {
-    shutdown();
-    if (!receiver) return;
-    std::lock_guard lock(started_mu);
-    for (uint64_t id : started) (void)receiver->release(id);
-  }
-  HybridCacheManager& cache() const { return *memory.impl().cache; }
-  // The receiver stays until the Impl dies: a call racing shutdown() reaches a stopped one.
-  // A second caller waits for the first, except on the release thread (a callback calling
-  // back in while another thread shuts down, which waits for that callback): it returns.
-  void shutdown() {
-    {
-      std::unique_lock lock(shutdown_mu);
-      if (shutdown_started) {
-        if (dispatcher && dispatcher->onThread()) return;
-        shutdown_cv.wait(lock, [&] { return shutdown_done; });
-        return;
-      }
-      shutdown_started = true;
-    }
-    if (receiver) receiver->shutdown();
-    {
-      std::unique_lock lock(mu);
-      stopped = true;
-    }
-    if (dispatcher) dispatcher->stop();
-    if (claimed) unclaim(memory.impl());
-    std::lock_guard lock(shutdown_mu);
-    shutdown_done = true;
-    shutdown_cv.notify_all();
-  }
 };
 
 Receiver::Receiver(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -699,9 +669,9 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
   impl->backend = routed.backend;
   impl->routing = routed.reason;
   const RankLayout& l = layout.impl().layout;
-  auto agent = makeAgent(o, routed.backend,
-                         routed.backend == engine::BackendKind::kUcx ? "127.0.0.1:0" : "",
-                         o.instance + "-gen" + str(l.pp_rank * l.tp + l.tp_rank));
+  auto agent =
+      makeAgent(o, routed.backend, routed.backend == engine::BackendKind::kUcx ? "127.0.0.1:0" : "",
+                o.instance + "-gen" + str(l.pp_rank * l.tp + l.tp_rank));
   if (!agent.isOk()) return agent.status();
 
   impl->dispatcher = std::make_shared<Dispatcher>(o.on_released);
@@ -723,7 +693,7 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
   auto receiver =
       engine::GenerationReceiver::create(std::move(ro), &impl->cache(), std::move(*agent));
   if (!receiver.isOk()) return receiver.status();  // ~Impl hands the memory back
-  impl->receiver = std::move(*receiver);
+  impl->transceiver = std::move(*receiver);
   return std::unique_ptr<Receiver>(new Receiver(std::move(impl)));
 }
 
@@ -731,18 +701,17 @@ std::string Receiver::backend() const { return std::string(engine::backendName(i
 std::string Receiver::routing() const { return impl_->routing; }
 
 Status Receiver::waitForPeers(std::chrono::milliseconds timeout) {
-  return impl_->receiver->waitForPeers(engine::Clock::now() + clampTimeout(timeout));
+  return impl_->transceiver->waitForPeers(engine::Clock::now() + clampTimeout(timeout));
 }
 
 Status Receiver::start(uint64_t request_id, uint32_t num_tokens, std::span<const uint32_t> blocks,
-                       std::optional<uint32_t> slot, uint32_t prefix_tokens,
-                       std::string_view aux) {
+                       std::optional<uint32_t> slot, uint32_t prefix_tokens, std::string_view aux) {
   std::shared_lock lock(impl_->mu);
   if (impl_->stopped) return Unavailable("receiver is shut down");
   engine::EnginePages pages{std::vector<uint32_t>(blocks.begin(), blocks.end()), slot,
                             impl_->owner};
-  auto alloc = impl_->receiver->startRequest(request_id, num_tokens, prefix_tokens,
-                                             Bytes(aux.begin(), aux.end()), &pages);
+  auto alloc = impl_->transceiver->startRequest(request_id, num_tokens, prefix_tokens,
+                                                Bytes(aux.begin(), aux.end()), &pages);
   if (alloc.isOk()) {
     std::lock_guard ids(impl_->started_mu);
     impl_->started.insert(request_id);
@@ -765,22 +734,21 @@ Result toResult(const engine::RequestResult& r) {
 }  // namespace
 
 StatusOr<Result> Receiver::poll(uint64_t request_id) const {
-  ASSIGN_OR_RETURN(engine::RequestResult r, impl_->receiver->poll(request_id));
+  ASSIGN_OR_RETURN(engine::RequestResult r, impl_->transceiver->poll(request_id));
   return toResult(r);
 }
 
 StatusOr<Result> Receiver::wait(uint64_t request_id, std::chrono::milliseconds timeout) {
-  ASSIGN_OR_RETURN(engine::RequestResult r,
-                   impl_->receiver->wait(request_id, engine::Clock::now() + clampTimeout(timeout)));
+  ASSIGN_OR_RETURN(
+      engine::RequestResult r,
+      impl_->transceiver->wait(request_id, engine::Clock::now() + clampTimeout(timeout)));
   return toResult(r);
 }
 
-Status Receiver::cancel(uint64_t request_id) {
-  return impl_->receiver->cancel(request_id);
-}
+Status Receiver::cancel(uint64_t request_id) { return impl_->transceiver->cancel(request_id); }
 
 Status Receiver::release(uint64_t request_id) {
-  Status s = impl_->receiver->release(request_id);
+  Status s = impl_->transceiver->release(request_id);
   if (s.isOk()) {
     std::lock_guard ids(impl_->started_mu);
     impl_->started.erase(request_id);
@@ -791,7 +759,7 @@ Status Receiver::release(uint64_t request_id) {
 bool Receiver::holds(uint64_t request_id) const { return impl_->cache().find(request_id).isOk(); }
 
 Metrics Receiver::metrics() const {
-  return toMetrics(impl_->receiver->metrics(), impl_->cache());
+  return toMetrics(impl_->transceiver->metrics(), impl_->cache());
 }
 
 void Receiver::shutdown() { impl_->shutdown(); }

@@ -255,9 +255,8 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (auto it = requests_.find(request_id); it != requests_.end()) {
-    return InvalidArgument(
-        "request " + str(request_id) + " is already known" +
-        (it->second.freed ? " (freed, fenced until its transfers end)" : ""));
+    return InvalidArgument("request " + str(request_id) + " is already known" +
+                           (it->second.freed ? " (freed, fenced until its transfers end)" : ""));
   }
   // Name the holder of a page that is not free: the engine reused it too early.
   auto holder = [&](bool block, uint32_t page) -> std::string {
@@ -456,7 +455,8 @@ Status HybridCacheManager::selfCheck() const {
       const uint32_t b = r.alloc.blocks[i];
       if (b >= block_owner.size()) return fail("request " + str(id) + " holds block " + str(b));
       if (i < r.shared_blocks) {
-        if (blocks_.isFree(b)) return fail("block " + str(b) + " of request " + str(id) + " is free");
+        if (blocks_.isFree(b))
+          return fail("block " + str(b) + " of request " + str(id) + " is free");
         ++block_refs[b];
         continue;
       }

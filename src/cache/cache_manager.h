@@ -226,7 +226,7 @@ class HybridCacheManager {
   struct Request {
     Allocation alloc;
     uint32_t inflight = 0;
-    bool freed = false;  // quarantined: freed while in flight
+    bool freed = false;          // quarantined: freed while in flight
     uint64_t owner = 0;          // adopt()'s tag
     uint32_t shared_blocks = 0;  // the leading blocks fenced shared (read only)
     bool shared_slot = false;    // the slot fenced shared

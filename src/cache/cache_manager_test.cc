@@ -505,64 +505,82 @@ TEST(CacheManager, ServingAndTransferThreadsTogetherLeaveThePoolsWhole) {
 namespace hxfer {
 namespace {
 
+// Pools an engine allocated itself (8 blocks, 2 slots of tiny-hybrid, paged), and a manager
+// over them that only fences the pages the engine names.
+struct EngineMemory {
+  std::vector<std::vector<uint8_t>> pools;
+  std::unique_ptr<HybridCacheManager> cache;
+};
+
+EngineMemory wrapEngineMemory() {
+  EngineMemory e;
+  auto layout = buildRankLayout(tinyHybrid(), {1, 1, {}}, 0, 0, StateLayout::kPaged, 8, 2);
+  EXPECT_TRUE(layout.isOk()) << layout.status().toString();
+  if (!layout.isOk()) return e;
+  std::vector<std::unique_ptr<Region>> regions;
+  for (const RegionSpec& spec : layout->regions) {
+    e.pools.emplace_back(spec.length);
+    regions.push_back(*Region::borrow(spec.id, e.pools.back().data(), spec.length));
+  }
+  auto m = HybridCacheManager::wrap(*layout, std::move(regions));
+  EXPECT_TRUE(m.isOk()) << m.status().toString();
+  if (m.isOk()) e.cache = std::move(*m);
+  return e;
+}
+
 // Engine-driven allocation: the engine owns the memory and names the pages; the manager
 // fences them and says when they are released.
 TEST(CacheManagerEngine, AdoptFencesTheEnginesPagesAndReportsTheirRelease) {
-  auto layout = buildRankLayout(tinyHybrid(), {1, 1, {}}, 0, 0, StateLayout::kPaged, 8, 2);
-  ASSERT_TRUE(layout.isOk());
-  std::vector<std::vector<uint8_t>> memory;
-  std::vector<std::unique_ptr<Region>> regions;
-  for (const RegionSpec& spec : layout->regions) {
-    memory.emplace_back(spec.length);
-    regions.push_back(*Region::borrow(spec.id, memory.back().data(), spec.length));
-  }
-  auto m = HybridCacheManager::wrap(*layout, std::move(regions));
-  ASSERT_TRUE(m.isOk()) << m.status().toString();
+  EngineMemory e = wrapEngineMemory();
+  ASSERT_NE(e.cache, nullptr);
+  HybridCacheManager* m = e.cache.get();
   std::vector<uint64_t> released;
-  (*m)->setReleaseListener([&](uint64_t id, uint64_t owner) {
+  m->setReleaseListener([&](uint64_t id, uint64_t owner) {
     released.push_back(id);
     EXPECT_EQ(owner, id == 4 ? 0u : 7u);  // allocate()'s request has no owner
   });
-  EXPECT_EQ((*m)->regionBase(0), memory[0].data());
+  EXPECT_EQ(m->regionBase(0), e.pools[0].data());
 
   const std::vector<uint32_t> blocks = {6, 1};
-  auto a = (*m)->adopt(1, 64, blocks, 1, 7);
+  auto a = m->adopt(1, 64, blocks, 1, 7);
   ASSERT_TRUE(a.isOk()) << a.status().toString();
   EXPECT_EQ(a->blocks, blocks);  // the engine's order (token order), not sorted
   EXPECT_EQ(a->slot, 1u);
   // Too few blocks, a page held, a missing slot: refused, nothing taken.
-  EXPECT_NE((*m)->adopt(2, 100, std::vector<uint32_t>{0, 2}, 0).status().message().find(
-                "100 tokens need 4 blocks"),
+  EXPECT_NE(m->adopt(2, 100, std::vector<uint32_t>{0, 2}, 0)
+                .status()
+                .message()
+                .find("100 tokens need 4 blocks"),
             std::string::npos);
-  Status s = (*m)->adopt(2, 32, std::vector<uint32_t>{1}, 0).status();
+  Status s = m->adopt(2, 32, std::vector<uint32_t>{1}, 0).status();
   EXPECT_NE(s.message().find("block 1 is still held by request 1"), std::string::npos)
       << s.toString();
-  s = (*m)->adopt(2, 32, std::vector<uint32_t>{0}, std::nullopt).status();
+  s = m->adopt(2, 32, std::vector<uint32_t>{0}, std::nullopt).status();
   EXPECT_NE(s.message().find("no slot given"), std::string::npos) << s.toString();
-  s = (*m)->adopt(2, 32, std::vector<uint32_t>{0}, 1).status();
+  s = m->adopt(2, 32, std::vector<uint32_t>{0}, 1).status();
   EXPECT_NE(s.message().find("slot 1 is still held by request 1"), std::string::npos);
-  EXPECT_EQ((*m)->counters().used_blocks, 2u);
+  EXPECT_EQ(m->counters().used_blocks, 2u);
 
   // Freed while a transfer runs: fenced (quarantined) and named so; released at its end.
-  ASSERT_TRUE((*m)->beginTransfer(1).isOk());
-  ASSERT_TRUE((*m)->free(1).isOk());
+  ASSERT_TRUE(m->beginTransfer(1).isOk());
+  ASSERT_TRUE(m->free(1).isOk());
   EXPECT_TRUE(released.empty());
-  s = (*m)->adopt(3, 32, std::vector<uint32_t>{6}, 0).status();
+  s = m->adopt(3, 32, std::vector<uint32_t>{6}, 0).status();
   EXPECT_NE(s.message().find("block 6 is still held by request 1 (freed, fenced"),
             std::string::npos)
       << s.toString();
-  ASSERT_TRUE((*m)->endTransfer(1).isOk());
+  ASSERT_TRUE(m->endTransfer(1).isOk());
   EXPECT_EQ(released, std::vector<uint64_t>{1});
-  ASSERT_TRUE((*m)->adopt(3, 32, std::vector<uint32_t>{6}, 1, 7).isOk());
+  ASSERT_TRUE(m->adopt(3, 32, std::vector<uint32_t>{6}, 1, 7).isOk());
   // Engine-chosen and manager-chosen pages share one space.
-  auto own = (*m)->allocate(4, 200);
+  auto own = m->allocate(4, 200);
   ASSERT_TRUE(own.isOk());
   EXPECT_EQ(std::count(own->blocks.begin(), own->blocks.end(), 6u), 0);
-  ASSERT_TRUE((*m)->free(3).isOk());
-  ASSERT_TRUE((*m)->free(4).isOk());
+  ASSERT_TRUE(m->free(3).isOk());
+  ASSERT_TRUE(m->free(4).isOk());
   EXPECT_EQ(released, (std::vector<uint64_t>{1, 3, 4}));
-  ASSERT_TRUE((*m)->selfCheck().isOk());
-  expectAllFree((*m)->counters());
+  ASSERT_TRUE(m->selfCheck().isOk());
+  expectAllFree(m->counters());
 }
 
 TEST(CacheManagerEngine, WrapRefusesMissingOrShortRegions) {
@@ -592,17 +610,9 @@ namespace {
 // cached prompt prefix), and it returns to the free pool only with its last reader, fences
 // (quarantine) included.
 TEST(CacheManagerEngine, SharedReadsFenceAPageUntilItsLastReaderIsReleased) {
-  auto layout = buildRankLayout(tinyHybrid(), {1, 1, {}}, 0, 0, StateLayout::kPaged, 8, 2);
-  ASSERT_TRUE(layout.isOk());
-  std::vector<std::vector<uint8_t>> memory;
-  std::vector<std::unique_ptr<Region>> regions;
-  for (const RegionSpec& spec : layout->regions) {
-    memory.emplace_back(spec.length);
-    regions.push_back(*Region::borrow(spec.id, memory.back().data(), spec.length));
-  }
-  auto m = HybridCacheManager::wrap(*layout, std::move(regions));
-  ASSERT_TRUE(m.isOk());
-  HybridCacheManager& c = **m;
+  EngineMemory e = wrapEngineMemory();
+  ASSERT_NE(e.cache, nullptr);
+  HybridCacheManager& c = *e.cache;
   std::vector<uint64_t> released;
   c.setReleaseListener([&](uint64_t id, uint64_t) { released.push_back(id); });
   ASSERT_TRUE(c.setFenceMode(HybridCacheManager::FenceMode::kSharedReads).isOk());
@@ -629,17 +639,19 @@ TEST(CacheManagerEngine, SharedReadsFenceAPageUntilItsLastReaderIsReleased) {
   // An exclusive manager refuses the same sharing, naming the holder...
   ASSERT_TRUE(c.setFenceMode(HybridCacheManager::FenceMode::kExclusive).isOk());
   ASSERT_TRUE(c.adopt(1, 64, std::vector<uint32_t>{0, 1}, 0).isOk());
-  EXPECT_NE(c.adopt(2, 64, std::vector<uint32_t>{0, 2}, 1).status().message().find(
-                "block 0 is still held by request 1"),
+  EXPECT_NE(c.adopt(2, 64, std::vector<uint32_t>{0, 2}, 1)
+                .status()
+                .message()
+                .find("block 0 is still held by request 1"),
             std::string::npos);
   ASSERT_TRUE(c.free(1).isOk());
   // ...except for a read prefix (blocks a generation rank already holds and hxfer never
   // writes): two requests share block 0 as their prefix; a request writing it is refused.
   ASSERT_TRUE(c.adopt(3, 64, std::vector<uint32_t>{0, 1}, 0, 0, 1).isOk());
   ASSERT_TRUE(c.adopt(4, 64, std::vector<uint32_t>{0, 2}, 1, 0, 1).isOk());
-  EXPECT_NE(c.adopt(5, 64, std::vector<uint32_t>{3, 0}, std::nullopt).status().message().find(
-                "no slot"),
-            std::string::npos);
+  EXPECT_NE(
+      c.adopt(5, 64, std::vector<uint32_t>{3, 0}, std::nullopt).status().message().find("no slot"),
+      std::string::npos);
   c.setReleaseListener(nullptr);
   ASSERT_TRUE(c.selfCheck().isOk()) << c.selfCheck().toString();
   auto writer = c.adopt(5, 32, std::vector<uint32_t>{0}, 0);

@@ -49,21 +49,25 @@ StatusOr<std::vector<uint32_t>> IdPool::take(uint32_t n) {
   return out;
 }
 
-Status IdPool::takeIds(std::span<const uint32_t> ids) {
+StatusOr<std::vector<uint32_t>> IdPool::sortedIds(std::span<const uint32_t> ids, bool free,
+                                                  std::string_view twice) const {
   std::vector<uint32_t> sorted(ids.begin(), ids.end());
   std::sort(sorted.begin(), sorted.end());
   for (size_t i = 0; i < sorted.size(); ++i) {
+    const std::string id = "id " + std::to_string(sorted[i]);
     if (sorted[i] >= capacity_) {
-      return InvalidArgument("id " + std::to_string(sorted[i]) + " >= capacity " +
-                             std::to_string(capacity_));
+      return InvalidArgument(id + " >= capacity " + std::to_string(capacity_));
     }
-    if (i > 0 && sorted[i] == sorted[i - 1]) {
-      return InvalidArgument("id " + std::to_string(sorted[i]) + " listed twice");
-    }
-    if (!isFree(sorted[i])) {
-      return InvalidArgument("id " + std::to_string(sorted[i]) + " is not free");
+    if (i > 0 && sorted[i] == sorted[i - 1]) return InvalidArgument(id + " " + std::string(twice));
+    if (isFree(sorted[i]) != free) {
+      return InvalidArgument(id + (free ? " is not free" : " is already free"));
     }
   }
+  return sorted;
+}
+
+Status IdPool::takeIds(std::span<const uint32_t> ids) {
+  ASSIGN_OR_RETURN(std::vector<uint32_t> sorted, sortedIds(ids, true, "listed twice"));
   for (uint32_t id : sorted) {
     // The run holding `id` (isFree above): split it around the id.
     auto it = std::prev(runs_.upper_bound(id));
@@ -77,20 +81,7 @@ Status IdPool::takeIds(std::span<const uint32_t> ids) {
 }
 
 Status IdPool::give(std::span<const uint32_t> ids) {
-  std::vector<uint32_t> sorted(ids.begin(), ids.end());
-  std::sort(sorted.begin(), sorted.end());
-  for (size_t i = 0; i < sorted.size(); ++i) {
-    if (sorted[i] >= capacity_) {
-      return InvalidArgument("id " + std::to_string(sorted[i]) + " >= capacity " +
-                             std::to_string(capacity_));
-    }
-    if (i > 0 && sorted[i] == sorted[i - 1]) {
-      return InvalidArgument("id " + std::to_string(sorted[i]) + " given twice");
-    }
-    if (isFree(sorted[i])) {
-      return InvalidArgument("id " + std::to_string(sorted[i]) + " is already free");
-    }
-  }
+  ASSIGN_OR_RETURN(std::vector<uint32_t> sorted, sortedIds(ids, false, "given twice"));
   // Insert run by run, merging with the neighbours.
   for (size_t i = 0; i < sorted.size();) {
     uint32_t first = sorted[i];

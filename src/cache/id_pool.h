@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -39,6 +40,11 @@ class IdPool {
   Status give(std::span<const uint32_t> ids);
 
  private:
+  // `ids` sorted, when each is in range, listed once (else InvalidArgument "... <twice>") and
+  // free (`free`) or taken (!`free`).
+  StatusOr<std::vector<uint32_t>> sortedIds(std::span<const uint32_t> ids, bool free,
+                                            std::string_view twice) const;
+
   uint32_t capacity_;
   uint32_t free_;
   std::map<uint32_t, uint32_t> runs_;  // first id -> run length

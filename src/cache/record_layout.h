@@ -36,7 +36,6 @@
 
 namespace hxfer {
 
-
 struct RecordLayout {
   std::vector<RecordDim> dims;  // as the engine declares the tensor, outermost first
   uint32_t element_bytes = 0;   // the dtype's size; elements are contiguous bytes

@@ -1469,8 +1469,9 @@ void addBenchWorkloadsCommand(CLI::App& app) {
       if (rc != 0) throw CLI::RuntimeError(rc);
     });
   }
-  auto* all = bench->add_subcommand("all", "every workload above, in one report (also what "
-                                              "`hxfer bench` alone runs)");
+  auto* all = bench->add_subcommand("all",
+                                    "every workload above, in one report (also what "
+                                    "`hxfer bench` alone runs)");
   auto o = std::make_shared<WorkloadOptions>();
   addWorkloadOptions(all, o.get());
   auto run_all = [o] {

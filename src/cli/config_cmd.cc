@@ -39,8 +39,8 @@ int runConfig(const ConfigOptions& o) {
   env.single_process = o.single_process;
   env.ucx_cheap_small_writes = o.ucx_rma;
   if (o.memory != "shareable" && o.memory != "private") {
-    return reportError(InvalidArgument("--memory=" + o.memory +
-                                       " is not one of: shareable, private"));
+    return reportError(
+        InvalidArgument("--memory=" + o.memory + " is not one of: shareable, private"));
   }
   env.memory_shareable = o.memory == "shareable";
   const auto preference = engine::preferredStateLayout(*model);

@@ -63,5 +63,4 @@ StatusOr<ModelSpec> loadModel(const std::string& arg) {
   return loadPreset(arg);
 }
 
-
 }  // namespace hxfer::engine

@@ -4,8 +4,8 @@
 //
 // Order (fixed, printed by `hxfer config --explain`):
 //   1. backend: the requested one if compiled in and reachable; `auto` picks shm when every
-//      peer is on this host and the pools are shareable memory, else ucx. `auto` never picks inproc (tests and single-process
-//      tools ask for it by name).
+//      peer is on this host and the pools are shareable memory, else ucx. `auto` never picks inproc
+//      (tests and single-process tools ask for it by name).
 //   2. state layout, only once the backend is known: the requested one; `auto` honours the
 //      model's preferred layout (hybrid models prefer paged) when the backend writes many small
 //      records cheaply, and falls back to layer-major otherwise.
