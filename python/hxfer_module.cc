@@ -7,6 +7,7 @@
 //   hxfer.SharedBuffer  SharedBuffer::allocate(); exports a writable 1-D uint8 buffer.
 //   hxfer.Sender        the context rank; a context manager.
 //   hxfer.Receiver      the generation rank; a context manager. wait()/poll() give Result.
+//   hxfer.plan_transfer planTransfer(): a request's fragments as a numpy array.
 //   hxfer.Error         every non-ok Status: .code ("InvalidArgument", ...) and .message.
 //
 // Ownership: a Memory keeps every buffer object it was given, and holds their buffer views,
@@ -23,6 +24,7 @@
 // still run their callbacks. A callback that refers to its own endpoint makes a cycle Python's
 // collector does not see (the endpoint then lives until shutdown() or exit): prefer `with`.
 #include <pybind11/eval.h>
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -151,6 +153,41 @@ std::optional<uint32_t> toSlot(const py::object& obj) {
   if (obj.is_none()) return std::nullopt;
   std::vector<uint32_t> one = toPages(py::make_tuple(obj), "slot");
   return one[0];
+}
+
+// (blocks, slot) as RankPages; slot None where the rank holds no recurrent state.
+hxfer::RankPages toRankPages(py::handle obj, const std::string& what) {
+  py::tuple t;
+  if (py::isinstance<py::tuple>(obj) || py::isinstance<py::list>(obj)) {
+    t = py::reinterpret_borrow<py::sequence>(obj).cast<py::tuple>();
+  }
+  if (t.size() != 2) {
+    throw py::type_error(what + " must be a (blocks, slot) pair, got " + typeName(obj));
+  }
+  hxfer::RankPages pages;
+  pages.blocks = toPages(t[0], (what + " blocks").c_str());
+  pages.slot = toSlot(py::reinterpret_borrow<py::object>(t[1]));
+  return pages;
+}
+
+py::dict planDict(const hxfer::TransferPlan& plan) {
+  py::array_t<uint64_t> fragments(
+      {static_cast<py::ssize_t>(plan.fragments.size()), static_cast<py::ssize_t>(6)});
+  auto f = fragments.mutable_unchecked<2>();
+  for (size_t i = 0; i < plan.fragments.size(); ++i) {
+    const hxfer::Fragment& x = plan.fragments[i];
+    const auto r = static_cast<py::ssize_t>(i);
+    f(r, 0) = x.source;
+    f(r, 1) = x.src_pool;
+    f(r, 2) = x.src_offset;
+    f(r, 3) = x.dst_pool;
+    f(r, 4) = x.dst_offset;
+    f(r, 5) = x.bytes;
+  }
+  py::dict out;
+  out["bytes"] = plan.bytes;
+  out["fragments"] = fragments;
+  return out;
 }
 
 py::dict metricsDict(const hxfer::Metrics& m) {
@@ -1069,6 +1106,33 @@ PYBIND11_MODULE(hxfer, m) {
            })
       .def("__repr__",
            [](const PyReceiver& r) { return "hxfer.Receiver(backend=" + r.backend + ")"; });
+
+  m.def(
+      "plan_transfer",
+      [](const std::vector<hxfer::Layout>& sources, const py::sequence& source_pages,
+         const hxfer::Layout& destination, const py::object& destination_pages, uint32_t num_tokens,
+         uint32_t prefix_tokens) {
+        std::vector<hxfer::RankPages> pages;
+        for (size_t i = 0; i < source_pages.size(); ++i) {
+          pages.push_back(toRankPages(source_pages[i], "source_pages[" + std::to_string(i) + "]"));
+        }
+        hxfer::RankPages dst = toRankPages(destination_pages, "destination_pages");
+        hxfer::StatusOr<hxfer::TransferPlan> plan = hxfer::InvalidArgument("not planned");
+        {
+          py::gil_scoped_release nogil;
+          plan = hxfer::planTransfer(sources, pages, destination, dst, num_tokens, prefix_tokens);
+        }
+        return planDict(valueOrThrow(std::move(plan)));
+      },
+      py::arg("sources"), py::arg("source_pages"), py::arg("destination"),
+      py::arg("destination_pages"), py::arg("num_tokens"), py::arg("prefix_tokens") = 0,
+      "The copies that move one request from every rank of a context instance (`sources`, "
+      "with source_pages[i] = (blocks, slot) of sources[i]) into one generation rank "
+      "(destination_pages = (blocks, slot)): what a Sender writes. Returns {bytes, fragments}, "
+      "fragments a uint64 numpy array of rows (source, src_pool, src_offset, dst_pool, "
+      "dst_offset, bytes), pools being indices into Layout.pools(). Every destination byte of "
+      "the request is written once. hxfer.Error Incompatible where the plan needs a staging "
+      "copy (state elements ordered differently).");
 
   m.def("_shutdown_all", &shutdownAll,
         "Shuts down every live Sender and Receiver (registered with atexit).");

@@ -137,6 +137,46 @@ class Layout {
   std::shared_ptr<const Impl> impl_;
 };
 
+// ---- Plans: hxfer's planner for an engine (or a benchmark) that moves the bytes itself ----
+
+// One rank's pages of one request: its kv blocks in token order and its state slot (needed
+// where the rank holds recurrent layers).
+struct RankPages {
+  std::vector<uint32_t> blocks;
+  std::optional<uint32_t> slot;
+};
+
+// One copy: `bytes` from pool `src_pool` of source rank `source` at `src_offset` into pool
+// `dst_pool` of the destination at `dst_offset`. Pools are indices into Layout::pools().
+struct Fragment {
+  uint32_t source = 0;  // index into planTransfer's `sources`
+  uint32_t src_pool = 0;
+  uint64_t src_offset = 0;
+  uint32_t dst_pool = 0;
+  uint64_t dst_offset = 0;
+  uint64_t bytes = 0;
+};
+
+struct TransferPlan {
+  std::vector<Fragment> fragments;  // by source, each source's in the order hxfer posts them
+  uint64_t bytes = 0;               // sum of the fragments' bytes
+};
+
+// The copies that move one request from a context instance (`sources`: every rank of it, any
+// order, with that rank's pages) into one generation rank: the same fragments a Sender writes
+// (maximal runs contiguous on both sides), so that running them in any order writes every
+// destination byte of the request's records exactly once (kv of the blocks past
+// prefix_tokens, the slot's state) and nothing else. The destination needs
+// destination.blocksFor(num_tokens) blocks. Errors name the field and value: layouts that are
+// not compatible or not one whole instance (as a Receiver's handshake would refuse), page
+// counts or ids that do not fit the pools, a missing slot; Incompatible where the two sides
+// order elements differently inside a state record (vllm conv sd against ds): that plan needs
+// a local staging copy on the context rank, which fragments do not express.
+StatusOr<TransferPlan> planTransfer(std::span<const Layout> sources,
+                                    std::span<const RankPages> source_pages,
+                                    const Layout& destination, const RankPages& destination_pages,
+                                    uint32_t num_tokens, uint32_t prefix_tokens = 0);
+
 // ---- Memory ----
 
 enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };

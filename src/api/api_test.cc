@@ -3,6 +3,7 @@
 // lifetime contract (a page is never handed back while a write into or out of it may run).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -735,6 +736,99 @@ TEST(ApiPages, OneMemoryServesOneTransceiverAtATime) {
   ASSERT_FALSE(c.isOk());
   EXPECT_NE(c.status().message().find("another layout"), std::string::npos)
       << c.status().toString();
+}
+
+// planTransfer gives the fragments a Sender would write: run with memcpy, they put every byte
+// of the request where the oracle expects it, each destination byte once.
+TEST(ApiPlan, FragmentsRunWithMemcpyMoveEveryByteOnce) {
+  LayoutOptions c0 = options("vllm", 2, 0), c1 = options("vllm", 2, 1);
+  c0.conv_layout = c1.conv_layout = "ds";  // sglang's conv order (sd would need staging)
+  LayoutOptions g = options("sglang", 1, 0);
+  std::vector<EngineRank> ctx;
+  ctx.push_back(EngineRank::make(c0));
+  ctx.push_back(EngineRank::make(c1));
+  EngineRank gen = EngineRank::make(g);
+  const uint64_t id = 5;
+  const uint32_t tokens = 60, prefix = 32;  // block 0 is a prefix the generation side holds
+  const std::vector<uint32_t> ctx_blocks = {11, 3}, gen_blocks = {9, 4};
+  std::vector<Layout> sources = {ctx[1].layout, ctx[0].layout};  // any order
+  std::vector<RankPages> pages = {{ctx_blocks, 1}, {ctx_blocks, 1}};
+  for (EngineRank& r : ctx) {
+    ASSERT_TRUE(fillRank(r.rankLayout(), r.rankMemory(), RankIds{ctx_blocks, 1}, id).isOk());
+  }
+  auto plan = planTransfer(sources, pages, gen.layout, {gen_blocks, 2}, tokens, prefix);
+  ASSERT_TRUE(plan.isOk()) << plan.status().toString();
+  ASSERT_FALSE(plan->fragments.empty());
+
+  std::vector<std::pair<uint64_t, uint64_t>> written;  // (pool << 48 | offset, end)
+  uint64_t bytes = 0;
+  for (const Fragment& f : plan->fragments) {
+    ASSERT_LT(f.source, sources.size());
+    const EngineRank& src = f.source == 0 ? ctx[1] : ctx[0];
+    const PoolInfo& sp = src.layout.pools().at(f.src_pool);
+    const PoolInfo& dp = gen.layout.pools().at(f.dst_pool);
+    ASSERT_LE(f.src_offset + f.bytes, sp.bytes);
+    ASSERT_LE(f.dst_offset + f.bytes, dp.bytes);
+    ASSERT_GT(f.bytes, 0u);
+    std::memcpy(gen.pools.at(dp.name).data() + f.dst_offset,
+                src.pools.at(sp.name).data() + f.src_offset, f.bytes);
+    written.emplace_back((uint64_t{f.dst_pool} << 48) | f.dst_offset,
+                         ((uint64_t{f.dst_pool} << 48) | f.dst_offset) + f.bytes);
+    bytes += f.bytes;
+  }
+  EXPECT_EQ(bytes, plan->bytes);
+  std::sort(written.begin(), written.end());
+  for (size_t i = 1; i < written.size(); ++i) {
+    EXPECT_LE(written[i - 1].second, written[i].first) << "fragments overlap at " << i;
+  }
+  // Block 1 (the one past the prefix) and the slot arrive; the oracle checks every byte. With
+  // the same tokens per block on both sides whole blocks move, the partial last one too.
+  auto report = checkRank(gen.rankLayout(), gen.rankMemory(), RankIds{gen_blocks, 2}, id,
+                          BlockRange{1, 1, 64}, 64);
+  ASSERT_TRUE(report.isOk()) << report.status().toString();
+  EXPECT_TRUE(report->ok()) << report->toString();
+  EXPECT_EQ(report->bytes_checked, plan->bytes);
+  // Nothing was written into the prefix block.
+  const PoolInfo* k0 = gen.layout.pool("k.0");
+  if (k0 != nullptr) {
+    const auto& pool = gen.pools.at("k.0");
+    const uint64_t row = k0->strides[0];
+    EXPECT_TRUE(std::all_of(pool.begin() + gen_blocks[0] * row,
+                            pool.begin() + (gen_blocks[0] + 1) * row,
+                            [](uint8_t b) { return b == 0; }));
+  }
+}
+
+TEST(ApiPlan, ErrorsNameTheFieldAndValue) {
+  auto c = Layout::engine(options("vllm", 1, 0));
+  LayoutOptions ds = options("vllm", 1, 0);
+  ds.conv_layout = "ds";
+  auto g = Layout::engine(ds);
+  ASSERT_TRUE(c.isOk() && g.isOk());
+  std::vector<Layout> sources = {*c};
+  std::vector<RankPages> pages = {{{1, 2}, 0}};
+  auto p = planTransfer(sources, pages, *g, {{3}, 1}, 60);
+  EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(p.status().message().find("1 blocks; 60 tokens need 2"), std::string::npos)
+      << p.status().toString();
+  p = planTransfer(sources, pages, *g, {{3, 4}, std::nullopt}, 60);
+  EXPECT_NE(p.status().message().find("destination"), std::string::npos) << p.status().toString();
+  EXPECT_NE(p.status().message().find("slot"), std::string::npos) << p.status().toString();
+  p = planTransfer(sources, {}, *g, {{3, 4}, 1}, 60);
+  EXPECT_NE(p.status().message().find("source_pages has 0 entries for 1 sources"),
+            std::string::npos)
+      << p.status().toString();
+  p = planTransfer(sources, pages, *g, {{3, 99}, 1}, 60);
+  EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument) << p.status().toString();
+  EXPECT_NE(p.status().message().find("99"), std::string::npos) << p.status().toString();
+  // sd against ds needs a staging copy: no fragment list can say that.
+  p = planTransfer(sources, pages, *g, {{3, 4}, 1}, 60);
+  EXPECT_EQ(p.status().code(), StatusCode::kIncompatible) << p.status().toString();
+  EXPECT_NE(p.status().message().find("staging"), std::string::npos) << p.status().toString();
+  // The same layout on both sides plans.
+  p = planTransfer(sources, pages, *c, {{3, 4}, 1}, 60);
+  ASSERT_TRUE(p.isOk()) << p.status().toString();
+  EXPECT_GT(p->bytes, 0u);
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include "engine/model_source.h"
 #include "engine/routing.h"
 #include "model/presets.h"
+#include "plan/planner.h"
 #include "transport/transport.h"
 #include "wire/messages.h"
 
@@ -403,6 +404,73 @@ std::string Layout::describe() const {
 bool Layout::operator==(const Layout& other) const {
   return impl_ == other.impl_ ||
          (impl_->layout == other.impl_->layout && impl_->engine == other.impl_->engine);
+}
+
+// ---- Plans ----
+
+namespace {
+StatusOr<RankIds> rankIds(const Layout& l, const RankPages& pages, const std::string& who) {
+  if (l.hasState() && !pages.slot) {
+    return InvalidArgument(who + " (" + l.describe() +
+                           ") holds recurrent state: its pages need a slot");
+  }
+  return RankIds{pages.blocks, pages.slot.value_or(0)};
+}
+
+// Region id -> index into Layout::pools() (the layout's regions, in order).
+std::vector<uint32_t> poolIndex(const RankLayout& l) {
+  uint32_t max_id = 0;
+  for (const RegionSpec& r : l.regions) max_id = std::max(max_id, r.id);
+  std::vector<uint32_t> index(l.regions.empty() ? 0 : max_id + 1, 0);
+  for (uint32_t i = 0; i < l.regions.size(); ++i) index[l.regions[i].id] = i;
+  return index;
+}
+}  // namespace
+
+StatusOr<TransferPlan> planTransfer(std::span<const Layout> sources,
+                                    std::span<const RankPages> source_pages,
+                                    const Layout& destination, const RankPages& destination_pages,
+                                    uint32_t num_tokens, uint32_t prefix_tokens) {
+  if (sources.size() != source_pages.size()) {
+    return InvalidArgument("source_pages has " + str(source_pages.size()) + " entries for " +
+                           str(sources.size()) + " sources");
+  }
+  const uint32_t need = destination.blocksFor(num_tokens);
+  if (destination_pages.blocks.size() != need) {
+    return InvalidArgument("destination_pages.blocks has " + str(destination_pages.blocks.size()) +
+                           " blocks; " + str(num_tokens) + " tokens need " + str(need) + " on " +
+                           destination.describe());
+  }
+  std::vector<RankLayout> ctx;
+  std::vector<RankIds> ctx_ids;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    ctx.push_back(sources[i].impl().layout);
+    ASSIGN_OR_RETURN(RankIds ids, rankIds(sources[i], source_pages[i], "source " + str(i)));
+    ctx_ids.push_back(std::move(ids));
+  }
+  ASSIGN_OR_RETURN(RankIds dst, rankIds(destination, destination_pages, "destination"));
+  ASSIGN_OR_RETURN(Planner planner, Planner::create(std::move(ctx), destination.impl().layout));
+  const uint32_t tpb = destination.impl().layout.tokens_per_block;
+  const uint32_t first = std::min<uint32_t>(prefix_tokens / tpb, need);
+  ASSIGN_OR_RETURN(RequestPlan plan, planner.plan(ctx_ids, dst, {first, need - first, num_tokens}));
+
+  TransferPlan out;
+  const std::vector<uint32_t> dst_pool = poolIndex(destination.impl().layout);
+  for (const RankPlan& rp : plan.ranks) {
+    if (!rp.pack_ops.empty()) {
+      return Incompatible("source " + str(rp.ctx_index) + " (" + sources[rp.ctx_index].describe() +
+                          ") and the destination (" + destination.describe() +
+                          ") order state elements differently: the plan needs a staging copy "
+                          "on the context rank, which fragments do not express");
+    }
+    const std::vector<uint32_t> src_pool = poolIndex(sources[rp.ctx_index].impl().layout);
+    for (const CopyOp& op : rp.ops) {
+      out.fragments.push_back({rp.ctx_index, src_pool[op.src_region], op.src_offset,
+                               dst_pool[op.dst_region], op.dst_offset, op.bytes});
+      out.bytes += op.bytes;
+    }
+  }
+  return out;
 }
 
 // ---- SharedBuffer ----
