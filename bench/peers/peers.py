@@ -34,6 +34,11 @@ share the machine's load; figures are the median and min..max of --repetitions r
 
   bench/peers/run.sh --workloads large,tp4to1 --json peers.json --plot peers.svg
 
+Settings from the environment: PEERS_NIXL_PROGRESS_THREAD=1 (NIXL's own progress thread; off
+by default, see docs/performance.md), PEERS_MOONCAKE_BATCH (fragments per Mooncake batch,
+2048), PEERS_HXFER_UCX="NAME=VALUE,..." (extra UCX settings of hxfer-ucx), PEERS_HXFER_SPIN=1
+(the generation side spins on Receiver.poll() instead of sleeping in wait()).
+
 Workloads (nemotron-h-8b unless --model; TensorRT-LLM's V1 block layout, 32-token pages,
 except pages16):
   large      one request of 1k, 8k, 32k tokens (--tokens), ctx tp 1 -> gen tp 1
@@ -65,6 +70,9 @@ BASELINES = {"memcpy", "memcpy-x2", "tcp"}
 BACKGROUND = 0x5A  # destination bytes before every run
 TIMEOUT = 120.0  # seconds a side waits for the other
 TOKEN = "peers-bench"  # hxfer's shared secret between the two processes
+# The generation side polls Receiver.poll() in a loop instead of sleeping in wait(), as the
+# harness drives NIXL (PEERS_HXFER_SPIN=1): what a spinning caller would see.
+HXFER_SPIN = os.environ.get("PEERS_HXFER_SPIN", "0") == "1"
 # Extra UCX settings of hxfer-ucx, "NAME=VALUE,..." without the UCX_ prefix.
 HXFER_UCX = dict(kv.split("=", 1) for kv in os.environ.get("PEERS_HXFER_UCX", "").split(",") if kv)
 # Mooncake's TCP transport refuses a batch of more than a few thousand fragments (its lane
@@ -410,7 +418,15 @@ class Worker:
             for r, rx in enumerate(receivers):
                 blocks, slot = s.gen_pages[r]
                 rx.start(rid, s.spec["tokens"], blocks, slot)
-            results = [rx.wait(rid, TIMEOUT) for rx in receivers]
+            if HXFER_SPIN:
+                results = []
+                for rx in receivers:
+                    res = rx.poll(rid)
+                    while res.state == "in_progress":
+                        res = rx.poll(rid)
+                    results.append(res)
+            else:
+                results = [rx.wait(rid, TIMEOUT) for rx in receivers]
             t1 = time.perf_counter()
             bad = [str(res.status) for res in results if not res.ok]
             if bad:
