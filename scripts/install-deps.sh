@@ -9,6 +9,7 @@ packages=(
   nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libxxhash-dev
   libucx-dev libssl-dev
   pybind11-dev python3-dev python3-numpy python3-pytest python3-torch
+  iproute2
 )
 if [[ "${HXFER_WITH_CLANG:-0}" == 1 ]]; then
   packages+=(clang libclang-rt-14-dev)

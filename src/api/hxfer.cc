@@ -256,19 +256,6 @@ Metrics toMetrics(const engine::MetricsSnapshot& s, const HybridCacheManager& ca
   return m;
 }
 
-// Transport addresses start with their backend's name (transport.h).
-const std::vector<std::pair<std::string, engine::BackendKind>> kSchemes = {
-    {"shm:", engine::BackendKind::kShm},
-    {"ucx:", engine::BackendKind::kUcx},
-    {"inproc:", engine::BackendKind::kInproc}};
-
-// "ip:port" (digits after the last colon): a ucx address written without a scheme.
-bool looksLikeHostPort(const std::string& a) {
-  const size_t colon = a.rfind(':');
-  return colon != std::string::npos && colon + 1 < a.size() &&
-         std::all_of(a.begin() + colon + 1, a.end(), [](char c) { return c >= '0' && c <= '9'; });
-}
-
 }  // namespace
 
 // ---- Layout ----
@@ -607,7 +594,10 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
   impl->backend = routed.backend;
   impl->routing = routed.reason;
   std::string listen = o.listen;
-  if (routed.backend != engine::BackendKind::kUcx && looksLikeHostPort(listen)) listen.clear();
+  if (routed.backend != engine::BackendKind::kUcx &&
+      engine::addressBackend(listen) == engine::BackendKind::kUcx) {
+    listen.clear();
+  }
   if (routed.backend == engine::BackendKind::kUcx && listen.empty()) listen = "127.0.0.1:0";
   const RankLayout& l = layout.impl().layout;
   auto agent =
@@ -706,15 +696,9 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
   std::optional<engine::BackendKind> implied;
   std::vector<std::string> addresses;
   for (const std::string& a : o.peers) {
-    std::optional<engine::BackendKind> b;
+    const std::optional<engine::BackendKind> b = engine::addressBackend(a);
     std::string address = a;
-    for (const auto& [scheme, kind] : kSchemes) {
-      if (a.rfind(scheme, 0) == 0) b = kind;
-    }
-    if (!b && looksLikeHostPort(a)) {
-      b = engine::BackendKind::kUcx;
-      address = "ucx:" + a;
-    }
+    if (b == engine::BackendKind::kUcx && a.rfind("ucx:", 0) != 0) address = "ucx:" + a;
     if (!b) {
       return InvalidArgument("peer address '" + a +
                              "' names no backend: it starts with shm:, ucx: or inproc: (as "

@@ -38,10 +38,10 @@ struct ServeOptions {
   ModelOptions model;
   std::string role;
   uint32_t tp = 1, pp = 1, rank = 0;
-  std::string listen;
+  std::string listen, advertise;
   std::string peers;  // comma-separated context addresses (generation)
   uint32_t peer_tp = 1, peer_pp = 1;
-  std::string backend = "shm";
+  std::string backend = "auto";
   std::string layout = "auto";
   std::string token;
   bool checksum = false;
@@ -58,6 +58,105 @@ std::vector<std::string> splitComma(const std::string& s) {
     if (!item.empty()) out.push_back(item);
   }
   return out;
+}
+
+// --advertise HOST or HOST:PORT.
+struct Advertised {
+  std::string host, port;  // port empty: the one the rank listens on
+};
+
+Advertised parseAdvertise(const std::string& a) {
+  if (engine::addressBackend(a) == engine::BackendKind::kUcx) {
+    std::string_view rest = a;
+    if (rest.substr(0, 4) == "ucx:") rest.remove_prefix(4);
+    return {engine::addressHost(a), std::string(rest.substr(rest.rfind(':') + 1))};
+  }
+  return {a, ""};
+}
+
+// The backend and why, and for a context rank the address it gives its peers. A context
+// rank's peers may be on other hosts when it listens on (or advertises) a non-loopback
+// address: `auto` then picks ucx. A generation rank follows the context ranks' addresses.
+struct ServeRouting {
+  engine::Routing routing;
+  std::string why;
+};
+
+StatusOr<ServeRouting> serveRouting(const ServeOptions& o, bool context,
+                                    std::optional<engine::BackendKind> requested,
+                                    std::optional<StateLayout> layout, const ModelSpec& model) {
+  engine::RoutingEnvironment env = engine::probeRoutingEnvironment();
+  std::string why;
+  if (context) {
+    const std::string listen_host = engine::addressHost(o.listen);
+    const std::string adv_host = o.advertise.empty() ? "" : parseAdvertise(o.advertise).host;
+    env.peers_same_host = (listen_host.empty() || engine::isLoopbackHost(listen_host)) &&
+                          (adv_host.empty() || engine::isLoopbackHost(adv_host));
+  } else {
+    std::optional<engine::BackendKind> named;
+    std::string remote;
+    for (const std::string& a : splitComma(o.peers)) {
+      auto b = engine::addressBackend(a);
+      if (!b) {
+        return InvalidArgument("--peers: address '" + a +
+                               "' names no backend (shm:NAME, ucx:IP:PORT or IP:PORT)");
+      }
+      if (named && *b != *named) {
+        return InvalidArgument("--peers mixes backends: '" + a + "' is " +
+                               std::string(engine::backendName(*b)) + ", an earlier one " +
+                               std::string(engine::backendName(*named)));
+      }
+      named = b;
+      const std::string host = engine::addressHost(a);
+      if (!host.empty() && !engine::isLoopbackHost(host) && remote.empty()) remote = host;
+    }
+    env.peers_same_host = remote.empty();
+    if (named && requested && *requested != *named) {
+      return InvalidArgument("--backend " + std::string(engine::backendName(*requested)) +
+                             " but --peers are " + std::string(engine::backendName(*named)) +
+                             " addresses");
+    }
+    if (named && !requested) {
+      requested = named;
+      why = "the context ranks' addresses are " + std::string(engine::backendName(*named)) +
+            (remote.empty() ? " on this host" : " (" + remote + ": another host)");
+    }
+  }
+  engine::RoutingExplanation e =
+      engine::explainRouting({requested, layout}, env, engine::preferredStateLayout(model));
+  if (!e.status.isOk()) return e.status;
+  if (why.empty() && !e.decisions.empty()) why = e.decisions.front().reason;
+  return ServeRouting{*e.routing, why};
+}
+
+// The address peers use: the agent's, with --advertise's host (and port) in it. Refuses what
+// peers on other hosts could not reach.
+StatusOr<std::string> advertisedAddress(const ServeOptions& o, const std::string& local) {
+  const std::string listen_host = engine::addressHost(o.listen);
+  const bool remote_listener = !listen_host.empty() && !engine::isLoopbackHost(listen_host);
+  if (o.advertise.empty()) {
+    if (engine::isWildcardHost(listen_host)) {
+      return InvalidArgument("--listen " + o.listen +
+                             " listens on every interface: give --advertise HOST, an address "
+                             "the peers reach");
+    }
+    return local;
+  }
+  if (engine::addressBackend(local) != engine::BackendKind::kUcx) {
+    return InvalidArgument("--advertise " + o.advertise + ": only ucx addresses are advertised (" +
+                           local + " is reachable on this host only)");
+  }
+  const Advertised adv = parseAdvertise(o.advertise);
+  if (adv.host.empty()) return InvalidArgument("--advertise '" + o.advertise + "' has no host");
+  if (remote_listener && engine::isLoopbackHost(adv.host)) {
+    return InvalidArgument("--advertise " + o.advertise + " is a loopback address, but --listen " +
+                           o.listen + " serves other hosts: advertise an address they reach");
+  }
+  if (engine::isWildcardHost(adv.host)) {
+    return InvalidArgument("--advertise " + o.advertise + " is no host's address");
+  }
+  const std::string port = adv.port.empty() ? local.substr(local.rfind(':') + 1) : adv.port;
+  return "ucx:" + adv.host + ":" + port;
 }
 
 int runServe(const ServeOptions& o) {
@@ -77,10 +176,12 @@ int runServe(const ServeOptions& o) {
   if (!backend.isOk()) return reportError(backend.status().withContext("--backend"));
   auto layout = engine::parseStateLayoutRequest(o.layout);
   if (!layout.isOk()) return reportError(layout.status().withContext("--layout"));
-  engine::RoutingEnvironment env = engine::probeRoutingEnvironment();
-  auto routing =
-      engine::resolveRouting({*backend, *layout}, env, engine::preferredStateLayout(*model));
-  if (!routing.isOk()) return reportError(routing.status());
+  auto served = serveRouting(o, context, *backend, *layout, *model);
+  if (!served.isOk()) return reportError(served.status());
+  const engine::Routing* routing = &served->routing;
+  std::printf("routing: backend %s, state layout %s (%s)\n",
+              std::string(engine::backendName(routing->backend)).c_str(),
+              std::string(stateLayoutName(routing->state_layout)).c_str(), served->why.c_str());
 
   const uint32_t tp_rank = o.rank % o.tp, pp_rank = o.rank / o.tp;
   auto cache = HybridCacheManager::create(
@@ -119,7 +220,12 @@ int runServe(const ServeOptions& o) {
     auto sender = engine::ContextSender::create(so, &pool, std::move(*agent));
     if (!sender.isOk()) return reportError(sender.status());
     sender_ptr = sender->get();
-    std::printf("context rank %u listening on %s\n", o.rank, (*sender)->address().c_str());
+    auto address = advertisedAddress(o, (*sender)->address());
+    if (!address.isOk()) {
+      (*sender)->shutdown();
+      return reportError(address.status());
+    }
+    std::printf("context rank %u listening on %s\n", o.rank, address->c_str());
     std::fflush(stdout);
     while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     (*sender)->shutdown();
@@ -190,12 +296,20 @@ void addServeCommand(CLI::App& app) {
   cmd->add_option("--rank", o->rank, "Global rank in this instance (pp_rank * tp + tp_rank)")
       ->default_val(0);
   cmd->add_option("--listen", o->listen,
-                  "Listen address (shm: socket name; ucx: ip:port); empty picks one");
+                  "Listen address (shm: socket name; ucx: ip:port, 0.0.0.0:port for every "
+                  "interface); empty picks one");
+  cmd->add_option("--advertise", o->advertise,
+                  "Context: the address peers connect to, HOST or HOST:PORT, when it differs "
+                  "from --listen (NAT, every interface); never a loopback one while --listen "
+                  "serves other hosts");
   cmd->add_option("--peers", o->peers,
                   "Generation: context rank addresses, comma-separated, in global rank order");
   cmd->add_option("--peer-tp", o->peer_tp, "Generation: the context instance's tp")->default_val(1);
   cmd->add_option("--peer-pp", o->peer_pp, "Generation: the context instance's pp")->default_val(1);
-  cmd->add_option("--backend", o->backend, "shm or ucx")->default_val("shm");
+  cmd->add_option("--backend", o->backend,
+                  "auto, shm or ucx; auto: ucx when peers may be on other hosts (a non-loopback "
+                  "--listen/--advertise, or --peers on another host), else shm")
+      ->default_val("auto");
   cmd->add_option("--layout", o->layout, "State layout: auto, paged, layer-major")
       ->default_val("auto");
   cmd->add_option(

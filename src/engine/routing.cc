@@ -1,5 +1,7 @@
 #include "engine/routing.h"
 
+#include <algorithm>
+
 #include <string>
 
 namespace hxfer::engine {
@@ -31,6 +33,35 @@ StatusOr<std::optional<StateLayout>> parseStateLayoutRequest(std::string_view na
   if (!l.isOk()) return l.status().withContext("state_layout");
   return std::optional<StateLayout>(*l);
 }
+
+std::optional<BackendKind> addressBackend(std::string_view a) {
+  for (BackendKind b : {BackendKind::kShm, BackendKind::kUcx, BackendKind::kInproc}) {
+    const std::string scheme = std::string(backendName(b)) + ":";
+    if (a.substr(0, scheme.size()) == scheme) return b;
+  }
+  const size_t colon = a.rfind(':');
+  if (colon != std::string_view::npos && colon != 0 && colon + 1 < a.size() &&
+      std::all_of(a.begin() + colon + 1, a.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return BackendKind::kUcx;
+  }
+  return std::nullopt;
+}
+
+std::string addressHost(std::string_view a) {
+  if (addressBackend(a) != BackendKind::kUcx) return {};
+  if (a.substr(0, 4) == "ucx:") a.remove_prefix(4);
+  std::string_view host = a.substr(0, a.rfind(':'));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return std::string(host);
+}
+
+bool isLoopbackHost(std::string_view host) {
+  return host == "localhost" || host == "::1" || host.substr(0, 4) == "127.";
+}
+
+bool isWildcardHost(std::string_view host) { return host == "0.0.0.0" || host == "::"; }
 
 RoutingEnvironment probeRoutingEnvironment() {
   RoutingEnvironment env;

@@ -38,6 +38,17 @@ StatusOr<std::optional<BackendKind>> parseBackendRequest(std::string_view name);
 // "auto" -> nullopt; otherwise parseStateLayout().
 StatusOr<std::optional<StateLayout>> parseStateLayoutRequest(std::string_view name);
 
+// The backend a transport address names: its scheme ("shm:", "ucx:", "inproc:", as
+// Agent::localAddress gives it), or ucx for a bare "ip:port". nullopt when it names none.
+std::optional<BackendKind> addressBackend(std::string_view address);
+// The host of a ucx address ("ucx:10.0.0.2:5000" and "10.0.0.2:5000" -> "10.0.0.2"); empty for
+// any other address.
+std::string addressHost(std::string_view address);
+// 127.0.0.0/8, ::1 and "localhost": an address only this host reaches.
+bool isLoopbackHost(std::string_view host);
+// 0.0.0.0 or ::: every interface, reachable from nowhere as such.
+bool isWildcardHost(std::string_view host);
+
 // What the user asked for. nullopt = auto.
 struct RoutingRequest {
   std::optional<BackendKind> backend;

@@ -273,4 +273,26 @@ TEST(Routing, PrivateEngineMemoryRoutesToUcxAndRefusesShm) {
 }
 
 }  // namespace
+TEST(RoutingAddress, SchemesHostsAndLoopbackAreReadFromAddresses) {
+  EXPECT_EQ(addressBackend("shm:@hxfer-context-1-0"), BackendKind::kShm);
+  EXPECT_EQ(addressBackend("inproc:ctx0"), BackendKind::kInproc);
+  EXPECT_EQ(addressBackend("ucx:10.0.0.1:7000"), BackendKind::kUcx);
+  EXPECT_EQ(addressBackend("10.0.0.1:7000"), BackendKind::kUcx);
+  EXPECT_EQ(addressBackend("hxfer-context"), std::nullopt);
+  EXPECT_EQ(addressBackend("10.0.0.1:"), std::nullopt);
+  EXPECT_EQ(addressBackend(":7000"), std::nullopt);
+  EXPECT_EQ(addressHost("ucx:10.0.0.1:7000"), "10.0.0.1");
+  EXPECT_EQ(addressHost("0.0.0.0:0"), "0.0.0.0");
+  EXPECT_EQ(addressHost("ucx:[::1]:7000"), "::1");
+  EXPECT_EQ(addressHost("shm:@x"), "");
+  EXPECT_TRUE(isLoopbackHost("127.0.0.1"));
+  EXPECT_TRUE(isLoopbackHost("127.8.9.1"));
+  EXPECT_TRUE(isLoopbackHost("::1"));
+  EXPECT_TRUE(isLoopbackHost("localhost"));
+  EXPECT_FALSE(isLoopbackHost("10.0.0.1"));
+  EXPECT_FALSE(isLoopbackHost("0.0.0.0"));
+  EXPECT_TRUE(isWildcardHost("0.0.0.0"));
+  EXPECT_FALSE(isWildcardHost("10.0.0.1"));
+}
+
 }  // namespace hxfer::engine
