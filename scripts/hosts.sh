@@ -3,7 +3,7 @@
 #
 #   scripts/hosts.sh up [N]        N namespaces (default 3) hxh-1 .. hxh-N, each a "host" with
 #                                  its own address 10.231.7.<i>/24 on a veth into one bridge
-#                                  (hxh-br) in the root namespace; loopback up in each
+#                                  (hxh-br, 10.231.7.254 in the root namespace); loopback up
 #   scripts/hosts.sh down          removes them (and the bridge); idempotent
 #   scripts/hosts.sh probe         exit 0 when namespaces can be made here (root, iproute2,
 #                                  veth and bridge), 77 when not (what ctest reports as skipped)
@@ -38,6 +38,7 @@ up() {
   local n=${1:-3}
   down
   ip link add "$prefix-br" type bridge
+  ip addr add "$subnet.254/24" dev "$prefix-br"  # this (root) namespace reaches every host
   ip link set "$prefix-br" up
   # A host's bridge filtering (br_netfilter with a DROP forward policy) must not see this.
   if [[ -w /proc/sys/net/bridge/bridge-nf-call-iptables ]]; then

@@ -7,9 +7,9 @@ packages=(
   cmake ninja-build g++ pkg-config
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libxxhash-dev
-  libucx-dev libssl-dev
+  libucx-dev libssl-dev libcurl4-openssl-dev
   pybind11-dev python3-dev python3-numpy python3-pytest python3-torch
-  iproute2
+  iproute2 etcd-server
 )
 if [[ "${HXFER_WITH_CLANG:-0}" == 1 ]]; then
   packages+=(clang libclang-rt-14-dev)

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -21,9 +22,11 @@
 #include "cache/cache_manager.h"
 #include "cli/commands.h"
 #include "cli/model_options.h"
+#include "common/logging.h"
 #include "engine/context_sender.h"
 #include "engine/generation_receiver.h"
 #include "engine/handshake.h"
+#include "engine/registry.h"
 #include "engine/routing.h"
 #include "plan/oracle.h"
 #include "transport/transport.h"
@@ -39,7 +42,11 @@ struct ServeOptions {
   std::string role;
   uint32_t tp = 1, pp = 1, rank = 0;
   std::string listen, advertise;
-  std::string peers;  // comma-separated context addresses (generation)
+  std::string peers;               // comma-separated context addresses (generation)
+  std::string registry;            // etcd://HOST:PORT
+  std::string instance = "hxfer";  // context: the name registered under
+  std::string ctx_instance;        // generation: the context instance to find
+  uint32_t lease_ttl_s = 5;
   uint32_t peer_tp = 1, peer_pp = 1;
   std::string backend = "auto";
   std::string layout = "auto";
@@ -83,6 +90,7 @@ struct ServeRouting {
 };
 
 StatusOr<ServeRouting> serveRouting(const ServeOptions& o, bool context,
+                                    const std::vector<std::string>& peers,
                                     std::optional<engine::BackendKind> requested,
                                     std::optional<StateLayout> layout, const ModelSpec& model) {
   engine::RoutingEnvironment env = engine::probeRoutingEnvironment();
@@ -95,7 +103,7 @@ StatusOr<ServeRouting> serveRouting(const ServeOptions& o, bool context,
   } else {
     std::optional<engine::BackendKind> named;
     std::string remote;
-    for (const std::string& a : splitComma(o.peers)) {
+    for (const std::string& a : peers) {
       auto b = engine::addressBackend(a);
       if (!b) {
         return InvalidArgument("--peers: address '" + a +
@@ -159,7 +167,41 @@ StatusOr<std::string> advertisedAddress(const ServeOptions& o, const std::string
   return "ucx:" + adv.host + ":" + port;
 }
 
+// The context instance's ranks, waiting up to `timeout` for every one to be registered.
+StatusOr<std::vector<engine::RankRecord>> discover(engine::EtcdClient& registry,
+                                                   const std::string& instance,
+                                                   std::chrono::seconds timeout) {
+  const auto deadline = engine::Clock::now() + timeout;
+  while (true) {
+    auto f = engine::findInstance(registry, instance, "context");
+    if (f.isOk() || f.status().code() == StatusCode::kCorruption ||
+        f.status().code() == StatusCode::kIncompatible || engine::Clock::now() > deadline ||
+        g_stop) {
+      return f;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+// Whether any rank's registration differs from what the receiver connected to (a restart:
+// new incarnation, maybe a new address).
+std::string changedRanks(const std::vector<engine::RankRecord>& was,
+                         const std::vector<engine::RankRecord>& now) {
+  std::string out;
+  for (size_t i = 0; i < was.size() && i < now.size(); ++i) {
+    if (was[i].incarnation != now[i].incarnation || was[i].address != now[i].address) {
+      out += (out.empty() ? "" : "; ") + now[i].key() + " incarnation " + was[i].incarnation +
+             " -> " + now[i].incarnation + " at " + now[i].address;
+    }
+  }
+  if (was.size() != now.size()) out += (out.empty() ? "" : "; ") + std::string("ranks changed");
+  return out;
+}
+
 int runServe(const ServeOptions& o) {
+  // Line by line, even into a pipe: what a rank says (found, reconnecting, request N failed)
+  // is read as it happens by whoever supervises it.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   auto model = resolveModel(o.model);
   if (!model.isOk()) return reportError(model.status());
   ParallelConfig pc{o.tp, o.pp, {}};
@@ -176,7 +218,33 @@ int runServe(const ServeOptions& o) {
   if (!backend.isOk()) return reportError(backend.status().withContext("--backend"));
   auto layout = engine::parseStateLayoutRequest(o.layout);
   if (!layout.isOk()) return reportError(layout.status().withContext("--layout"));
-  auto served = serveRouting(o, context, *backend, *layout, *model);
+  // A generation rank's peers: --peers, or the context instance registered in --registry.
+  std::shared_ptr<engine::EtcdClient> registry;
+  if (!o.registry.empty()) {
+    auto c = engine::EtcdClient::create(o.registry, std::chrono::seconds(2));
+    if (!c.isOk()) return reportError(c.status());
+    registry = *c;
+  }
+  std::vector<std::string> peers = splitComma(o.peers);
+  uint32_t peer_tp = o.peer_tp, peer_pp = o.peer_pp;
+  std::vector<engine::RankRecord> found;
+  if (!context && !o.ctx_instance.empty()) {
+    if (!registry) return reportError(InvalidArgument("--ctx-instance needs --registry"));
+    if (!peers.empty()) {
+      return reportError(InvalidArgument("--peers and --ctx-instance both name the context ranks"));
+    }
+    auto f = discover(*registry, o.ctx_instance, std::chrono::seconds(o.timeout_s));
+    if (!f.isOk()) return reportError(f.status());
+    found = std::move(*f);
+    peer_tp = found[0].tp;
+    peer_pp = found[0].pp;
+    for (const engine::RankRecord& r : found) {
+      peers.push_back(r.address);
+      std::printf("found %s: %s (incarnation %s)\n", r.key().c_str(), r.address.c_str(),
+                  r.incarnation.c_str());
+    }
+  }
+  auto served = serveRouting(o, context, peers, *backend, *layout, *model);
   if (!served.isOk()) return reportError(served.status());
   const engine::Routing* routing = &served->routing;
   std::printf("routing: backend %s, state layout %s (%s)\n",
@@ -226,11 +294,39 @@ int runServe(const ServeOptions& o) {
       return reportError(address.status());
     }
     std::printf("context rank %u listening on %s\n", o.rank, address->c_str());
+    std::unique_ptr<engine::Registration> registration;
+    if (registry) {
+      engine::RankRecord rec;
+      rec.instance = o.instance;
+      rec.role = "context";
+      rec.rank = o.rank;
+      rec.tp = o.tp;
+      rec.pp = o.pp;
+      rec.address = *address;
+      rec.incarnation = engine::incarnationText((*sender)->incarnation());
+      rec.routing = served->why;
+      auto r = engine::Registration::start(registry, rec, o.lease_ttl_s);
+      if (!r.isOk()) {
+        (*sender)->shutdown();
+        return reportError(r.status().withContext("--registry"));
+      }
+      registration = std::move(*r);
+      std::printf("registered %s (incarnation %s) in %s, lease %u s\n", rec.key().c_str(),
+                  rec.incarnation.c_str(), registry->url().c_str(), o.lease_ttl_s);
+    }
     std::fflush(stdout);
     while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    nlohmann::json reg;
+    if (registration) {
+      reg = {{"reachable", registration->reachable()},
+             {"errors", registration->errors()},
+             {"reregistered", registration->reregistered()}};
+      registration.reset();  // unregisters: peers stop finding this rank
+    }
     (*sender)->shutdown();
     // Every page a request took is back once the sender let go of it: the accounting check.
     auto j = nlohmann::json::parse((*sender)->metrics().toJson());
+    if (!reg.is_null()) j["registry"] = reg;
     const uint64_t leaked = pool.counters().pagesHeld();
     j["leaked_pages"] = leaked;
     std::printf("%s\n", j.dump().c_str());
@@ -244,43 +340,122 @@ int runServe(const ServeOptions& o) {
   ro.tp_rank = tp_rank;
   ro.pp_rank = pp_rank;
   ro.checksum = o.checksum;
-  ro.ctx_parallel = ParallelConfig{o.peer_tp, o.peer_pp, {}};
-  ro.ctx_addresses = splitComma(o.peers);
   ro.request_timeout = std::chrono::seconds(o.timeout_s);
-  auto rx = engine::GenerationReceiver::create(ro, &pool, std::move(*agent));
-  if (!rx.isOk()) return reportError(rx.status());
-  if (Status s = (*rx)->waitForPeers(engine::Clock::now() + std::chrono::seconds(o.timeout_s));
-      !s.isOk()) {
-    return reportError(s);
-  }
-  uint32_t ok = 0;
-  for (uint32_t id = 1; id <= o.requests && !g_stop; ++id) {
-    auto a = (*rx)->startRequest(id, o.tokens);
-    if (!a.isOk()) return reportError(a.status());
-    auto res = (*rx)->wait(id, engine::Clock::now() + std::chrono::seconds(o.timeout_s + 5));
-    if (!res.isOk()) return reportError(res.status());
-    if (res->status.isOk()) {
-      // The request's tokens: a context side with another block size moves exactly those
-      // (with the same size, whole blocks move and the tokens checked are a part of them).
-      auto check = checkRank(pool.layout(), mem, RankIds{a->blocks, a->slot.value_or(0)}, id,
-                             BlockRange{0, static_cast<uint32_t>(a->blocks.size())}, o.tokens);
-      if (check.isOk() && check->ok()) {
-        ++ok;
-      } else {
-        std::printf("request %u: %s\n", id,
-                    check.isOk() ? check->toString().c_str() : check.status().toString().c_str());
-      }
-    } else {
-      std::printf("request %u: %s\n", id, res->status.toString().c_str());
+  // A receiver towards `addresses`; the first one takes the agent made above.
+  std::unique_ptr<transport::Agent> first_agent = std::move(*agent);
+  auto connect = [&](const std::vector<std::string>& addresses)
+      -> StatusOr<std::unique_ptr<engine::GenerationReceiver>> {
+    std::unique_ptr<transport::Agent> a = std::move(first_agent);
+    if (a == nullptr) {
+      ASSIGN_OR_RETURN(a, transport::createAgent(ac));
     }
-    (void)(*rx)->release(id);
+    ro.ctx_parallel = ParallelConfig{peer_tp, peer_pp, {}};
+    ro.ctx_addresses = addresses;
+    ASSIGN_OR_RETURN(auto rx, engine::GenerationReceiver::create(ro, &pool, std::move(a)));
+    RETURN_IF_ERROR(rx->waitForPeers(engine::Clock::now() + std::chrono::seconds(o.timeout_s)));
+    return rx;
+  };
+  auto rx = connect(peers);
+  if (!rx.isOk()) return reportError(rx.status());
+
+  // With a registry: a context rank that restarted (a new incarnation) is reconnected to, at
+  // once after a failed request and otherwise once a second; a lost etcd pauses this, never
+  // the transfers.
+  uint64_t reconnects = 0, registry_errors = 0;
+  bool registry_reachable = true;
+  auto last_check = engine::Clock::now();
+  auto rediscover = [&](std::chrono::seconds wait_for_change) -> Status {
+    const auto deadline = engine::Clock::now() + wait_for_change;
+    while (true) {
+      auto now = engine::findInstance(*registry, o.ctx_instance, "context");
+      if (!now.isOk()) {
+        ++registry_errors;
+        if (registry_reachable && now.status().code() == StatusCode::kUnavailable &&
+            now.status().message().find(registry->url()) != std::string::npos) {
+          registry_reachable = false;
+          HXFER_LOG_WARN("registry {}: unreachable ({}): discovery paused, transfers continue",
+                         registry->url(), now.status().toString());
+        }
+      } else {
+        if (!registry_reachable) {
+          registry_reachable = true;
+          HXFER_LOG_WARN("registry {}: reachable again; discovery resumed", registry->url());
+        }
+        const std::string changed = changedRanks(found, *now);
+        if (!changed.empty()) {
+          std::printf("context instance %s changed (%s): reconnecting\n", o.ctx_instance.c_str(),
+                      changed.c_str());
+          (*rx)->shutdown();
+          std::vector<std::string> addresses;
+          for (const engine::RankRecord& r : *now) addresses.push_back(r.address);
+          auto next = connect(addresses);
+          if (!next.isOk()) return next.status();
+          rx = std::move(next);
+          found = std::move(*now);
+          ++reconnects;
+          return OkStatus();
+        }
+      }
+      if (engine::Clock::now() >= deadline || g_stop) return OkStatus();
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  };
+
+  uint32_t ok = 0;
+  uint64_t bytes = 0;
+  std::vector<double> latencies_us;
+  for (uint32_t id = 1; id <= o.requests && !g_stop; ++id) {
+    if (!found.empty() && engine::Clock::now() - last_check > std::chrono::seconds(1)) {
+      last_check = engine::Clock::now();
+      if (Status s = rediscover(std::chrono::seconds(0)); !s.isOk()) return reportError(s);
+    }
+    bool failed = true;
+    auto a = (*rx)->startRequest(id, o.tokens);
+    if (!a.isOk()) {
+      if (found.empty()) return reportError(a.status());
+      std::printf("request %u: %s\n", id, a.status().toString().c_str());
+    } else {
+      auto res = (*rx)->wait(id, engine::Clock::now() + std::chrono::seconds(o.timeout_s + 5));
+      if (!res.isOk()) return reportError(res.status());
+      if (res->status.isOk()) {
+        bytes += res->bytes;
+        latencies_us.push_back(static_cast<double>(res->latency.count()) / 1e3);
+        // The request's tokens: a context side with another block size moves exactly those
+        // (with the same size, whole blocks move and the tokens checked are a part of them).
+        auto check = checkRank(pool.layout(), mem, RankIds{a->blocks, a->slot.value_or(0)}, id,
+                               BlockRange{0, static_cast<uint32_t>(a->blocks.size())}, o.tokens);
+        if (check.isOk() && check->ok()) {
+          ++ok;
+          failed = false;
+        } else {
+          std::printf("request %u: %s\n", id,
+                      check.isOk() ? check->toString().c_str() : check.status().toString().c_str());
+        }
+      } else {
+        std::printf("request %u: %s\n", id, res->status.toString().c_str());
+      }
+      (void)(*rx)->release(id);
+    }
+    if (failed && !found.empty()) {
+      last_check = engine::Clock::now();
+      if (Status s = rediscover(std::chrono::seconds(o.timeout_s)); !s.isOk()) {
+        return reportError(s);
+      }
+    }
   }
-  const auto m = (*rx)->metrics();
   (*rx)->shutdown();
   const uint64_t leaked = pool.counters().pagesHeld();
-  std::printf("%u of %u requests verified, %llu bytes, p50 %.1f us, leaked pages %llu\n", ok,
-              o.requests, static_cast<unsigned long long>(m.bytes),
-              m.latency.quantile(0.5).count() / 1e3, static_cast<unsigned long long>(leaked));
+  std::sort(latencies_us.begin(), latencies_us.end());
+  const double p50 = latencies_us.empty() ? 0 : latencies_us[latencies_us.size() / 2];
+  std::printf("%u of %u requests verified, %llu bytes, p50 %.1f us, leaked pages %llu", ok,
+              o.requests, static_cast<unsigned long long>(bytes), p50,
+              static_cast<unsigned long long>(leaked));
+  if (registry) {
+    std::printf(", reconnects %llu, registry errors %llu",
+                static_cast<unsigned long long>(reconnects),
+                static_cast<unsigned long long>(registry_errors));
+  }
+  std::printf("\n");
   return ok == o.requests && leaked == 0 ? 0 : 1;
 }
 
@@ -304,6 +479,18 @@ void addServeCommand(CLI::App& app) {
                   "serves other hosts");
   cmd->add_option("--peers", o->peers,
                   "Generation: context rank addresses, comma-separated, in global rank order");
+  cmd->add_option("--registry", o->registry,
+                  "etcd://HOST:PORT: context ranks register there under a lease they keep "
+                  "alive; generation ranks find --ctx-instance there");
+  cmd->add_option("--instance", o->instance,
+                  "Context: the instance name registered under (hxfer/NAME/context/RANK)")
+      ->default_val("hxfer");
+  cmd->add_option("--ctx-instance", o->ctx_instance,
+                  "Generation: find the context ranks of instance NAME in --registry (instead "
+                  "of --peers) and reconnect when one restarts");
+  cmd->add_option("--lease-ttl", o->lease_ttl_s,
+                  "Context: seconds a registration outlives its rank (kept alive every third)")
+      ->default_val(5);
   cmd->add_option("--peer-tp", o->peer_tp, "Generation: the context instance's tp")->default_val(1);
   cmd->add_option("--peer-pp", o->peer_pp, "Generation: the context instance's pp")->default_val(1);
   cmd->add_option("--backend", o->backend,

@@ -89,6 +89,8 @@ class ContextSender {
 
   // The address generation ranks connect to.
   std::string address() const;
+  // This sender's incarnation (its Hello carries it): a restarted rank has another.
+  uint64_t incarnation() const { return incarnation_; }
 
   // The prefill state of `request_id` is in its pages: the sender takes ownership of the
   // allocation. `aux` (opaque, at most wire::kMaxAuxBytes; e.g. the first sampled token)

@@ -234,13 +234,13 @@ class ChaosAgent final : public Agent {
 
   std::unique_ptr<Agent> inner_;
   mutable std::mutex mu_;
-  std::mt19937_64 rng_;                                       // guarded by mu_
-  std::uniform_real_distribution<double> uniform_;            // guarded by mu_
-  const double drop_probability_;                             // fixed
-  bool calm_ = false;                                         // guarded by mu_
-  std::set<transport::PeerId> peers_;                         // guarded by mu_
+  std::mt19937_64 rng_;                                                // guarded by mu_
+  std::uniform_real_distribution<double> uniform_;                     // guarded by mu_
+  const double drop_probability_;                                      // fixed
+  bool calm_ = false;                                                  // guarded by mu_
+  std::set<transport::PeerId> peers_;                                  // guarded by mu_
   std::set<std::pair<transport::PeerId, uint64_t>> dropped_requests_;  // guarded by mu_
-  uint64_t dropped_ = 0, disconnects_ = 0;                    // guarded by mu_
+  uint64_t dropped_ = 0, disconnects_ = 0;                             // guarded by mu_
 };
 
 // The random fault settings of one agent, drawn from the scenario's schedule.
@@ -305,8 +305,7 @@ struct AutoServe {
       (void)s->cancel(id);  // answers the ask now (Cancelled) instead of at the lease
       return;
     }
-    if (!fillRank(cache->layout(), cacheMemory(*cache), RankIds{a->blocks, a->slot.value_or(0)},
-                  id)
+    if (!fillRank(cache->layout(), cacheMemory(*cache), RankIds{a->blocks, a->slot.value_or(0)}, id)
              .isOk()) {
       (void)cache->free(id);
       (void)s->cancel(id);
@@ -347,9 +346,9 @@ StatusOr<CtxRank> startContext(const ModelSpec& model, const Topology& t, uint32
   ASSIGN_OR_RETURN(c.cache, HybridCacheManager::create(
                                 model, t.ctx, rank % t.ctx.tp, rank / t.ctx.tp, StateLayout::kPaged,
                                 Capacity::counts(kCtxBlocks, kCtxSlots), backingFor(t.backend)));
-  ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent,
-                   faultyAgent(t.backend, listen, "ctx" + std::to_string(rank), token, faults,
-                               &c.chaos));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<Agent> agent,
+      faultyAgent(t.backend, listen, "ctx" + std::to_string(rank), token, faults, &c.chaos));
   c.serve = std::make_shared<AutoServe>();
   c.serve->cache = c.cache.get();
   ContextSender::Options so;
@@ -390,13 +389,13 @@ StatusOr<std::unique_ptr<GenRank>> startGeneration(const ModelSpec& model, const
                                                    const AgentFaults& faults) {
   auto g = std::make_unique<GenRank>();
   g->rank = rank;
-  ASSIGN_OR_RETURN(g->cache, HybridCacheManager::create(
-                                 model, t.gen, rank % t.gen.tp, rank / t.gen.tp,
-                                 StateLayout::kLayerMajor, Capacity::counts(kGenBlocks, kGenSlots),
-                                 backingFor(t.backend)));
-  ASSIGN_OR_RETURN(std::unique_ptr<Agent> agent,
-                   faultyAgent(t.backend, "", "gen" + std::to_string(rank), token, faults,
-                               &g->chaos));
+  ASSIGN_OR_RETURN(g->cache, HybridCacheManager::create(model, t.gen, rank % t.gen.tp,
+                                                        rank / t.gen.tp, StateLayout::kLayerMajor,
+                                                        Capacity::counts(kGenBlocks, kGenSlots),
+                                                        backingFor(t.backend)));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<Agent> agent,
+      faultyAgent(t.backend, "", "gen" + std::to_string(rank), token, faults, &g->chaos));
   GenerationReceiver::Options ro;
   ro.instance_id = "gen";
   ro.model = model;
@@ -457,11 +456,11 @@ std::string contextQuiet(const CtxRank& c) {
 // times. Violations are collected as text (it also runs inside child processes, without gtest).
 
 struct Tally {
-  uint64_t requests = 0;       // ids started on at least one rank
-  uint64_t parts_ok = 0;       // rank parts completed and verified
-  uint64_t bytes_checked = 0;  // by the first check
-  std::map<std::string, uint64_t> failed;   // rank parts by status code
-  std::map<std::string, uint64_t> refused;  // startRequest refusals by status code
+  uint64_t requests = 0;                       // ids started on at least one rank
+  uint64_t parts_ok = 0;                       // rank parts completed and verified
+  uint64_t bytes_checked = 0;                  // by the first check
+  std::map<std::string, uint64_t> failed;      // rank parts by status code
+  std::map<std::string, uint64_t> refused;     // startRequest refusals by status code
   std::map<std::string, std::string> example;  // the first failure of each code
   std::string summary() const {
     std::string s = std::to_string(requests) + " requests, " + std::to_string(parts_ok) +
@@ -602,9 +601,9 @@ class Workload {
     for (size_t i = 0; i < l.parts.size(); ++i) {
       Part& p = l.parts[i];
       GenRank& g = *gens_[i];
-      const std::string what = "request " + std::to_string(l.id) + " (" +
-                               std::to_string(l.tokens) + " tokens, prefix " +
-                               std::to_string(l.prefix) + ") on gen " + std::to_string(g.rank);
+      const std::string what = "request " + std::to_string(l.id) + " (" + std::to_string(l.tokens) +
+                               " tokens, prefix " + std::to_string(l.prefix) + ") on gen " +
+                               std::to_string(g.rank);
       if (p.state == Part::State::kRunning) {
         auto r = g.rx->poll(l.id);
         if (!r.isOk()) {
@@ -759,8 +758,8 @@ class Chaos {
 };
 
 std::string seedNote(uint64_t seed) {
-  return "soak seed " + std::to_string(seed) + " (replay: HXFER_SOAK_SEED=" +
-         std::to_string(seed) + ")";
+  return "soak seed " + std::to_string(seed) + " (replay: HXFER_SOAK_SEED=" + std::to_string(seed) +
+         ")";
 }
 
 // A scenario's own schedule: the run's seed mixed with the scenario's name.
@@ -772,8 +771,6 @@ std::string testName() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   return std::string(info->test_suite_name()) + "." + info->name();
 }
-
-
 
 // Checks of the end of a scenario, shared by all: every workload violation, the quiescence of
 // every in-process rank, the probe.
@@ -1054,7 +1051,8 @@ uint64_t droppedBy(const std::vector<ChaosAgent*>& agents) {
 }
 uint64_t closedBy(const std::vector<CtxRank*>& ctxs, const std::vector<GenRank*>& gens) {
   uint64_t n = 0;
-  for (CtxRank* c : ctxs) n += c->chaos->disconnects() + transport::faultStats(*c->chaos).peers_closed;
+  for (CtxRank* c : ctxs)
+    n += c->chaos->disconnects() + transport::faultStats(*c->chaos).peers_closed;
   for (GenRank* g : gens) n += g->chaos->disconnects();
   return n;
 }
@@ -1069,14 +1067,14 @@ void printFigures(const std::string& what, const Tally& t, milliseconds ran, uin
     exhausted += c->serve->exhausted;
     leases += c->sender->metrics().leases_expired;
   }
-  std::printf("soak %s: %s; %llu cancel calls, %llu messages dropped, %llu connections closed, "
-              "context: %llu asks without pages, %llu leases expired; over %.1f s (seed %llu)\n%s",
-              what.c_str(), t.summary().c_str(), static_cast<unsigned long long>(cancels),
-              static_cast<unsigned long long>(droppedBy(agents)),
-              static_cast<unsigned long long>(closedBy(ctxs, gens)),
-              static_cast<unsigned long long>(exhausted), static_cast<unsigned long long>(leases),
-              ran.count() / 1000.0, static_cast<unsigned long long>(soakSeed()),
-              t.examples().c_str());
+  std::printf(
+      "soak %s: %s; %llu cancel calls, %llu messages dropped, %llu connections closed, "
+      "context: %llu asks without pages, %llu leases expired; over %.1f s (seed %llu)\n%s",
+      what.c_str(), t.summary().c_str(), static_cast<unsigned long long>(cancels),
+      static_cast<unsigned long long>(droppedBy(agents)),
+      static_cast<unsigned long long>(closedBy(ctxs, gens)),
+      static_cast<unsigned long long>(exhausted), static_cast<unsigned long long>(leases),
+      ran.count() / 1000.0, static_cast<unsigned long long>(soakSeed()), t.examples().c_str());
   std::fflush(stdout);
 }
 
@@ -1212,7 +1210,8 @@ TEST_P(SoakKill, KilledContextRankFailsOnlyThePartsThatNeedItAndItsRestartServes
     while (!quitRequested(cmd)) std::this_thread::sleep_for(milliseconds(5));
     c->chaos->calm();
     const std::string why = contextQuiet(*c);
-    if (!why.empty()) std::fprintf(stderr, "context rank 1 not quiet at the end: %s\n", why.c_str());
+    if (!why.empty())
+      std::fprintf(stderr, "context rank 1 not quiet at the end: %s\n", why.c_str());
     c->sender->shutdown();
     return why.empty() ? 0 : 11;
   });
@@ -1356,8 +1355,8 @@ TEST_P(SoakKill, KilledGenerationInstanceLeavesTheContextRankServingTheOther) {
   std::vector<GenerationReceiver*> rxs;
   std::vector<ChaosAgent*> agents = {c->chaos};
   for (uint32_t i = 0; i < 2; ++i) {
-    auto g = startGeneration(model, t, i, {c->sender->address()}, token,
-                             AgentFaults::draw(rng, false));
+    auto g =
+        startGeneration(model, t, i, {c->sender->address()}, token, AgentFaults::draw(rng, false));
     ASSERT_TRUE(g.isOk()) << g.status().toString();
     gens.push_back(g->get());
     rxs.push_back((*g)->rx.get());
@@ -1399,8 +1398,8 @@ TEST_P(SoakKill, KilledGenerationInstanceLeavesTheContextRankServingTheOther) {
   for (size_t i = 0; i < gens.size(); ++i) ok_seen.push_back(w.okOn(i) + probe.okOn(i));
   expectQuiet({&*c}, gens, ok_seen);
   EXPECT_GE(c->sender->metrics().peers_lost, 2u * killer.kills()) << "B's ranks were not seen go";
-  printFigures("gen_kill_" + backend + " (" + std::to_string(killer.kills()) + " kills)",
-               w.tally(), ran, cancels, agents, {&*c}, gens);
+  printFigures("gen_kill_" + backend + " (" + std::to_string(killer.kills()) + " kills)", w.tally(),
+               ran, cancels, agents, {&*c}, gens);
   RecordProperty("seed", std::to_string(soakSeed()));
   RecordProperty("figures", w.tally().summary());
   for (auto& g : gen) g->rx->shutdown();

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -238,3 +239,122 @@ def test_link_cut_mid_transfer_then_restored_loses_no_page():
     assert rc == 0 and summary(out)["ok"] == 5, out
     rc, m = c.stop()
     assert m["leaked_pages"] == 0, m
+
+
+# ---- Discovery through etcd (etcd on host 3) ----
+
+ETCD = "/usr/bin/etcd"
+
+
+class EtcdOnHost3:
+    def __init__(self, data_dir):
+        self.data_dir = str(data_dir)
+        self.url = f"etcd://{addr(3)}:2379"
+        self.p = None
+
+    def start(self):
+        client = f"http://{addr(3)}:2379"
+        self.p = subprocess.Popen(
+            [HOSTS, "exec", "3", ETCD, "--data-dir", self.data_dir, "--listen-client-urls",
+             client, "--advertise-client-urls", client, "--listen-peer-urls",
+             "http://127.0.0.1:2380", "--logger", "zap", "--log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                req = urllib.request.Request(f"http://{addr(3)}:2379/v3/kv/range",
+                                             data=b'{"key":"eA=="}', method="POST")
+                urllib.request.urlopen(req, timeout=1).read()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError("etcd on host 3 did not answer")
+
+    def stop(self):
+        if self.p is not None:
+            self.p.kill()
+            self.p.wait()
+            self.p = None
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    if not os.access(ETCD, os.X_OK):
+        pytest.skip("etcd-server is not installed (/usr/bin/etcd)")
+    e = EtcdOnHost3(tmp_path / "etcd")
+    e.start()
+    yield e
+    e.stop()
+
+
+def discovering_generation(etcd, instance, requests=3000):
+    """A generation rank on host 2 running `requests` requests against `instance`, once it
+    found it."""
+    g = generation(2, [], 1, "--registry", etcd.url, "--ctx-instance", instance, "--requests",
+                   requests, "--timeout", 20)
+    g.line(rf"found hxfer/{instance}/context/0")
+    return g
+
+
+def registered_context(host, etcd, instance, tp=1, rank=0):
+    r = context(host, tp, rank, "--registry", etcd.url, "--instance", instance)
+    m = r.line(r"registered (hxfer/\S+) \(incarnation (\w+)\)")
+    assert m[1] == f"hxfer/{instance}/context/{rank}", m[0]
+    r.incarnation = m[2]
+    return r
+
+
+def test_generation_finds_the_context_instance_through_etcd(etcd):
+    ctx = [registered_context(1, etcd, "ctxA", 2, r) for r in range(2)]
+    g = generation(2, [], 1, "--registry", etcd.url, "--ctx-instance", "ctxA", "--requests", 8)
+    rc, out = g.finish()
+    s = summary(out)
+    assert rc == 0 and s["ok"] == 8 and s["leaked"] == 0, out
+    for c in ctx:
+        assert f"{c.address} (incarnation {c.incarnation})" in out, out
+    for c in ctx:
+        rc, m = c.stop()
+        assert rc == 0 and m["leaked_pages"] == 0 and m["registry"]["reachable"], m
+    # Stopped ranks unregister: the instance is gone.
+    rc, out = generation(2, [], 1, "--registry", etcd.url, "--ctx-instance", "ctxA",
+                         "--timeout", 1).finish()
+    assert rc != 0 and "no context rank of instance 'ctxA'" in out, out
+
+
+def test_a_restarted_context_rank_is_rediscovered_and_only_its_request_fails(etcd):
+    old = registered_context(1, etcd, "ctxB")
+    g = discovering_generation(etcd, "ctxB")
+    time.sleep(1.0)
+    old.kill()  # the host's process dies: no unregistering, its lease lives on for a while
+    new = registered_context(1, etcd, "ctxB")
+    assert new.incarnation != old.incarnation
+    rc, out = g.finish(timeout=300)
+    s = summary(out)
+    reconnects = re.search(r"reconnects \d+", out)
+    print(f"context restart: {s['ok']}/{s['asked']} verified, {reconnects and reconnects[0]}")
+    assert f"incarnation {old.incarnation} -> {new.incarnation}" in out, out
+    assert "reconnects 1" in out, out
+    assert s["asked"] - s["ok"] <= 2 and s["leaked"] == 0, out  # the requests it had in flight
+    rc, m = new.stop()
+    assert rc == 0 and m["leaked_pages"] == 0, m
+
+
+def test_etcd_stopped_and_restarted_while_transfers_run(etcd):
+    c = registered_context(1, etcd, "ctxC")
+    g = discovering_generation(etcd, "ctxC")
+    time.sleep(0.5)
+    etcd.stop()
+    time.sleep(3.0)
+    etcd.start()
+    rc, out = g.finish(timeout=300)
+    s = summary(out)
+    errors = re.search(r"registry errors \d+", out)
+    print(f"etcd down 3 s: {s['ok']}/{s['asked']} verified, {errors and errors[0]}")
+    assert rc == 0 and s["ok"] == s["asked"] and s["leaked"] == 0, out
+    assert "discovery paused" in out, out  # said once, when etcd went
+    # The context rank is still (or again) registered: a new generation rank finds it.
+    rc, out = generation(2, [], 1, "--registry", etcd.url, "--ctx-instance", "ctxC",
+                         "--requests", 3).finish()
+    assert rc == 0 and summary(out)["ok"] == 3, out
+    rc, m = c.stop()
+    assert rc == 0 and m["leaked_pages"] == 0 and m["registry"]["reachable"], m
