@@ -15,6 +15,9 @@
 #                                     refuse it: tc exits non-zero)
 #   scripts/hosts.sh rate I RATE      a token bucket (tc tbf) limiting the host's link, e.g.
 #                                     `rate 1 200mbit`; `rate I off` removes it
+#   scripts/hosts.sh relink I         host I's veth again (after scripts/slowlink.py, the
+#                                     user-space delay and loss for kernels without netem)
+#   scripts/hosts.sh forget           every host forgets the others' MAC addresses
 # Shared memory between namespaces works (one kernel), but shm's Unix sockets are per
 # namespace: a rank on one host cannot reach another host's shm address, as across machines.
 set -euo pipefail
@@ -45,15 +48,33 @@ up() {
     echo 0 > /proc/sys/net/bridge/bridge-nf-call-iptables || true
   fi
   for i in $(seq 1 "$n"); do
-    local ns="$prefix-$i"
-    ip netns add "$ns"
-    ip link add "$ns-h" type veth peer name "$ns-n"
-    ip link set "$ns-h" master "$prefix-br" up
-    ip link set "$ns-n" netns "$ns"
-    ip -n "$ns" addr add "$(addr "$i")/24" dev "$ns-n"
-    ip -n "$ns" link set "$ns-n" up
-    ip -n "$ns" link set lo up
+    ip netns add "$prefix-$i"
+    ip -n "$prefix-$i" link set lo up
+    relink "$i"
   done
+}
+
+# Host i's link: a veth pair, one end on the bridge, the other in the namespace with the
+# host's address (again, after scripts/slowlink.py replaced it).
+relink() {
+  local ns="$prefix-$1"
+  ip link del "$ns-h" 2>/dev/null || true
+  ip -n "$ns" link del "$ns-n" 2>/dev/null || true
+  ip link add "$ns-h" type veth peer name "$ns-n"
+  ip link set "$ns-h" master "$prefix-br" up
+  ip link set "$ns-n" netns "$ns"
+  ip -n "$ns" addr add "$(addr "$1")/24" dev "$ns-n"
+  ip -n "$ns" link set "$ns-n" up
+  forget
+}
+
+# The host's link has another MAC address now: every host forgets the old one (else it sends
+# to it until its neighbour entry goes stale, some 30 s).
+forget() {
+  for other in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$prefix-[0-9]*$" || true); do
+    ip -n "$other" neigh flush all 2>/dev/null || true
+  done
+  ip neigh flush dev "$prefix-br" 2>/dev/null || true
 }
 
 probe() {
@@ -77,6 +98,8 @@ case "$cmd" in
   exec) i=$1; shift; exec ip netns exec "$prefix-$i" "$@" ;;
   addr) addr "$1" ;;
   link) ip link set "$prefix-$1-h" "$2" ;;
+  relink) relink "$1" ;;
+  forget) forget ;;
   netem)
     if [[ ${2:-} == off ]]; then
       tc qdisc del dev "$prefix-$1-h" root 2>/dev/null || true
@@ -90,5 +113,5 @@ case "$cmd" in
     else
       tc qdisc replace dev "$prefix-$1-h" root tbf rate "$2" burst 256kb latency 500ms
     fi ;;
-  *) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
