@@ -63,6 +63,9 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+HOSTS = os.path.join(HERE, "..", "..", "scripts", "hosts.sh")
+# What crosses hosts: shm (and UCX's shared-memory transports) reach only this host.
+ACROSS_HOSTS = ["hxfer-ucx", "nixl-tcp", "mooncake-tcp", "tcp"]
 SYSTEMS = ["hxfer-shm", "hxfer-ucx", "nixl", "nixl-tcp", "mooncake-tcp", "memcpy", "memcpy-x2",
            "tcp"]
 PEERS = {"nixl", "nixl-tcp", "mooncake-tcp"}
@@ -191,8 +194,8 @@ def recv_exact(sock, n):
 
 
 class Worker:
-    def __init__(self, spec, role, systems):
-        self.spec, self.role, self.systems = spec, role, systems
+    def __init__(self, spec, role, systems, bind):
+        self.spec, self.role, self.systems, self.bind = spec, role, systems, bind
         self.side = Side(spec, role)
         self.hx = {}  # system -> (senders or receivers, Released)
         self.nixl = {}  # system -> agent
@@ -253,7 +256,7 @@ class Worker:
         for r, layout in enumerate(self.side.layouts):
             mem = hxfer.Memory(layout, self.side.shared[r])
             if self.role == "ctx":
-                ends.append(hxfer.Sender(layout, mem, listen="127.0.0.1:0", backend=backend, token=TOKEN,
+                ends.append(hxfer.Sender(layout, mem, listen=f"{self.bind}:0", backend=backend, token=TOKEN,
                                          ucx_options=ucx, on_released=released,
                                          lease_timeout=TIMEOUT))
             else:
@@ -310,8 +313,8 @@ class Worker:
         from mooncake.engine import TransferEngine
 
         te = TransferEngine()
-        if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise Failure("mooncake: initialize(127.0.0.1, P2PHANDSHAKE, tcp) failed")
+        if te.initialize(self.bind, "P2PHANDSHAKE", "tcp", "") != 0:
+            raise Failure(f"mooncake: initialize({self.bind}, P2PHANDSHAKE, tcp) failed")
         for pools in self.side.arrays:
             for a in pools:
                 if te.register_memory(a.ctypes.data, len(a)) != 0:
@@ -329,18 +332,18 @@ class Worker:
             self.mooncake_session = cmd["session"]
             self.mooncake_lists = (srcs, dsts, lens)
             return {}
-        return {"session": f"127.0.0.1:{te.get_rpc_port()}"}
+        return {"session": f"{self.bind}:{te.get_rpc_port()}"}
 
     def setup_socket(self, cmd):
         if self.sock is not None:
             return {}
         if self.role == "gen":
             listener = socket.socket()
-            listener.bind(("127.0.0.1", 0))
+            listener.bind((self.bind, 0))
             listener.listen(1)
             self.listener = listener
-            return {"port": listener.getsockname()[1]}
-        self.sock = socket.create_connection(("127.0.0.1", cmd["port"]))
+            return {"host": self.bind, "port": listener.getsockname()[1]}
+        self.sock = socket.create_connection((cmd["host"], cmd["port"]))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.tcp_buffer = np.ones(self.side.bytes, np.uint8)
         return {}
@@ -516,10 +519,10 @@ class Released:
             return self.cv.wait_for(lambda: self.counts.get(rid, 0) >= count, timeout)
 
 
-def worker_main(role, spec_json, systems):
+def worker_main(role, spec_json, systems, bind):
     channel = Channel()
     try:
-        w = Worker(json.loads(spec_json), role, systems)
+        w = Worker(json.loads(spec_json), role, systems, bind)
         channel.say({"bytes": w.side.bytes, "fragments": w.side.fragments})
     except Exception as e:  # reported to the driver, which names the workload
         channel.say({"error": f"{type(e).__name__}: {e}"})
@@ -547,11 +550,16 @@ def worker_main(role, spec_json, systems):
 # ---- The driver ----
 
 class Proc:
-    def __init__(self, role, spec, systems, env):
+    """A worker process; on host `host` of scripts/hosts.sh when given, bound to its address."""
+
+    def __init__(self, role, spec, systems, env, host=None):
         self.role = role
+        prefix, bind = [], "127.0.0.1"
+        if host is not None:
+            prefix, bind = [HOSTS, "exec", str(host)], host_address(host)
         self.p = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker", role, "--spec",
-             json.dumps(spec), "--systems", ",".join(systems)],
+            prefix + [sys.executable, os.path.abspath(__file__), "--worker", role, "--spec",
+                      json.dumps(spec), "--systems", ",".join(systems), "--bind", bind],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
     def send(self, obj):
@@ -589,6 +597,11 @@ def nixl_api():
     return nixl_agent, nixl_agent_config
 
 
+def host_address(host):
+    return subprocess.run([HOSTS, "addr", str(host)], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 def available(systems):
     out = []
     for s in systems:
@@ -609,7 +622,7 @@ def setup_systems(ctx, gen, systems):
     tcp baseline's socket), hxfer's handshakes, NIXL's metadata exchange and connections, and
     the peers' descriptors of the generation pools."""
     side = gen.ask({"op": "setup", "system": "side"})
-    ctx.ask({"op": "setup", "system": "side", "port": side["port"]})
+    ctx.ask({"op": "setup", "system": "side", "host": side["host"], "port": side["port"]})
     gen.ask({"op": "accept"})
     gen_addresses = gen.ask({"op": "addresses"})["addresses"]
     for s in systems:
@@ -634,9 +647,9 @@ def percentile(values, q):
     return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
 
 
-def run_workload(spec, systems, env):
-    ctx = Proc("ctx", spec, systems, env)
-    gen = Proc("gen", spec, systems, env)
+def run_workload(spec, systems, env, hosts=False):
+    ctx = Proc("ctx", spec, systems, env, 1 if hosts else None)
+    gen = Proc("gen", spec, systems, env, 2 if hosts else None)
     rows = []
     try:
         info_c, info_g = ctx.read(), gen.read()
@@ -814,16 +827,28 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write rows, ratios and versions to FILE")
     ap.add_argument("--plot", help="write an SVG bar chart to FILE")
+    ap.add_argument("--hosts", action="store_true",
+                    help="the two processes on two hosts made of network namespaces "
+                         "(scripts/hosts.sh, root): only what crosses hosts runs (" +
+                         ", ".join(ACROSS_HOSTS) + ")")
     ap.add_argument("--worker", choices=["ctx", "gen"], help=argparse.SUPPRESS)
+    ap.add_argument("--bind", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker_main(args.worker, args.spec, args.systems)
+        return worker_main(args.worker, args.spec, args.systems, args.bind)
 
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         raise SystemExit(f"--systems: unknown system '{unknown[0]}' ({', '.join(SYSTEMS)})")
     systems = available(args.systems)
+    if args.hosts:
+        dropped = [s for s in systems if s not in ACROSS_HOSTS]
+        if dropped:
+            print(f"# --hosts: {', '.join(dropped)} reach only this host; not run",
+                  file=sys.stderr)
+        systems = [s for s in systems if s in ACROSS_HOSTS]
+        subprocess.run([HOSTS, "up", "2"], check=True)
     env = dict(os.environ)
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     env.setdefault("GLOG_minloglevel", "2")  # Mooncake's logging: errors only
@@ -834,7 +859,7 @@ def main():
               f"gen tp {spec['gen_tp']}, {spec['tokens']} tokens, {spec['repetitions']} runs",
               file=sys.stderr, flush=True)
         try:
-            got = run_workload(spec, systems, env)
+            got = run_workload(spec, systems, env, args.hosts)
         except Failure as e:
             failures.append(f"{spec['name']}: {e}")
             print(f"# {spec['name']} FAILED: {e}", file=sys.stderr, flush=True)
@@ -842,17 +867,20 @@ def main():
         print_table(got, sys.stderr)
         print(f"# {spec['name']}: {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
         rows += got
+    if args.hosts:
+        subprocess.run([HOSTS, "down"], check=False)
     print_table(rows)
     rat = ratios(rows)
     for r in rat:
         print(json.dumps(r))
-    info = {"versions": versions(), "ucx_tls": {"hxfer-ucx": "tcp", "nixl": "(UCX's choice)",
-                                                 "nixl-tcp": "tcp"}}
+    info = {"versions": versions(), "hosts": "two network namespaces" if args.hosts else "one",
+            "ucx_tls": {"hxfer-ucx": "tcp", "nixl": "(UCX's choice)", "nixl-tcp": "tcp"}}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "ratios": rat, "failures": failures, **info}, f, indent=1)
     if args.plot:
-        write_svg(args.plot, rows, "hxfer and its peers, one host, same requests")
+        where = "two hosts (network namespaces)" if args.hosts else "one host"
+        write_svg(args.plot, rows, f"hxfer and its peers, {where}, same requests")
     for f in failures:
         print("FAILED " + f, file=sys.stderr)
     return 1 if failures else 0
