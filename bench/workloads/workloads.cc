@@ -42,6 +42,7 @@
 #include "cli/socket_util.h"
 #include "cli/table.h"
 #include "common/logging.h"
+#include "common/strings.h"
 #include "engine/cluster.h"
 #include "engine/handshake.h"
 #include "plan/oracle.h"
@@ -69,10 +70,7 @@ constexpr auto kRequestDeadline = 120s;
 
 StatusOr<std::vector<uint32_t>> parseCountList(const std::string& flag, const std::string& text) {
   std::vector<uint32_t> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    if (item.empty()) continue;
+  for (std::string item : splitList(text)) {
     uint64_t mult = 1;
     const char last = static_cast<char>(std::tolower(static_cast<unsigned char>(item.back())));
     if (last == 'k') mult = 1024;
@@ -86,16 +84,6 @@ StatusOr<std::vector<uint32_t>> parseCountList(const std::string& flag, const st
     out.push_back(static_cast<uint32_t>(v * mult));
   }
   if (out.empty()) return InvalidArgument(flag + " is empty");
-  return out;
-}
-
-std::vector<std::string> splitList(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    if (!item.empty()) out.push_back(item);
-  }
   return out;
 }
 

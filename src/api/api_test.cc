@@ -122,6 +122,19 @@ std::unique_ptr<Receiver> connectedReceiver(EngineRank& gen, const Sender& tx, R
   return std::move(*rx);
 }
 
+// A Sender over `ctx`'s memory on the inproc backend, reporting releases to `released`; `so`
+// carries any other option. nullptr (a test failure) when it cannot be had.
+std::unique_ptr<Sender> inprocSender(EngineRank& ctx, Released& released, SenderOptions so = {}) {
+  so.backend = "inproc";
+  so.on_released = released.callback();
+  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
+  if (!tx.isOk()) {
+    ADD_FAILURE() << tx.status().toString();
+    return nullptr;
+  }
+  return std::move(*tx);
+}
+
 TEST(ApiLayout, PoolsNameEveryRegionOfTheEngineLayoutWithItsBytes) {
   auto l = Layout::engine(options("sglang", 2, 0, 64, 8));
   ASSERT_TRUE(l.isOk()) << l.status().toString();
@@ -463,48 +476,45 @@ TEST(ApiRouting, AutoPicksShmForSharedBuffersAndUcxForPrivateMemorySayingWhy) {
 TEST(ApiPages, MarkReadyRefusesPagesOutsideOrTwiceAndLetsRequestsSharePages) {
   EngineRank ctx = EngineRank::make(options("trtllm-v2", 1, 0));
   Released released;
-  SenderOptions so;
-  so.backend = "inproc";
-  so.on_released = released.callback();
-  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
-  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  auto tx = inprocSender(ctx, released);
+  ASSERT_NE(tx, nullptr);
   const std::vector<uint32_t> outside = {3, 16}, twice = {3, 3}, ok = {3, 4};
-  Status s = (*tx)->markReady(1, outside, 0);
+  Status s = tx->markReady(1, outside, 0);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("block 16 is outside the pool of 16"), std::string::npos)
       << s.toString();
-  s = (*tx)->markReady(1, twice, 0);
+  s = tx->markReady(1, twice, 0);
   EXPECT_NE(s.message().find("block 3 listed twice"), std::string::npos) << s.toString();
-  s = (*tx)->markReady(1, ok, std::nullopt);
+  s = tx->markReady(1, ok, std::nullopt);
   EXPECT_NE(s.message().find("no slot given"), std::string::npos) << s.toString();
-  s = (*tx)->markReady(1, ok, 9);
+  s = tx->markReady(1, ok, 9);
   EXPECT_NE(s.message().find("slot 9 is outside"), std::string::npos) << s.toString();
-  EXPECT_FALSE((*tx)->holds(1));
+  EXPECT_FALSE(tx->holds(1));
 
-  ASSERT_TRUE((*tx)->markReady(1, ok, 0).isOk());
+  ASSERT_TRUE(tx->markReady(1, ok, 0).isOk());
   const std::vector<uint32_t> overlap = {5, 4};
-  s = (*tx)->markReady(1, overlap, 1);
+  s = tx->markReady(1, overlap, 1);
   EXPECT_NE(s.message().find("already known"), std::string::npos) << s.toString();
-  s = (*tx)->markReady(3, std::vector<uint32_t>{7}, 2, std::string(20000, 'x'));
+  s = tx->markReady(3, std::vector<uint32_t>{7}, 2, std::string(20000, 'x'));
   EXPECT_NE(s.message().find("aux is 20000 bytes"), std::string::npos) << s.toString();
-  EXPECT_FALSE((*tx)->holds(3));
+  EXPECT_FALSE(tx->holds(3));
 
   // The sender only reads its pages, so requests may share them (a cached prompt prefix):
   // block 4 and slot 0 stay fenced until the last request naming them is released.
-  ASSERT_TRUE((*tx)->markReady(2, overlap, 0).isOk());
-  ASSERT_TRUE((*tx)->cancel(1).isOk());
+  ASSERT_TRUE(tx->markReady(2, overlap, 0).isOk());
+  ASSERT_TRUE(tx->cancel(1).isOk());
   ASSERT_TRUE(released.waitFor(1));
-  EXPECT_FALSE((*tx)->holds(1));
-  EXPECT_TRUE((*tx)->holds(2));
+  EXPECT_FALSE(tx->holds(1));
+  EXPECT_TRUE(tx->holds(2));
   const CacheCounters c = ctx.memory->impl().cache->counters();
   EXPECT_EQ(c.free_blocks, 16u - 2u) << "blocks 4 and 5 are still read by request 2";
   EXPECT_EQ(c.free_slots, 4u - 1u);
   EXPECT_TRUE(ctx.memory->impl().cache->selfCheck().isOk());
-  (*tx)->shutdown();
+  tx->shutdown();
   EXPECT_TRUE(released.waitFor(2));
   EXPECT_EQ(released.count(1), 1u);
   EXPECT_EQ(ctx.memory->impl().cache->counters().free_blocks, 16u);
-  EXPECT_EQ((*tx)->markReady(4, ok, 0).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(tx->markReady(4, ok, 0).code(), StatusCode::kUnavailable);
 }
 
 // A prompt prefix cached once on the context side: two requests in flight name the same
@@ -521,16 +531,13 @@ TEST(ApiTransfer, RequestsSharingACachedPrefixBlockBothMove) {
   auto& ctx_kv = ctx.pools.at("kv0");
   for (uint64_t i = 0; i < ctx_kv.size(); ++i) ctx_kv[i] = static_cast<uint8_t>(i * 7 / 3);
   Released released;
-  SenderOptions so;
-  so.backend = "inproc";
-  so.on_released = released.callback();
-  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
-  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
-  auto rx = connectedReceiver(gen, **tx, nullptr);
+  auto tx = inprocSender(ctx, released);
+  ASSERT_NE(tx, nullptr);
+  auto rx = connectedReceiver(gen, *tx, nullptr);
   ASSERT_NE(rx, nullptr);
   // Block 2 is the shared prefix; 3 and 4 the requests' own tails.
-  ASSERT_TRUE((*tx)->markReady(1, std::vector<uint32_t>{2, 3}, 0).isOk());
-  ASSERT_TRUE((*tx)->markReady(2, std::vector<uint32_t>{2, 4}, 1).isOk());
+  ASSERT_TRUE(tx->markReady(1, std::vector<uint32_t>{2, 3}, 0).isOk());
+  ASSERT_TRUE(tx->markReady(2, std::vector<uint32_t>{2, 4}, 1).isOk());
   ASSERT_TRUE(rx->start(1, 64, std::vector<uint32_t>{0, 1}, 0).isOk());
   ASSERT_TRUE(rx->start(2, 64, std::vector<uint32_t>{5, 6}, 1).isOk());
   for (uint64_t id : {1, 2}) {
@@ -556,8 +563,8 @@ TEST(ApiTransfer, RequestsSharingACachedPrefixBlockBothMove) {
   // their prefix while in flight together; only their tails arrive, block 9 is not written.
   auto& gen_kv_w = gen.pools.at("kv0");
   std::fill(gen_kv_w.begin() + 9 * row, gen_kv_w.begin() + 10 * row, uint8_t{0xEE});
-  ASSERT_TRUE((*tx)->markReady(3, std::vector<uint32_t>{2, 3}, 0).isOk());
-  ASSERT_TRUE((*tx)->markReady(4, std::vector<uint32_t>{2, 4}, 1).isOk());
+  ASSERT_TRUE(tx->markReady(3, std::vector<uint32_t>{2, 3}, 0).isOk());
+  ASSERT_TRUE(tx->markReady(4, std::vector<uint32_t>{2, 4}, 1).isOk());
   ASSERT_TRUE(rx->start(3, 64, std::vector<uint32_t>{9, 10}, 2, 32).isOk());
   ASSERT_TRUE(rx->start(4, 64, std::vector<uint32_t>{9, 11}, 3, 32).isOk());
   // A request that would write block 9 is refused while the prefix readers hold it.
@@ -583,16 +590,14 @@ TEST(ApiPages, UnaskedPagesAreReleasedWhenTheLeaseExpires) {
   EngineRank ctx = EngineRank::make(options("vllm", 1, 0));
   Released released;
   SenderOptions so;
-  so.backend = "inproc";
   so.lease_timeout = 200ms;
-  so.on_released = released.callback();
-  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
-  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
-  ASSERT_TRUE((*tx)->markReady(5, std::vector<uint32_t>{2}, 3).isOk());
-  EXPECT_TRUE((*tx)->holds(5));
+  auto tx = inprocSender(ctx, released, so);
+  ASSERT_NE(tx, nullptr);
+  ASSERT_TRUE(tx->markReady(5, std::vector<uint32_t>{2}, 3).isOk());
+  EXPECT_TRUE(tx->holds(5));
   ASSERT_TRUE(released.waitFor(5));
-  EXPECT_FALSE((*tx)->holds(5));
-  EXPECT_EQ((*tx)->metrics().leases_expired, 1u);
+  EXPECT_FALSE(tx->holds(5));
+  EXPECT_EQ(tx->metrics().leases_expired, 1u);
 }
 
 // A cancelled generation request stays fenced while its context rank may still answer: the
@@ -651,17 +656,14 @@ TEST(ApiPages, CancelledRequestStaysFencedUntilTheContextRankAnswered) {
 TEST(ApiPages, LostContextRankFailsTheRequestAndReleasesItsPages) {
   EngineRank ctx = EngineRank::make(options("trtllm-v1", 1, 0));
   EngineRank gen = EngineRank::make(options("vllm", 1, 0));
-  SenderOptions so;
-  so.backend = "inproc";
   Released ctx_released;
-  so.on_released = ctx_released.callback();
-  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
-  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  auto tx = inprocSender(ctx, ctx_released);
+  ASSERT_NE(tx, nullptr);
   Released released;
-  auto rx = connectedReceiver(gen, **tx, &released);
+  auto rx = connectedReceiver(gen, *tx, &released);
   ASSERT_NE(rx, nullptr);
   ASSERT_TRUE(rx->start(3, 32, std::vector<uint32_t>{1}, 1).isOk());
-  (*tx)->shutdown();
+  tx->shutdown();
   auto r = rx->wait(3, 10s);
   ASSERT_TRUE(r.isOk());
   EXPECT_EQ(r->state, Result::State::kFailed) << r->status.toString();
@@ -669,8 +671,7 @@ TEST(ApiPages, LostContextRankFailsTheRequestAndReleasesItsPages) {
   EXPECT_FALSE(rx->holds(3));
   EXPECT_EQ(rx->metrics().requests_held, 0u);
   // The memory is free for another user once the sender is gone.
-  auto tx2 = Sender::create(ctx.layout, *ctx.memory, so);
-  EXPECT_TRUE(tx2.isOk()) << tx2.status().toString();
+  EXPECT_NE(inprocSender(ctx, ctx_released), nullptr);
 }
 
 TEST(ApiPages, CallsRacingShutdownReturnUnavailableAndShutdownMayComeFromOnReleased) {

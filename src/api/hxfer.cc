@@ -692,26 +692,9 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
     return InvalidArgument("peers has " + str(n) + " addresses, peer_tp=" + str(peer_tp) +
                            " x peer_pp=" + str(o.peer_pp) + " context ranks expected");
   }
-  // The backend every address names (a scheme, or ip:port for ucx).
-  std::optional<engine::BackendKind> implied;
-  std::vector<std::string> addresses;
-  for (const std::string& a : o.peers) {
-    const std::optional<engine::BackendKind> b = engine::addressBackend(a);
-    std::string address = a;
-    if (b == engine::BackendKind::kUcx && a.rfind("ucx:", 0) != 0) address = "ucx:" + a;
-    if (!b) {
-      return InvalidArgument("peer address '" + a +
-                             "' names no backend: it starts with shm:, ucx: or inproc: (as "
-                             "Sender::address gives it), or is a ucx ip:port");
-    }
-    if (b && implied && *b != *implied) {
-      return InvalidArgument("peer addresses mix backends: '" + a + "' is " +
-                             std::string(engine::backendName(*b)) + ", an earlier one " +
-                             std::string(engine::backendName(*implied)));
-    }
-    implied = b;
-    addresses.push_back(address);
-  }
+  ASSIGN_OR_RETURN(engine::PeerAddresses named, engine::resolvePeerAddresses(o.peers));
+  const std::optional<engine::BackendKind> implied = named.backend;
+  std::vector<std::string> addresses = std::move(named.addresses);
   ASSIGN_OR_RETURN(Routed routed, route(o.backend, implied, memory.shareable()));
   if (implied && routed.backend != *implied) {
     return InvalidArgument("backend=" + o.backend + " but the peer addresses are " +

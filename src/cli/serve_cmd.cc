@@ -14,7 +14,6 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,6 +22,7 @@
 #include "cli/commands.h"
 #include "cli/model_options.h"
 #include "common/logging.h"
+#include "common/strings.h"
 #include "engine/context_sender.h"
 #include "engine/generation_receiver.h"
 #include "engine/handshake.h"
@@ -57,16 +57,6 @@ struct ServeOptions {
   uint32_t timeout_s = 60;
 };
 
-std::vector<std::string> splitComma(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-
 // --advertise HOST or HOST:PORT.
 struct Advertised {
   std::string host, port;  // port empty: the one the rank listens on
@@ -74,9 +64,7 @@ struct Advertised {
 
 Advertised parseAdvertise(const std::string& a) {
   if (engine::addressBackend(a) == engine::BackendKind::kUcx) {
-    std::string_view rest = a;
-    if (rest.substr(0, 4) == "ucx:") rest.remove_prefix(4);
-    return {engine::addressHost(a), std::string(rest.substr(rest.rfind(':') + 1))};
+    return {engine::addressHost(a), a.substr(a.rfind(':') + 1)};
   }
   return {a, ""};
 }
@@ -101,23 +89,9 @@ StatusOr<ServeRouting> serveRouting(const ServeOptions& o, bool context,
     env.peers_same_host = (listen_host.empty() || engine::isLoopbackHost(listen_host)) &&
                           (adv_host.empty() || engine::isLoopbackHost(adv_host));
   } else {
-    std::optional<engine::BackendKind> named;
-    std::string remote;
-    for (const std::string& a : peers) {
-      auto b = engine::addressBackend(a);
-      if (!b) {
-        return InvalidArgument("--peers: address '" + a +
-                               "' names no backend (shm:NAME, ucx:IP:PORT or IP:PORT)");
-      }
-      if (named && *b != *named) {
-        return InvalidArgument("--peers mixes backends: '" + a + "' is " +
-                               std::string(engine::backendName(*b)) + ", an earlier one " +
-                               std::string(engine::backendName(*named)));
-      }
-      named = b;
-      const std::string host = engine::addressHost(a);
-      if (!host.empty() && !engine::isLoopbackHost(host) && remote.empty()) remote = host;
-    }
+    ASSIGN_OR_RETURN(engine::PeerAddresses given, engine::resolvePeerAddresses(peers));
+    const std::optional<engine::BackendKind> named = given.backend;
+    const std::string& remote = given.remote_host;
     env.peers_same_host = remote.empty();
     if (named && requested && *requested != *named) {
       return InvalidArgument("--backend " + std::string(engine::backendName(*requested)) +
@@ -225,7 +199,7 @@ int runServe(const ServeOptions& o) {
     if (!c.isOk()) return reportError(c.status());
     registry = *c;
   }
-  std::vector<std::string> peers = splitComma(o.peers);
+  std::vector<std::string> peers = splitList(o.peers);
   uint32_t peer_tp = o.peer_tp, peer_pp = o.peer_pp;
   std::vector<engine::RankRecord> found;
   if (!context && !o.ctx_instance.empty()) {

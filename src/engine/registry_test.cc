@@ -180,7 +180,8 @@ TEST(RegistryClient, UnreachableEtcdIsUnavailableNamingIt) {
 class RegistryLive : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!Etcd::installed()) GTEST_SKIP() << "etcd-server is not installed (/usr/bin/etcd)";
+    ASSERT_TRUE(Etcd::installed())
+        << "/usr/bin/etcd missing: install etcd-server (scripts/install-deps.sh does)";
     etcd_ = std::make_unique<Etcd>();
     auto c = EtcdClient::create(etcd_->url(), 2s);
     ASSERT_TRUE(c.isOk());

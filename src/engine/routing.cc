@@ -63,6 +63,28 @@ bool isLoopbackHost(std::string_view host) {
 
 bool isWildcardHost(std::string_view host) { return host == "0.0.0.0" || host == "::"; }
 
+StatusOr<PeerAddresses> resolvePeerAddresses(const std::vector<std::string>& peers) {
+  PeerAddresses out;
+  for (const std::string& a : peers) {
+    const std::optional<BackendKind> b = addressBackend(a);
+    if (!b) {
+      return InvalidArgument("peer address '" + a +
+                             "' names no backend: it starts with shm:, ucx: or inproc: (as a "
+                             "rank's address is given), or is a ucx ip:port");
+    }
+    if (out.backend && *b != *out.backend) {
+      return InvalidArgument("peer addresses mix backends: '" + a + "' is " +
+                             std::string(backendName(*b)) + ", an earlier one " +
+                             std::string(backendName(*out.backend)));
+    }
+    out.backend = b;
+    out.addresses.push_back(*b == BackendKind::kUcx && a.rfind("ucx:", 0) != 0 ? "ucx:" + a : a);
+    const std::string host = addressHost(a);
+    if (out.remote_host.empty() && !host.empty() && !isLoopbackHost(host)) out.remote_host = host;
+  }
+  return out;
+}
+
 RoutingEnvironment probeRoutingEnvironment() {
   RoutingEnvironment env;
 #ifdef HXFER_HAVE_UCX

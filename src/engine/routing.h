@@ -49,6 +49,17 @@ bool isLoopbackHost(std::string_view host);
 // 0.0.0.0 or ::: every interface, reachable from nowhere as such.
 bool isWildcardHost(std::string_view host);
 
+// A context instance's addresses as a generation rank is given them: the backend they all
+// name (nullopt for none given), each with its scheme ("ucx:" added to a bare ip:port), and
+// the first host that is not this one (empty when all are loopback or shm/inproc).
+struct PeerAddresses {
+  std::optional<BackendKind> backend;
+  std::vector<std::string> addresses;
+  std::string remote_host;
+};
+// InvalidArgument naming the address: one that names no backend, or addresses that mix them.
+StatusOr<PeerAddresses> resolvePeerAddresses(const std::vector<std::string>& peers);
+
 // What the user asked for. nullopt = auto.
 struct RoutingRequest {
   std::optional<BackendKind> backend;

@@ -299,8 +299,8 @@ class EtcdOnHost3:
 
 @pytest.fixture
 def etcd(tmp_path):
-    if not os.access(ETCD, os.X_OK):
-        pytest.skip("etcd-server is not installed (/usr/bin/etcd)")
+    assert os.access(ETCD, os.X_OK), \
+        "/usr/bin/etcd missing: install etcd-server (scripts/install-deps.sh does)"
     e = EtcdOnHost3(tmp_path / "etcd")
     e.start()
     yield e
