@@ -30,6 +30,7 @@
 
 #include <Python.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -564,7 +565,8 @@ std::unique_ptr<PySender> makeSender(py::object layout_obj, py::object memory_ob
                                      const std::string& listen, const std::string& backend,
                                      const std::string& token, const std::string& instance,
                                      bool checksum, double lease_timeout, py::object ucx_options,
-                                     py::object on_released, py::object on_request) {
+                                     py::object on_released, py::object on_request,
+                                     uint64_t stream_min_tokens) {
   const hxfer::Layout& layout = layout_obj.cast<const hxfer::Layout&>();
   const hxfer::Memory& memory = memoryOf(memory_obj);
   auto out = std::make_unique<PySender>();
@@ -577,6 +579,7 @@ std::unique_ptr<PySender> makeSender(py::object layout_obj, py::object memory_ob
   fillTransport(o, backend, token, instance, checksum, ucx_options);
   o.listen = listen;
   o.lease_timeout = toMillis(lease_timeout, "lease_timeout");
+  o.stream_min_tokens = stream_min_tokens;
   o.on_released = releasedFn(out->on_released);
   if (out->on_request) {
     std::shared_ptr<PyCallback> cb = out->on_request;
@@ -776,6 +779,14 @@ PYBIND11_MODULE(hxfer, m) {
           "[{name, size, stride}] and sections [{name, first_unit, units, unit_len, base, "
           "unit_stride, within_stride}] (docs/api.md).")
       .def("layers", &hxfer::Layout::layers, "Global layer ids this rank holds records of.")
+      .def_property_readonly(
+          "stage_layers",
+          [](const hxfer::Layout& l) {
+            const hxfer::LayerSpan s = l.stageLayers();
+            return py::make_tuple(s.first, s.first + s.count);
+          },
+          "(begin, end): every global layer of this rank's pp stage, the span that "
+          "Sender.mark_ready(..., layers=) ranges cover.")
       .def("describe", &hxfer::Layout::describe)
       .def("blocks_for", &hxfer::Layout::blocksFor, py::arg("num_tokens"),
            "Blocks that num_tokens tokens occupy on this rank (0 without attention layers).")
@@ -917,12 +928,15 @@ PYBIND11_MODULE(hxfer, m) {
   // ---- Sender ----
   py::class_<PySender>(m, "Sender",
                        "The context rank. mark_ready(id, blocks, slot, aux) once prefill wrote "
-                       "the pages; hxfer fences them until on_released(id). A context manager.")
+                       "the pages; hxfer fences them until on_released(id). Streaming: "
+                       "mark_ready(..., layers=(begin, end)) as prefill finishes layers "
+                       "[begin, end). A context manager.")
       .def(py::init(&makeSender), py::arg("layout"), py::arg("memory"), py::kw_only(),
            py::arg("listen") = "", py::arg("backend") = "auto", py::arg("token") = "",
            py::arg("instance") = "hxfer", py::arg("checksum") = false,
            py::arg("lease_timeout") = 30.0, py::arg("ucx_options") = py::none(),
-           py::arg("on_released") = py::none(), py::arg("on_request") = py::none())
+           py::arg("on_released") = py::none(), py::arg("on_request") = py::none(),
+           py::arg("stream_min_tokens") = 512)
       .def_property_readonly("address", [](const PySender& s) { return s.address; })
       .def_property_readonly("backend", [](const PySender& s) { return s.backend; })
       .def_property_readonly("routing", [](const PySender& s) { return s.routing; })
@@ -930,19 +944,36 @@ PYBIND11_MODULE(hxfer, m) {
       .def_property_readonly("memory", [](const PySender& s) { return s.memory; })
       .def(
           "mark_ready",
-          [](PySender& s, uint64_t id, py::object blocks, py::object slot, py::object aux) {
+          [](PySender& s, uint64_t id, py::object blocks, py::object slot, py::object aux,
+             py::object layers) {
             std::vector<uint32_t> pages = toPages(blocks, "blocks");
             std::optional<uint32_t> slot_index = toSlot(slot);
             std::string aux_bytes = toBytes(aux, "aux");
+            std::optional<hxfer::LayerSpan> span;
+            if (!layers.is_none()) {
+              // (begin, end), a Python range of layers; end below begin is left to the
+              // library's check (an empty range).
+              auto pair = layers.cast<std::pair<int64_t, int64_t>>();
+              if (pair.first < 0 || pair.second < 0 || pair.first > UINT32_MAX ||
+                  pair.second > UINT32_MAX) {
+                throw py::value_error("layers: (begin, end) must be layer ids >= 0, got (" +
+                                      std::to_string(pair.first) + ", " +
+                                      std::to_string(pair.second) + ")");
+              }
+              span = hxfer::LayerSpan{
+                  static_cast<uint32_t>(pair.first),
+                  static_cast<uint32_t>(std::max<int64_t>(0, pair.second - pair.first))};
+            }
             hxfer::Status st;
             {
               py::gil_scoped_release nogil;
-              st = s.impl->markReady(id, pages, slot_index, aux_bytes);
+              st = span ? s.impl->markReady(id, pages, slot_index, *span, aux_bytes)
+                        : s.impl->markReady(id, pages, slot_index, aux_bytes);
             }
             throwIfError(st);
           },
           py::arg("request_id"), py::arg("blocks"), py::arg("slot") = py::none(),
-          py::arg("aux") = py::bytes(""))
+          py::arg("aux") = py::bytes(""), py::arg("layers") = py::none())
       .def(
           "cancel",
           [](PySender& s, uint64_t id) {

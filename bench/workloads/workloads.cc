@@ -167,10 +167,15 @@ struct Row {
   std::string ref;  // what ref_ratio compares with
   std::optional<double> req_per_s, load_gbps;
   std::optional<double> plan_us;  // planning one request (all rank pairs), outside the clock
+  // streaming: the simulated prefill, and the median time from its end to the request
+  // complete when the request is marked ready whole at the end (`time` holds the streamed
+  // samples; ref_ratio is streamed / whole, the exposed fraction).
+  std::optional<double> prefill_s, whole_exposed_s;
   bool verified = false;
   double peak_rss_mib = 0;
 
-  double goodput() const { return gbps(bytes, time.median()); }
+  // Bytes over the median time; none for streaming, whose times are not whole transfers.
+  double goodput() const { return workload == "streaming" ? 0.0 : gbps(bytes, time.median()); }
   std::optional<double> ratioMemcpy() const {
     if (!memcpy_gbps || *memcpy_gbps <= 0 || bytes == 0) return std::nullopt;
     return goodput() / *memcpy_gbps;
@@ -203,7 +208,7 @@ nlohmann::json rowJson(const Row& r) {
   j["p50_us"] = r.time.quantile(0.5) * 1e6;
   j["p99_us"] = r.time.quantile(0.99) * 1e6;
   j["p999_us"] = r.time.quantile(0.999) * 1e6;
-  if (r.bytes) {
+  if (r.bytes && r.goodput() > 0) {
     j["goodput_gbps"] = r.goodput();
     j["goodput_min_gbps"] = gbps(r.bytes, r.time.max());
     j["goodput_max_gbps"] = gbps(r.bytes, r.time.min());
@@ -220,6 +225,8 @@ nlohmann::json rowJson(const Row& r) {
   if (r.req_per_s) j["requests_per_s"] = *r.req_per_s;
   if (r.load_gbps) j["load_gbps"] = *r.load_gbps;
   if (r.plan_us) j["plan_us"] = *r.plan_us;
+  if (r.prefill_s) j["prefill_ms"] = *r.prefill_s * 1e3;
+  if (r.whole_exposed_s) j["unstreamed_exposed_ms"] = *r.whole_exposed_s * 1e3;
   j["verified"] = r.verified;
   j["peak_rss_mib"] = r.peak_rss_mib;
   return j;
@@ -230,7 +237,7 @@ std::string csvHeader() {
          "requests,bytes,ops,contiguous_runs,median_ms,min_ms,max_ms,p50_us,p99_us,p999_us,"
          "goodput_gbps,memcpy_gbps,tcp_gbps,ratio_to_memcpy,ratio_to_tcp,ratio_to_ref,"
          "ratio_to_ref_memcpy_normalised,ref,"
-         "requests_per_s,load_gbps,plan_us,verified,peak_rss_mib";
+         "requests_per_s,load_gbps,plan_us,prefill_ms,unstreamed_exposed_ms,verified,peak_rss_mib";
 }
 
 std::string csvLine(const Row& r) {
@@ -243,11 +250,13 @@ std::string csvLine(const Row& r) {
     << fmt("%.6g", r.time.median() * 1e3) << ',' << fmt("%.6g", r.time.min() * 1e3) << ','
     << fmt("%.6g", r.time.max() * 1e3) << ',' << fmt("%.6g", r.time.quantile(0.5) * 1e6) << ','
     << fmt("%.6g", r.time.quantile(0.99) * 1e6) << ',' << fmt("%.6g", r.time.quantile(0.999) * 1e6)
-    << ',' << (r.bytes ? fmt("%.6g", r.goodput()) : std::string()) << ',' << opt(r.memcpy_gbps)
-    << ',' << opt(r.tcp_gbps) << ',' << opt(r.ratioMemcpy()) << ',' << opt(r.ratioTcp()) << ','
-    << opt(r.ref_ratio) << ',' << opt(r.ref_ratio_norm) << ',' << r.ref << ',' << opt(r.req_per_s)
-    << ',' << opt(r.load_gbps) << ',' << opt(r.plan_us) << ',' << (r.verified ? 1 : 0) << ','
-    << fmt("%.1f", r.peak_rss_mib);
+    << ',' << (r.goodput() > 0 ? fmt("%.6g", r.goodput()) : std::string()) << ','
+    << opt(r.memcpy_gbps) << ',' << opt(r.tcp_gbps) << ',' << opt(r.ratioMemcpy()) << ','
+    << opt(r.ratioTcp()) << ',' << opt(r.ref_ratio) << ',' << opt(r.ref_ratio_norm) << ',' << r.ref
+    << ',' << opt(r.req_per_s) << ',' << opt(r.load_gbps) << ',' << opt(r.plan_us) << ','
+    << opt(r.prefill_s ? std::optional<double>(*r.prefill_s * 1e3) : std::nullopt) << ','
+    << opt(r.whole_exposed_s ? std::optional<double>(*r.whole_exposed_s * 1e3) : std::nullopt)
+    << ',' << (r.verified ? 1 : 0) << ',' << fmt("%.1f", r.peak_rss_mib);
   return o.str();
 }
 
@@ -408,8 +417,10 @@ std::vector<std::pair<std::string, std::string>> ucxOptionsFor(const std::string
 
 StatusOr<std::unique_ptr<LocalCluster>> makeCluster(const ModelSpec& model, uint32_t ctx_tp,
                                                     uint32_t gen_tp, const std::string& backend,
-                                                    uint32_t blocks, uint32_t slots) {
+                                                    uint32_t blocks, uint32_t slots,
+                                                    uint64_t stream_min_tokens = 512) {
   ClusterOptions o;
+  o.stream_min_tokens = stream_min_tokens;
   o.model = model;
   o.ctx = ParallelConfig{ctx_tp, 1, {}};
   o.gen = ParallelConfig{gen_tp, 1, {}};
@@ -452,7 +463,8 @@ Status settle(const LocalCluster& c) {
 
 // Allocates the request on every context rank, fills it with the oracle (when `fill`) and
 // marks it ready. Retries while the pools are exhausted (earlier requests still being freed).
-Status prepareContext(LocalCluster& c, uint64_t id, uint32_t tokens, bool fill) {
+Status prepareContext(LocalCluster& c, uint64_t id, uint32_t tokens, bool fill,
+                      bool mark_ready = true) {
   for (size_t i = 0; i < c.ctxCaches().size(); ++i) {
     HybridCacheManager& cache = *c.ctxCaches()[i];
     const auto deadline = Clock::now() + 30s;
@@ -467,7 +479,7 @@ Status prepareContext(LocalCluster& c, uint64_t id, uint32_t tokens, bool fill) 
       RETURN_IF_ERROR(fillRank(cache.layout(), engine::cacheMemory(cache),
                                RankIds{a->blocks, a->slot.value_or(0)}, id));
     }
-    RETURN_IF_ERROR(c.senders()[i]->markReady(id));
+    if (mark_ready) RETURN_IF_ERROR(c.senders()[i]->markReady(id));
   }
   return OkStatus();
 }
@@ -972,6 +984,121 @@ Status runLoadWorkload(Context& cx) {
   return OkStatus();
 }
 
+// ---- streaming ----
+
+// One request whose prefill is simulated: its layers take equal compute time one after the
+// other (sleeps: on a serving machine the accelerator computes and the CPUs are free), and the
+// context side marks each layer ready as it ends (`streamed`) or the whole request after the
+// last one. The generation side asked before prefill began, as a disaggregated engine's does.
+// Returns the time from the end of prefill to every generation rank holding every byte.
+StatusOr<double> prefillAndTransfer(Context& cx, LocalCluster& c, uint32_t tokens, bool streamed,
+                                    std::chrono::nanoseconds per_layer) {
+  const uint64_t id = cx.next_id++;
+  RETURN_IF_ERROR(prepareContext(c, id, tokens, /*fill=*/true, /*mark_ready=*/false));
+  uint64_t parts = 0;
+  for (auto& r : c.receivers()) parts += r->contextRanks().size();
+  const uint64_t asked = c.ctxMetrics().requests_started + parts;
+  for (auto& r : c.receivers()) RETURN_IF_ERROR(r->startRequest(id, tokens, 0).status());
+  const auto ask_deadline = Clock::now() + 30s;
+  while (c.ctxMetrics().requests_started < asked) {
+    if (Clock::now() > ask_deadline) return Timeout("request " + std::to_string(id) + " not asked");
+    std::this_thread::sleep_for(50us);
+  }
+  const uint32_t layers = c.options().model.numLayers();
+  const auto start = Clock::now();
+  const auto prefill_end = start + per_layer * layers;
+  if (streamed) {
+    for (uint32_t l = 0; l < layers; ++l) {
+      std::this_thread::sleep_until(start + per_layer * (l + 1));
+      RETURN_IF_ERROR(c.markLayersReady(id, LayerRange{l, 1}));
+    }
+  } else {
+    std::this_thread::sleep_until(prefill_end);
+    RETURN_IF_ERROR(c.markReady(id));
+  }
+  for (auto& r : c.receivers()) {
+    ASSIGN_OR_RETURN(engine::RequestResult res, r->wait(id, Clock::now() + kRequestDeadline));
+    if (!res.terminal()) return Timeout("request " + std::to_string(id) + " did not finish");
+    if (!res.status.isOk()) return res.status.withContext("request " + std::to_string(id));
+  }
+  const double exposed = std::chrono::duration<double>(Clock::now() - prefill_end).count();
+  if (!cx.o.no_verify) {
+    ASSIGN_OR_RETURN(OracleReport rep, c.check(id));
+    if (!rep.ok()) return Corruption("request " + std::to_string(id) + ": " + rep.toString());
+  }
+  RETURN_IF_ERROR(c.release(id));
+  RETURN_IF_ERROR(settle(c));
+  return exposed;
+}
+
+Status runStreamingWorkload(Context& cx) {
+  const WorkloadOptions& o = cx.o;
+  ASSIGN_OR_RETURN(auto tokens,
+                   parseCountList("--tokens", o.tokens.empty() ? "256,8k,32k" : o.tokens));
+  if (!(o.prefill_us_per_token > 0)) {
+    return InvalidArgument("--prefill-us-per-token must be > 0, got " +
+                           fmt("%g", o.prefill_us_per_token));
+  }
+  const uint32_t max_t = *std::max_element(tokens.begin(), tokens.end());
+  const uint32_t layers = cx.model.numLayers();
+  Table t({"backend", "tokens", "MiB", "prefill ms", "whole ms", "streamed ms", "exposed", "spread",
+           "writes", "target"},
+          {false, true, true, true, true, true, true, false, true, false});
+  for (const std::string& be : backendsFor(o, "shm")) {
+    ASSIGN_OR_RETURN(auto c, makeCluster(cx.model, o.ctx_tp, o.gen_tp, be,
+                                         2 * blocksFor(cx.model, max_t), 2, o.stream_min_tokens));
+    for (uint32_t T : tokens) {
+      const std::chrono::nanoseconds per_layer(static_cast<int64_t>(
+          static_cast<double>(T) * o.prefill_us_per_token * 1e3 / std::max<uint32_t>(layers, 1)));
+      Samples whole, streamed;
+      const uint64_t writes0 = c->ctxMetrics().writes_posted;
+      const int total = o.warmup + o.repetitions;
+      const std::string label = "streaming " + be + " T=" + tokensLabel(T);
+      for (int i = 0; i < total; ++i) {
+        cx.progress.update(label, static_cast<size_t>(i), static_cast<size_t>(total));
+        // Alternate which goes first, so that neither always runs on warm caches.
+        for (int k = 0; k < 2; ++k) {
+          const bool stream = (i + k) % 2 == 0;
+          ASSIGN_OR_RETURN(double s, prefillAndTransfer(cx, *c, T, stream, per_layer));
+          if (i >= o.warmup) (stream ? streamed : whole).add(s);
+        }
+      }
+      cx.progress.clear();
+      const double writes_per_request =
+          static_cast<double>(c->ctxMetrics().writes_posted - writes0) / (2.0 * total);
+      Row r = baseRow(cx, cx.model, "streaming", be, T, o.ctx_tp, o.gen_tp);
+      r.time = streamed;
+      r.prefill_s = std::chrono::duration<double>(per_layer * layers).count();
+      r.whole_exposed_s = whole.median();
+      r.ref = "not streamed";
+      if (whole.median() > 0) r.ref_ratio = streamed.median() / whole.median();
+      r.verified = !o.no_verify;
+      uint64_t bytes = 0;
+      for (auto& g : c->genCaches()) {
+        bytes += uint64_t{blocksFor(cx.model, T)} * g->layout().kvBytesPerBlock() +
+                 g->layout().stateBytesPerSlot();
+      }
+      r.bytes = bytes;
+      r.peak_rss_mib = peakRssMib();
+      const bool streams = T >= o.stream_min_tokens;
+      t.add({be, tokensLabel(T), mib(bytes), fmt("%.1f", *r.prefill_s * 1e3),
+             fmt("%.2f", whole.median() * 1e3), fmt("%.2f", streamed.median() * 1e3),
+             optFmt("%.3f", r.ref_ratio),
+             fmt("%.2f", streamed.min() * 1e3) + ".." + fmt("%.2f", streamed.max() * 1e3),
+             fmt("%.1f", writes_per_request), streams ? "<= 0.15" : "<= 1 (whole)"});
+      cx.rows->push_back(std::move(r));
+    }
+  }
+  std::printf(
+      "streaming (model %s, %u layers, tp %u:%u, prefill %.0f us/token spread evenly over the "
+      "layers; ms = end of prefill to every byte landed, median of %d; exposed = streamed / "
+      "whole; requests below %llu tokens go whole; writes = per request, both variants)\n",
+      cx.model.name.c_str(), layers, o.ctx_tp, o.gen_tp, o.prefill_us_per_token, o.repetitions,
+      static_cast<unsigned long long>(o.stream_min_tokens));
+  t.print(stdout, 2);
+  return OkStatus();
+}
+
 // Floors for the control round trip, measured in the same run: a round trip between two
 // threads through a condition variable, and through a Unix socket pair (the shm backend's
 // control channel). An engine round trip needs several such hand-offs (caller -> context agent
@@ -1156,6 +1283,23 @@ struct LogAxis {
   }
 };
 
+// A log axis of seconds over [lo, hi] rounded out to powers of ten, with its grid lines and
+// labels drawn into the panel at (x0, y0, w, h).
+LogAxis timeAxis(Svg& s, double lo, double hi, double x0, double y0, double w, double h) {
+  LogAxis ya{std::pow(10, std::floor(std::log10(std::max(lo, 1e-9)))),
+             std::pow(10, std::ceil(std::log10(std::max(hi, 1e-9)))), y0 + h, y0};
+  if (ya.hi <= ya.lo) ya.hi = ya.lo * 10;
+  for (double v = ya.lo; v <= ya.hi * 1.0001; v *= 10) {
+    const double y = ya.map(v);
+    s.line(x0, y, x0 + w, y, "#ddd");
+    const std::string label = v < 1e-3 ? fmt("%g us", v * 1e6)
+                              : v < 1  ? fmt("%g ms", v * 1e3)
+                                       : fmt("%g s", v);
+    s.text(x0 - 6, y + 4, label, 10, "end");
+  }
+  return ya;
+}
+
 void plotGoodput(Svg& s, const std::vector<Row>& rows, double x0, double y0, double w, double h) {
   s.text(x0 + w / 2, y0 - 12, "Goodput vs request size (request workload, median)", 14, "middle",
          " font-weight='bold'");
@@ -1250,17 +1394,7 @@ void plotLatency(Svg& s, const std::vector<Row>& rows, double x0, double y0, dou
     lo = std::min(lo, c.p50);
     hi = std::max(hi, c.p999);
   }
-  LogAxis ya{std::pow(10, std::floor(std::log10(lo))), std::pow(10, std::ceil(std::log10(hi))),
-             y0 + h, y0};
-  if (ya.hi <= ya.lo) ya.hi = ya.lo * 10;
-  for (double v = ya.lo; v <= ya.hi * 1.0001; v *= 10) {
-    const double y = ya.map(v);
-    s.line(x0, y, x0 + w, y, "#ddd");
-    const std::string label = v < 1e-3 ? fmt("%g us", v * 1e6)
-                              : v < 1  ? fmt("%g ms", v * 1e3)
-                                       : fmt("%g s", v);
-    s.text(x0 - 6, y + 4, label, 10, "end");
-  }
+  const LogAxis ya = timeAxis(s, lo, hi, x0, y0, w, h);
   const double slot = w / static_cast<double>(cats.size());
   const char* names[] = {"p50", "p99", "p999"};
   for (size_t i = 0; i < cats.size(); ++i) {
@@ -1282,11 +1416,55 @@ void plotLatency(Svg& s, const std::vector<Row>& rows, double x0, double y0, dou
   }
 }
 
+void plotStreaming(Svg& s, const std::vector<Row>& rows, double x0, double y0, double w, double h) {
+  s.text(x0 + w / 2, y0 - 12, "Exposed transfer after prefill (streaming workload, median)", 14,
+         "middle", " font-weight='bold'");
+  s.rect(x0, y0, w, h, "none", "#444");
+  struct Cat {
+    std::string label;
+    double whole, streamed;
+  };
+  std::vector<Cat> cats;
+  for (const Row& r : rows) {
+    if (r.workload != "streaming" || !r.whole_exposed_s) continue;
+    cats.push_back({r.backend + " " + tokensLabel(r.tokens), *r.whole_exposed_s, r.time.median()});
+  }
+  if (cats.empty()) {
+    s.text(x0 + w / 2, y0 + h / 2, "no data: run `hxfer bench streaming` with --plot", 12,
+           "middle");
+    return;
+  }
+  double lo = 1e300, hi = 0;
+  for (const Cat& c : cats) {
+    lo = std::min({lo, c.whole, c.streamed});
+    hi = std::max({hi, c.whole, c.streamed});
+  }
+  const LogAxis ya = timeAxis(s, lo, hi, x0, y0, w, h);
+  const double slot = w / static_cast<double>(cats.size());
+  const double bw = std::min(18.0, slot / 3);
+  for (size_t i = 0; i < cats.size(); ++i) {
+    const double cx = x0 + slot * (static_cast<double>(i) + 0.5);
+    const double vals[] = {cats[i].whole, cats[i].streamed};
+    for (int k = 0; k < 2; ++k) {
+      const double x = cx + (k - 1.0) * bw;
+      const double y = ya.map(vals[k]);
+      s.rect(x, y, bw - 1, y0 + h - y, kColors[k]);
+    }
+    s.text(cx, y0 + h + 16, cats[i].label, 10, "middle");
+  }
+  const char* names[] = {"marked ready whole", "streamed per layer"};
+  for (int k = 0; k < 2; ++k) {
+    s.rect(x0 + w - 170, y0 + 8 + k * 16, 10, 10, kColors[k]);
+    s.text(x0 + w - 156, y0 + 17 + k * 16, names[k], 11);
+  }
+}
+
 Status writePlot(const std::string& path, const std::vector<Row>& rows, const std::string& title) {
-  Svg s(1200, 560);
-  s.text(600, 24, title, 15, "middle", " font-weight='bold'");
+  Svg s(1800, 560);
+  s.text(900, 24, title, 15, "middle", " font-weight='bold'");
   plotGoodput(s, rows, 80, 70, 460, 380);
   plotLatency(s, rows, 690, 70, 460, 380);
+  plotStreaming(s, rows, 1290, 70, 460, 380);
   std::ofstream out(path, std::ios::binary);
   out << s.str();
   if (!out) return Unavailable("--plot: cannot write '" + path + "'");
@@ -1313,6 +1491,9 @@ const NamedWorkload kWorkloads[] = {
      runMismatchWorkload},
     {"small-pages", "tokens_per_block 16 vs a large page: ops, contiguous runs, goodput",
      runSmallPagesWorkload},
+    {"streaming",
+     "prefill simulated per layer: end of prefill to request complete, streamed vs whole",
+     runStreamingWorkload},
     {"load", "N requests at concurrency C: requests/s, GB/s, p50/p99/p999", runLoadWorkload},
     {"control", "round trip of a zero-payload request (protocol overhead)", runControlWorkload},
 };

@@ -9,6 +9,8 @@
 //   mismatch     the same at several ctx:gen TP pairs (ratio to the matched pair);
 //   small-pages  tokens_per_block 16 against a large page, with many layers: ops per request
 //                after coalescing against the number of contiguous runs, and goodput;
+//   streaming    prefill simulated per layer; the time from its end to the request complete,
+//                layers streamed as they finish against the request marked ready whole;
 //   load         N requests at concurrency C: requests/s, GB/s, latency percentiles;
 //   control      round trip of a request with zero payload (protocol overhead).
 //
@@ -35,6 +37,8 @@ struct WorkloadOptions {
   uint32_t small_block = 16, large_block = 256;
   uint32_t requests = 128;  // load: timed requests per configuration
   uint32_t control_rounds = 2000;
+  double prefill_us_per_token = 40;  // streaming: simulated prefill cost (whole model)
+  uint64_t stream_min_tokens = 512;  // streaming: ContextSender::Options::stream_min_tokens
   int repetitions = 5;
   int warmup = 1;
   bool no_verify = false;

@@ -104,6 +104,13 @@ struct RecordPart {
   std::vector<RecordSection> sections;
 };
 
+// Global layer ids [first, first + count): a pp stage's layers (Layout::stageLayers), or the
+// layers of a request that prefill has finished (streaming, Sender::markReady with layers).
+struct LayerSpan {
+  uint32_t first = 0;
+  uint32_t count = 0;
+};
+
 class Layout {
  public:
   // Errors name the option and the value: an unknown engine or option, a model that is not a
@@ -125,6 +132,8 @@ class Layout {
   StatusOr<std::vector<RecordPart>> records(uint32_t layer, std::string_view role) const;
   // Global layer ids this rank holds records of (its pp stage's layers with a cache).
   std::vector<uint32_t> layers() const;
+  // Every global layer of this rank's pp stage, cache or not: the span streamed ranges cover.
+  LayerSpan stageLayers() const;
   // "vllm(kv=nhd,conv=sd) nemotron-h-8b tp=2 rank 0 pp=1 rank 0, 64 blocks x 32 tokens, 8 slots"
   std::string describe() const;
   bool operator==(const Layout& other) const;
@@ -274,6 +283,9 @@ struct SenderOptions : TransportOptions {
   // Pages marked ready that not every overlapping generation rank asked for within this time
   // are released (Metrics::leases_expired).
   std::chrono::milliseconds lease_timeout{30000};
+  // Streamed requests (markReady with layers) shorter than this many tokens go whole after
+  // their last range: below it, per-write overheads outweigh what streaming hides.
+  uint64_t stream_min_tokens = 512;
   // Called when the first generation rank asks for a request id, with its prompt length and
   // aux bytes; it may call markReady().
   std::function<void(uint64_t request_id, uint64_t num_tokens, const std::string& aux)> on_request;
@@ -304,6 +316,18 @@ class Sender {
   // Cancelled / Timeout: cancelled before, or every asker gave up (the pages are released).
   Status markReady(uint64_t request_id, std::span<const uint32_t> blocks,
                    std::optional<uint32_t> slot, std::string_view aux = {});
+  // Streaming: `layers` of the request are final while prefill still writes the later ones;
+  // hxfer sends them as soon as the request is asked for (requests of at least stream_min_tokens;
+  // shorter ones go whole after the last range). Ranges come in order without gaps from this
+  // rank's first layer (they may overlap); the one reaching its last layer ends the marking,
+  // and its `aux` is the one sent. The first call fences `blocks` and `slot` as markReady
+  // does; later calls name the same pages (InvalidArgument naming the difference otherwise).
+  // The pages stay fenced at least until the last range (or cancel()), even when the request
+  // ends before: never released under a running prefill. InvalidArgument naming the range
+  // (empty, past this rank's layers, marked already, leaving a gap). A request that ended
+  // between ranges (timed out) is reported, and released, at the next call.
+  Status markReady(uint64_t request_id, std::span<const uint32_t> blocks,
+                   std::optional<uint32_t> slot, LayerSpan layers, std::string_view aux = {});
   // Cancels at any point; always ok; idempotent.
   Status cancel(uint64_t request_id);
   // Whether hxfer still fences the pages of `request_id`.

@@ -327,3 +327,39 @@ def test_receiver_with_the_wrong_token_is_refused_with_permission_denied():
             rx.wait_for_peers(timeout=5.0)
         assert e.value.code == "PermissionDenied" and "token" in e.value.message
         assert tx.connected_peers() == 0
+
+
+def test_streamed_layers_land_before_the_last_is_ready_and_the_request_ends_with_it():
+    lay = tiny_layout("hxfer")
+    ctx_pools, gen_pools = numpy_pools(lay), numpy_pools(lay)
+    ctx_pages, gen_pages = ([1, 2, 3], 1), ([4, 5, 6], 2)
+    sent = fill(lay, ctx_pools, *ctx_pages, 5, 17)
+    scatter(lay, gen_pools, *gen_pages, ~sent)
+    first, end = lay.stage_layers
+    assert (first, end) == (0, 8)  # tiny-hybrid: 8 layers, 2 of them without a cache
+    with hxfer.Sender(lay, hxfer.Memory(lay, ctx_pools), backend="inproc",
+                      stream_min_tokens=0) as tx, \
+            hxfer.Receiver(lay, hxfer.Memory(lay, gen_pools), peers=[tx.address],
+                           backend="inproc") as rx:
+        rx.wait_for_peers(timeout=10.0)
+        rx.start(17, 96, *gen_pages)
+        assert wait_until(lambda: tx.metrics()["requests_started"] == 1)
+        tx.mark_ready(17, *ctx_pages, layers=(first, 4))
+        # The first layers' bytes arrive while the request is still in progress.
+        assert wait_until(lambda: int((gather(lay, gen_pools, *gen_pages) == sent).sum()) > 0)
+        assert rx.poll(17).state == "in_progress"
+        with pytest.raises(hxfer.Error) as e:
+            tx.mark_ready(17, [1, 2, 7], 1, layers=(4, 6))
+        assert e.value.code == "InvalidArgument" and "other pages" in str(e.value)
+        with pytest.raises(hxfer.Error) as e:
+            tx.mark_ready(17, *ctx_pages, layers=(5, 6))
+        assert "leaves layers [4, 5) not ready" in str(e.value)
+        with pytest.raises(ValueError):
+            tx.mark_ready(17, *ctx_pages, layers=(-1, 6))
+        tx.mark_ready(17, *ctx_pages, layers=(4, end), aux=b"tok")
+        res = rx.wait(17, timeout=30.0)
+        assert res.ok, res.error
+        assert res.aux == b"tok"
+        expect_arrived(gather(lay, gen_pools, *gen_pages), sent, res.bytes, "streamed request")
+        rx.release(17)
+        assert wait_until(lambda: not tx.holds(17))

@@ -380,6 +380,13 @@ std::vector<uint32_t> Layout::layers() const {
   return out;
 }
 
+LayerSpan Layout::stageLayers() const {
+  const RankLayout& l = impl_->layout;
+  uint32_t first = 0;
+  for (uint32_t i = 0; i < l.pp_rank; ++i) first += l.layers_per_stage[i];
+  return {first, l.layers_per_stage[l.pp_rank]};
+}
+
 std::string Layout::describe() const {
   const RankLayout& l = impl_->layout;
   return impl_->engine.toString() + " " + impl_->model.name + " tp=" + str(l.tp) + " rank " +
@@ -582,6 +589,9 @@ struct Endpoint {
 struct Sender::Impl : Endpoint<engine::ContextSender> {
   using Endpoint::Endpoint;
   ~Impl() { shutdown(); }
+  // Both markReady forms; kAllLayers: the whole request at once.
+  Status markReady(uint64_t request_id, std::span<const uint32_t> blocks,
+                   std::optional<uint32_t> slot, LayerRange layers, std::string_view aux);
 };
 
 Sender::Sender(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -616,6 +626,7 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
   so.pp_rank = l.pp_rank;
   so.checksum = o.checksum;
   so.lease_timeout = clampTimeout(o.lease_timeout);
+  so.stream_min_tokens = o.stream_min_tokens;
   if (o.on_request) {
     so.on_request = [cb = o.on_request](uint64_t id, uint64_t tokens, const Bytes& aux) {
       cb(id, tokens, std::string(aux.begin(), aux.end()));
@@ -633,22 +644,48 @@ std::string Sender::routing() const { return impl_->routing; }
 
 Status Sender::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
                          std::optional<uint32_t> slot, std::string_view aux) {
-  std::shared_lock lock(impl_->mu);
-  if (impl_->stopped) return Unavailable("sender is shut down");
+  return impl_->markReady(request_id, blocks, slot, kAllLayers, aux);
+}
+
+Status Sender::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
+                         std::optional<uint32_t> slot, LayerSpan layers, std::string_view aux) {
+  return impl_->markReady(request_id, blocks, slot, LayerRange{layers.first, layers.count}, aux);
+}
+
+Status Sender::Impl::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
+                               std::optional<uint32_t> slot, LayerRange layers,
+                               std::string_view aux) {
+  std::shared_lock lock(mu);
+  if (stopped) return Unavailable("sender is shut down");
   if (aux.size() > wire::kMaxAuxBytes) {
     return InvalidArgument("aux is " + str(aux.size()) + " bytes, limit " +
                            str(wire::kMaxAuxBytes));
   }
-  HybridCacheManager& cache = impl_->cache();
-  const uint64_t tokens = uint64_t{blocks.size()} * cache.layout().tokens_per_block;
+  HybridCacheManager& pages = cache();
+  const Bytes aux_bytes(aux.begin(), aux.end());
+  if (layers != kAllLayers) {
+    // A later range of a streamed request: the pages are fenced already and must be the same.
+    if (auto held = pages.find(request_id); held.isOk()) {
+      const bool same_blocks =
+          std::equal(blocks.begin(), blocks.end(), held->blocks.begin(), held->blocks.end());
+      if (!same_blocks || (slot.has_value() && held->slot != slot)) {
+        return InvalidArgument("request " + str(request_id) + ": layers [" + str(layers.first) +
+                               ", " + str(layers.end()) + ") name other pages than its first " +
+                               "range (" + str(held->blocks.size()) + " blocks, slot " +
+                               (held->slot ? str(*held->slot) : std::string("none")) + ")");
+      }
+      return transceiver->markReady(request_id, layers, aux_bytes);
+    }
+  }
+  const uint64_t tokens = uint64_t{blocks.size()} * pages.layout().tokens_per_block;
   if (tokens > UINT32_MAX) return InvalidArgument("too many blocks: " + str(blocks.size()));
-  auto alloc = cache.adopt(request_id, static_cast<uint32_t>(tokens), blocks, slot, impl_->owner);
+  auto alloc = pages.adopt(request_id, static_cast<uint32_t>(tokens), blocks, slot, owner);
   if (!alloc.isOk()) return alloc.status();
-  Status s = impl_->transceiver->markReady(request_id, Bytes(aux.begin(), aux.end()));
+  Status s = transceiver->markReady(request_id, layers, aux_bytes);
   // InvalidArgument / Unavailable leave the pages with the caller: hand them back (released
   // at once: nothing was posted).
   if (s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kUnavailable) {
-    (void)cache.free(request_id);
+    (void)pages.free(request_id);
   }
   return s;
 }

@@ -48,6 +48,13 @@ void addWorkloadOptions(CLI::App* cmd, Options* opts) {
   cmd->add_option("--requests", o->requests, "load: timed requests per configuration")
       ->capture_default_str();
   cmd->add_option("--concurrency", o->concurrency, "load: comma list of requests in flight");
+  cmd->add_option("--prefill-us-per-token", o->prefill_us_per_token,
+                  "streaming: simulated prefill cost per token (whole model), spread evenly "
+                  "over the layers")
+      ->capture_default_str();
+  cmd->add_option("--stream-min-tokens", o->stream_min_tokens,
+                  "streaming: requests shorter than this go whole after their last layer")
+      ->capture_default_str();
   cmd->add_option("--rounds", o->control_rounds, "control: timed round trips")
       ->capture_default_str();
   cmd->add_option("--repetitions", o->repetitions, "timed runs per configuration")

@@ -1,5 +1,7 @@
 #include "engine/cluster.h"
 
+#include <algorithm>
+
 #include <thread>
 
 #include "engine/handshake.h"
@@ -38,6 +40,7 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(ClusterOptions o) {
       so.pp_rank = p;
       so.checksum = opt.checksum;
       so.lease_timeout = opt.lease_timeout;
+      so.stream_min_tokens = opt.stream_min_tokens;
       ASSIGN_OR_RETURN(auto sender, ContextSender::create(so, cache.get(), std::move(agent)));
       addresses.push_back(sender->address());
       c->ctx_caches_.push_back(std::move(cache));
@@ -93,6 +96,19 @@ Status LocalCluster::prepareContext(uint64_t request_id, uint32_t tokens, bool m
 
 Status LocalCluster::markReady(uint64_t request_id) {
   for (auto& s : senders_) RETURN_IF_ERROR(s->markReady(request_id));
+  return OkStatus();
+}
+
+Status LocalCluster::markLayersReady(uint64_t request_id, LayerRange layers) {
+  for (size_t i = 0; i < senders_.size(); ++i) {
+    const RankLayout& l = ctx_caches_[i]->layout();
+    uint32_t first = 0;
+    for (uint32_t s = 0; s < l.pp_rank; ++s) first += l.layers_per_stage[s];
+    const uint32_t end = first + l.layers_per_stage[l.pp_rank];
+    const uint32_t lo = std::max(first, layers.first), hi = std::min(end, layers.end());
+    if (lo >= hi) continue;
+    RETURN_IF_ERROR(senders_[i]->markReady(request_id, LayerRange{lo, hi - lo}));
+  }
   return OkStatus();
 }
 

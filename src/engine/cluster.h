@@ -40,6 +40,7 @@ struct ClusterOptions {
   bool checksum = false;
   std::chrono::milliseconds lease_timeout{30000};
   std::chrono::milliseconds request_timeout{30000};
+  uint64_t stream_min_tokens = 512;  // ContextSender::Options
   // Applied to every agent (tests use it for UCX's TLS choice).
   std::vector<std::pair<std::string, std::string>> ucx_options;
 };
@@ -53,6 +54,9 @@ class LocalCluster {
   // ready (unless !mark_ready).
   Status prepareContext(uint64_t request_id, uint32_t tokens, bool mark_ready = true);
   Status markReady(uint64_t request_id);
+  // Streaming: marks the global layers `layers` ready on every context rank holding some of
+  // them (each rank gets its share of the range).
+  Status markLayersReady(uint64_t request_id, LayerRange layers);
   // Starts the request on every generation rank.
   Status startGeneration(uint64_t request_id, uint32_t tokens, uint32_t prefix_tokens = 0);
   // Waits on every generation rank; the first non-ok terminal status, Timeout at the deadline.

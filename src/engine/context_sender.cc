@@ -25,8 +25,21 @@ struct ContextSender::Peer {
   uint32_t globalRank() const { return info.globalRank(); }
 };
 
+// One posted write of an ask: the whole request, or (streaming) the layers that became ready
+// since the previous one.
+struct ContextSender::Piece {
+  transport::Transfer transfer;
+  bool terminal = false;
+  Clock::time_point posted_at;
+  // The staging area of a plan with pack ops (RankPlan::scratch_bytes), registered with the
+  // agent as a local source while its write runs; released once the write is terminal.
+  std::unique_ptr<Region> scratch;
+};
+
 // One TransferRequest of one generation rank for one request.
 struct ContextSender::Ask {
+  // kWaiting: nothing started. kPosted: started (one cache transfer hold, from beginTransfer
+  // until the answer); pieces are posted as layers become ready. kAnswered: Done sent.
   enum class State { kWaiting, kPosted, kAnswered };
   transport::PeerId peer = 0;
   uint32_t gen_rank = 0;
@@ -37,22 +50,25 @@ struct ContextSender::Ask {
   bool counted = false;           // in its peer's open_asks / open_blocks
   bool cancel_requested = false;  // by the generation rank
   bool stalled = false;           // cancelled for making no progress (stall_timeout)
-  transport::Transfer transfer;
+  std::optional<Status> failed;   // a piece failed or could not be planned / posted
+  std::vector<Piece> pieces;
+  uint32_t sent_end = 0;  // global layers below this one are planned and posted (kPosted)
   uint64_t bytes = 0;
-  std::optional<uint64_t> checksum;
-  Clock::time_point asked_at, posted_at;
-  // The staging area of a plan with pack ops (RankPlan::scratch_bytes), registered with the
-  // agent as a local source while its write runs; released once the write is terminal.
-  std::unique_ptr<Region> scratch;
+  Clock::time_point asked_at;
+  size_t inFlight() const {
+    return std::count_if(pieces.begin(), pieces.end(), [](const Piece& p) { return !p.terminal; });
+  }
 };
 
 // Everything known about one request id on this rank.
 struct ContextSender::Source {
   uint64_t id = 0;
-  bool ready = false;
-  bool owned = false;  // we hold the cache allocation and must free it
+  bool ready = false;   // every layer of this rank is final (the last markReady came)
+  bool marked = false;  // some markReady came
+  bool owned = false;   // we hold the cache allocation and must free it
   std::optional<Status> cancelled;
-  Clock::time_point created_at, ready_at;
+  Clock::time_point created_at, ready_at, progress_at;
+  uint32_t ready_end = 0;  // global layers below this one are final (marked ready)
   std::vector<Ask> asks;
   std::optional<std::vector<uint32_t>> expected;  // gen global ranks that will ask
   std::set<uint32_t> finished;                    // gen ranks answered or gone
@@ -60,6 +76,9 @@ struct ContextSender::Source {
   size_t postedCount() const {
     return std::count_if(asks.begin(), asks.end(),
                          [](const Ask& a) { return a.state == Ask::State::kPosted; });
+  }
+  bool anyInFlight() const {
+    return std::any_of(asks.begin(), asks.end(), [](const Ask& a) { return a.inFlight() > 0; });
   }
 };
 
@@ -86,6 +105,9 @@ StatusOr<std::unique_ptr<ContextSender>> ContextSender::create(
   }
   RETURN_IF_ERROR(wire::checkRankInfo(s->self_).withContext("own rank_info"));
   s->memory_ = cacheMemory(*cache);
+  uint32_t first = 0;
+  for (uint32_t i = 0; i < layout.pp_rank; ++i) first += layout.layers_per_stage[i];
+  s->stage_ = {first, layout.layers_per_stage[layout.pp_rank]};
   s->waker_->agent = s->agent_.get();
   s->thread_ = std::thread([p = s.get()] { p->run(); });
   return s;
@@ -148,35 +170,75 @@ size_t ContextSender::rememberedIds() const {
 }
 
 Status ContextSender::markReady(uint64_t request_id, Bytes aux) {
+  return markReady(request_id, kAllLayers, std::move(aux));
+}
+
+Status ContextSender::markReady(uint64_t request_id, LayerRange layers, Bytes aux) {
+  const std::string what = "request " + std::to_string(request_id);
   if (aux.size() > wire::kMaxAuxBytes) {
-    return InvalidArgument("request " + std::to_string(request_id) + ": aux is " +
-                           std::to_string(aux.size()) + " bytes, limit " +
+    return InvalidArgument(what + ": aux is " + std::to_string(aux.size()) + " bytes, limit " +
                            std::to_string(wire::kMaxAuxBytes));
   }
   RETURN_IF_ERROR(cache_->find(request_id).status());
   std::lock_guard lock(mu_);
   if (stop_) return Unavailable("context sender is shut down");
-  if (const Status* dead = tombstones_.find(request_id)) {
+  auto it = sources_.find(request_id);
+  Source* known = it == sources_.end() ? nullptr : it->second.get();
+  if (known != nullptr && known->marked) {
+    if (known->ready) return InvalidArgument(what + " is already marked ready");
+    if (known->cancelled) {
+      // Streamed, and ended between two ranges: the serving code hears it here, at the first
+      // call after the end, and only now stops writing the pages, so only now are they freed.
+      const Status why = *known->cancelled;
+      freePagesLocked(*known);
+      maybeFinishLocked(request_id);
+      return Status(why.code(),
+                    what + " ended before its last layers were ready: " + why.message());
+    }
+  } else if (const Status* dead = tombstones_.find(request_id)) {
     // Cancelled, or every rank that asked was already told it timed out: nobody will take the
     // state. The tombstone stays, so a TransferRequest still on its way hears the same.
     (void)cache_->free(request_id);
-    return Status(dead->code(), "request " + std::to_string(request_id) +
-                                    " is dead before ready: " + dead->message());
+    return Status(dead->code(), what + " is dead before ready: " + dead->message());
+  }
+  const uint32_t from = known != nullptr && known->marked ? known->ready_end : stage_.first;
+  uint32_t end = stage_.end();
+  if (layers != kAllLayers) {
+    const auto range = [](uint32_t a, uint64_t b) {
+      return "[" + std::to_string(a) + ", " + std::to_string(b) + ")";
+    };
+    const uint64_t want_end = uint64_t{layers.first} + layers.count;
+    if (layers.count == 0 || want_end > stage_.end() || want_end <= from || layers.first > from) {
+      std::string why =
+          layers.count == 0 ? "is empty"
+          : want_end > stage_.end()
+              ? "goes past this rank's layers " + range(stage_.first, stage_.end())
+          : want_end <= from
+              ? "was marked ready already (layers below " + std::to_string(from) + " are)"
+              : "leaves layers " + range(from, layers.first) + " not ready";
+      return InvalidArgument(what + ": layers " + range(layers.first, want_end) + " " + why);
+    }
+    end = static_cast<uint32_t>(want_end);
   }
   auto& slot = sources_[request_id];
   if (!slot) {
     slot = std::make_unique<Source>();
     slot->id = request_id;
     slot->created_at = Clock::now();
+    slot->ready_end = stage_.first;
   }
   Source& src = *slot;
-  if (src.ready) {
-    return InvalidArgument("request " + std::to_string(request_id) + " is already marked ready");
-  }
-  src.ready = true;
+  src.marked = true;
   src.owned = true;
-  src.ready_at = Clock::now();
-  src.aux = std::move(aux);
+  src.ready_end = end;
+  src.progress_at = Clock::now();
+  if (!aux.empty()) src.aux = std::move(aux);
+  if (end == stage_.end()) {
+    src.ready = true;
+    src.ready_at = src.progress_at;
+  } else {
+    metrics_.rangeStreamed();
+  }
   tryStartLocked(src);
   maybeFinishLocked(request_id);
   return OkStatus();
@@ -202,7 +264,7 @@ void ContextSender::cancelLocked(Source& src, const Status& why) {
     if (a.state == Ask::State::kWaiting) {
       answerLocked(src, a, why, 0, std::nullopt);
     } else if (a.state == Ask::State::kPosted) {
-      a.transfer.cancel();
+      advanceAskLocked(src, a);  // cancels its pieces; answers once none is in flight
     }
   }
   freePagesLocked(src);
@@ -223,7 +285,8 @@ void ContextSender::maybeFinishLocked(uint64_t request_id) {
   if (it == sources_.end()) return;
   Source& src = *it->second;
   if (src.postedCount() > 0) return;
-  if (src.owned && src.expected) {
+  // A streamed request's pages are still being written by prefill until its last range.
+  if (src.owned && src.ready && src.expected) {
     const bool all = std::all_of(src.expected->begin(), src.expected->end(),
                                  [&](uint32_t r) { return src.finished.count(r) > 0; });
     if (all) freePagesLocked(src);
@@ -383,6 +446,7 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
     slot = std::make_unique<Source>();
     slot->id = id;
     slot->created_at = Clock::now();
+    slot->ready_end = stage_.first;
   }
   Source& src = *slot;
   const bool first = src.asks.empty();
@@ -414,10 +478,18 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
 }
 
 void ContextSender::tryStartLocked(Source& src) {
-  if (!src.ready || src.cancelled || !src.owned) return;
+  if (src.cancelled || !src.owned) return;
   for (Ask& a : src.asks) {
-    if (a.state == Ask::State::kWaiting && !a.peer_gone) startAskLocked(src, a);
+    if (a.peer_gone) continue;
+    if (a.state == Ask::State::kWaiting && mayPostLocked(src, a)) startAskLocked(src, a);
+    if (a.state == Ask::State::kPosted) advanceAskLocked(src, a);
   }
+}
+
+bool ContextSender::mayPostLocked(const Source& src, const Ask& ask) const {
+  if (src.ready) return true;
+  // Short requests go in one piece: a few small writes are cheaper than many tiny ones.
+  return src.ready_end > stage_.first && ask.req.num_tokens >= options_.stream_min_tokens;
 }
 
 void ContextSender::startAskLocked(Source& src, Ask& ask) {
@@ -429,55 +501,106 @@ void ContextSender::startAskLocked(Source& src, Ask& ask) {
     src.finished.insert(ask.gen_rank);
     return;
   }
-  Peer& peer = *pit->second;
-  const wire::TransferRequest& req = ask.req;
-  auto alloc = cache_->find(src.id);
-  if (!alloc.isOk()) {
+  if (auto alloc = cache_->find(src.id); !alloc.isOk()) {
     answerLocked(src, ask, alloc.status(), 0, std::nullopt);
     return;
   }
-  RankIds src_ids{alloc->blocks, alloc->slot.value_or(0)};
+  if (Status s = cache_->beginTransfer(src.id); !s.isOk()) {
+    answerLocked(src, ask, s, 0, std::nullopt);
+    return;
+  }
+  ask.state = Ask::State::kPosted;
+  ask.sent_end = stage_.first;
+}
+
+void ContextSender::advanceAskLocked(Source& src, Ask& ask) {
+  if (ask.state != Ask::State::kPosted) return;
+  for (Piece& p : ask.pieces) {
+    if (p.terminal || p.transfer.poll() == transport::TransferState::kInProgress) continue;
+    p.terminal = true;
+    releaseScratchLocked(std::move(p.scratch));
+    if (Status st = p.transfer.status(); !st.isOk() && !ask.failed) ask.failed = st;
+  }
+  // Why the ask ends before every layer is sent, in order of precedence.
+  std::optional<Status> end;
+  if (src.cancelled) {
+    end = *src.cancelled;
+  } else if (ask.cancel_requested) {
+    end = Cancelled("cancelled by generation");
+  } else if (ask.stalled) {
+    end = Timeout("request " + std::to_string(src.id) + ": the write to generation rank " +
+                  std::to_string(ask.gen_rank) + " made no progress in " +
+                  std::to_string(options_.stall_timeout.count()) + " ms");
+  } else if (ask.failed) {
+    end = *ask.failed;
+  } else if (ask.peer_gone) {
+    end = Unavailable("generation rank " + std::to_string(ask.gen_rank) + " is gone");
+  }
+  if (!end && ask.sent_end < src.ready_end && mayPostLocked(src, ask)) postPieceLocked(src, ask);
+  if (end || ask.failed) {
+    for (Piece& p : ask.pieces) {
+      if (!p.terminal) p.transfer.cancel();
+    }
+  }
+  if (ask.inFlight() > 0) return;
+  if (!end && ask.failed) end = *ask.failed;
+  if (!end && !(src.ready && ask.sent_end == stage_.end())) return;  // more layers to come
+  (void)cache_->endTransfer(src.id);
+  std::optional<uint64_t> checksum;
+  if (!end && options_.checksum) {
+    auto sum = checksumAskLocked(src, ask);
+    if (sum.isOk()) {
+      checksum = *sum;
+    } else {
+      end = sum.status();
+    }
+  }
+  if (end) {
+    answerLocked(src, ask, *end, 0, std::nullopt);
+  } else {
+    answerLocked(src, ask, OkStatus(), ask.bytes, checksum);
+  }
+}
+
+StatusOr<RankPlan> ContextSender::planAskLocked(const Source& src, const Ask& ask,
+                                                LayerRange layers) const {
+  auto pit = peers_.find(ask.peer);
+  if (pit == peers_.end() || !pit->second->planner) {
+    return Unavailable("generation rank " + std::to_string(ask.gen_rank) + " is gone");
+  }
+  ASSIGN_OR_RETURN(Allocation alloc, cache_->find(src.id));
+  const wire::TransferRequest& req = ask.req;
+  RankIds src_ids{alloc.blocks, alloc.slot.value_or(0)};
   RankIds dst_ids{req.dst_block_ids, req.dst_slot.value_or(0)};
   const uint32_t n = static_cast<uint32_t>(req.dst_block_ids.size());
   BlockRange range{req.first_block, n - req.first_block, req.num_tokens};
-  auto plan = peer.planner->planRank(0, src_ids, dst_ids, range);
+  return pit->second->planner->planRank(0, src_ids, dst_ids, range, layers);
+}
+
+void ContextSender::postPieceLocked(Source& src, Ask& ask) {
+  // The whole request in one plan when it is all ready at once (ops then merge across layers).
+  const LayerRange layers = src.ready && ask.sent_end == stage_.first
+                                ? kAllLayers
+                                : LayerRange{ask.sent_end, src.ready_end - ask.sent_end};
+  auto plan = planAskLocked(src, ask, layers);
   if (!plan.isOk()) {
     HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", src.id, ask.peer,
                    plan.status().toString());
-    answerLocked(src, ask, plan.status(), 0, std::nullopt);
+    ask.failed = plan.status();
     return;
   }
-  if (plan->ops.empty()) {
-    answerLocked(src, ask, OkStatus(), 0, std::nullopt);
-    return;
-  }
+  ask.sent_end = src.ready_end;
+  if (plan->ops.empty()) return;
   std::unique_ptr<Region> scratch;
-  if (plan->scratch_bytes != 0) {
+  if (!plan->pack_ops.empty()) {
     auto staged = stageLocked(*plan);
     if (!staged.isOk()) {
       HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
                      staged.status().toString());
-      answerLocked(src, ask, staged.status(), 0, std::nullopt);
+      ask.failed = staged.status();
       return;
     }
     scratch = std::move(staged).value();
-  }
-  const std::span<const uint8_t> scratch_bytes =
-      scratch ? std::span<const uint8_t>(scratch->data(), scratch->length())
-              : std::span<const uint8_t>();
-  if (options_.checksum) {
-    auto sum = checksumOps(plan->ops, memory_, /*source=*/true, scratch_bytes);
-    if (!sum.isOk()) {
-      releaseScratchLocked(std::move(scratch));
-      answerLocked(src, ask, sum.status(), 0, std::nullopt);
-      return;
-    }
-    ask.checksum = *sum;
-  }
-  if (Status s = cache_->beginTransfer(src.id); !s.isOk()) {
-    releaseScratchLocked(std::move(scratch));
-    answerLocked(src, ask, s, 0, std::nullopt);
-    return;
   }
   std::vector<transport::WriteOp> ops;
   ops.reserve(plan->ops.size());
@@ -487,18 +610,27 @@ void ContextSender::startAskLocked(Source& src, Ask& ask) {
   }
   auto t = agent_->postWrite(ask.peer, std::move(ops));
   if (!t.isOk()) {
-    (void)cache_->endTransfer(src.id);
     releaseScratchLocked(std::move(scratch));
-    answerLocked(src, ask, t.status(), 0, std::nullopt);
+    ask.failed = t.status();
     return;
   }
-  ask.scratch = std::move(scratch);
   metrics_.opsPosted(plan->ops.size());
   t->notifyWhenTerminal([waker = waker_] { waker->wake(); });
-  ask.transfer = *t;
-  ask.bytes = plan->bytes;
-  ask.state = Ask::State::kPosted;
-  ask.posted_at = Clock::now();
+  Piece piece;
+  piece.transfer = *t;
+  piece.posted_at = Clock::now();
+  piece.scratch = std::move(scratch);
+  ask.pieces.push_back(std::move(piece));
+  ask.bytes += plan->bytes;
+}
+
+StatusOr<uint64_t> ContextSender::checksumAskLocked(const Source& src, const Ask& ask) const {
+  // Over the whole request, whatever pieces it went in: the generation rank hashes its
+  // destination bytes in the same order (checksumOps sorts by destination).
+  ASSIGN_OR_RETURN(RankPlan plan, planAskLocked(src, ask, kAllLayers));
+  std::vector<uint8_t> scratch(plan.pack_ops.empty() ? 0 : plan.scratch_bytes);
+  if (!scratch.empty()) RETURN_IF_ERROR(packScratch(plan, memory_, scratch));
+  return checksumOps(std::move(plan.ops), memory_, /*source=*/true, scratch);
 }
 
 StatusOr<std::unique_ptr<Region>> ContextSender::stageLocked(const RankPlan& plan) {
@@ -595,7 +727,7 @@ void ContextSender::onCancelLocked(Peer& peer, const wire::Cancel& cancel) {
       answerLocked(src, a, why, 0, std::nullopt);
     } else if (a.state == Ask::State::kPosted) {
       a.cancel_requested = true;
-      a.transfer.cancel();
+      advanceAskLocked(src, a);
     }
   }
   maybeFinishLocked(cancel.request_id);
@@ -617,6 +749,8 @@ void ContextSender::onPeerLostLocked(transport::PeerId id) {
       if (a.state == Ask::State::kWaiting) {
         a.state = Ask::State::kAnswered;
         metrics_.requestFailed(FailureCause::kPeerLost);
+      } else {
+        advanceAskLocked(*src, a);  // its writes fail with the connection; it ends then
       }
       src->finished.insert(a.gen_rank);
       touched.push_back(rid);
@@ -668,25 +802,13 @@ void ContextSender::handleEventLocked(transport::Event& ev, std::vector<Callback
 void ContextSender::progressLocked() {
   std::vector<uint64_t> touched;
   for (auto& [rid, src] : sources_) {
+    bool any = false;
     for (Ask& a : src->asks) {
       if (a.state != Ask::State::kPosted) continue;
-      const transport::TransferState st = a.transfer.poll();
-      if (st == transport::TransferState::kInProgress) continue;
-      (void)cache_->endTransfer(rid);
-      releaseScratchLocked(std::move(a.scratch));
-      Status status = a.transfer.status();
-      if (src->cancelled) {
-        status = *src->cancelled;
-      } else if (a.cancel_requested) {
-        status = Cancelled("cancelled by generation");
-      } else if (a.stalled) {
-        status = Timeout("request " + std::to_string(rid) + ": the write to generation rank " +
-                         std::to_string(a.gen_rank) + " made no progress in " +
-                         std::to_string(options_.stall_timeout.count()) + " ms");
-      }
-      answerLocked(*src, a, status, status.isOk() ? a.bytes : 0, a.checksum);
-      touched.push_back(rid);
+      advanceAskLocked(*src, a);
+      any = true;
     }
+    if (any) touched.push_back(rid);
   }
   for (uint64_t rid : touched) maybeFinishLocked(rid);
 }
@@ -707,7 +829,8 @@ void ContextSender::timersLocked() {
                               " ms: the context rank freed its pages before this rank asked"),
                       rememberUntil());
       touched.push_back(rid);
-    } else if (!src->ready && !src->cancelled && now - src->created_at > options_.lease_timeout) {
+    } else if (!src->ready && !src->cancelled &&
+               now - std::max(src->created_at, src->progress_at) > options_.lease_timeout) {
       const Status why = Timeout("request " + std::to_string(rid) +
                                  " was not marked ready on the context rank in time");
       for (Ask& a : src->asks) {
@@ -729,8 +852,12 @@ void ContextSender::stallsLocked(Clock::time_point now) {
   std::vector<transport::PeerId> stuck;
   for (auto& [rid, src] : sources_) {
     for (Ask& a : src->asks) {
-      if (a.state != Ask::State::kPosted) continue;
-      const auto age = now - a.posted_at;
+      if (a.state != Ask::State::kPosted || a.inFlight() == 0) continue;
+      Clock::time_point oldest = now;
+      for (const Piece& p : a.pieces) {
+        if (!p.terminal) oldest = std::min(oldest, p.posted_at);
+      }
+      const auto age = now - oldest;
       if (!a.stalled && age > options_.stall_timeout) {
         HXFER_LOG_WARN(
             "context: request {}: the write to generation rank {} made no progress "
@@ -738,7 +865,7 @@ void ContextSender::stallsLocked(Clock::time_point now) {
             rid, a.gen_rank, options_.stall_timeout.count());
         metrics_.writeStalled();
         a.stalled = true;
-        a.transfer.cancel();
+        advanceAskLocked(*src, a);
       } else if (a.stalled && !a.peer_gone && age > 2 * options_.stall_timeout) {
         stuck.push_back(a.peer);
       }
@@ -758,7 +885,7 @@ void ContextSender::stallsLocked(Clock::time_point now) {
 
 bool ContextSender::anyInFlightLocked() const {
   for (const auto& [rid, src] : sources_) {
-    if (src->postedCount() > 0) return true;
+    if (src->anyInFlight()) return true;
   }
   return false;
 }
@@ -804,7 +931,9 @@ void ContextSender::shutdown() {
     // pages: they are never reused while something may still read them.
     for (auto& [rid, src] : sources_) {
       for (Ask& a : src->asks) {
-        if (a.state == Ask::State::kPosted) a.transfer.cancel();
+        for (Piece& p : a.pieces) {
+          if (!p.terminal) p.transfer.cancel();
+        }
       }
     }
     for (auto& [id, peer] : peers_) (void)agent_->disconnect(id);
@@ -814,15 +943,24 @@ void ContextSender::shutdown() {
       bool stuck = false;
       for (Ask& a : src->asks) {
         if (a.state != Ask::State::kPosted) continue;
-        (void)a.transfer.wait(deadline);
-        if (a.transfer.poll() == transport::TransferState::kInProgress) {
+        bool running = false;
+        for (Piece& p : a.pieces) {
+          if (p.terminal) continue;
+          (void)p.transfer.wait(deadline);
+          if (p.transfer.poll() == transport::TransferState::kInProgress) {
+            running = true;
+            (void)p.scratch.release();  // kept too: the write may still read it
+            continue;
+          }
+          p.terminal = true;
+          releaseScratchLocked(std::move(p.scratch));
+        }
+        if (running) {
           HXFER_LOG_ERROR("context: shutdown: a write of request {} did not stop; pages kept", rid);
           stuck = true;
-          (void)a.scratch.release();  // kept too: the write may still read it
           continue;
         }
         (void)cache_->endTransfer(rid);
-        releaseScratchLocked(std::move(a.scratch));
         a.state = Ask::State::kAnswered;
       }
       if (!stuck) freePagesLocked(*src);

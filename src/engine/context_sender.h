@@ -9,6 +9,15 @@
 // peer), posts the writes, waits for remote completion and sends TransferDone — a Done with ok
 // status means the bytes landed.
 //
+// Streaming: markReady(id, layers) says some layers are final while prefill still runs. The
+// sender then posts those layers' ops at once (when the request has arrived and is at least
+// stream_min_tokens long), and each later range's as it comes; the range that reaches this
+// rank's last layer marks the request ready. TransferDone still follows the last byte of the
+// last range; the generation rank sees no difference (no wire change). Cancellation, stalls and
+// peer loss end an ask between ranges as they would end a whole one; its pages are then freed
+// at the serving code's next markReady (which reports the end) or cancel(id), never while
+// prefill may still write them.
+//
 // Ownership of the request's pages: from markReady(id) the sender owns the allocation of `id`
 // in the cache manager and frees it when every overlapping generation rank has been answered
 // (or is gone), on cancel(id), or when the lease expires (nobody asked within lease_timeout;
@@ -65,6 +74,10 @@ class ContextSender {
     // answered with Timeout (counted in writes_stalled); one that still has not stopped after
     // twice this time has its peer disconnected, which ends every write to it.
     std::chrono::milliseconds stall_timeout{30000};
+    // Requests shorter than this (the TransferRequest's num_tokens) go in one piece after the
+    // last range even when layers are marked ready early: below it a transfer takes about as
+    // long as its per-write overheads, and one write of merged ops is cheaper.
+    uint64_t stream_min_tokens = 512;
     // Per generation peer, requests asked and not yet answered: at most this many, holding at
     // most max_waiting_blocks_factor x the peer's num_blocks destination blocks together. A
     // request past either bound is answered ResourceExhausted at once (requests_over_limit).
@@ -100,6 +113,14 @@ class ContextSender {
   // pages stay the caller's); Cancelled when it was cancelled before, Timeout when every
   // generation rank that asked for it gave up waiting (in both cases the pages are freed).
   Status markReady(uint64_t request_id, Bytes aux = {});
+  // Streaming: the global layers `layers` of `request_id` are final. Ranges come in order
+  // without gaps, from this rank's first layer (a range may start below it, or overlap the
+  // previous one); the one reaching its last layer is markReady(id) with `aux`. The first call
+  // takes ownership of the allocation as markReady(id) does; prefill goes on writing the later
+  // layers of the pages. InvalidArgument naming the range (empty, past this rank's layers,
+  // marked already, leaving a gap); after the request ended between ranges (cancelled by
+  // generation, timed out), the next call frees the pages and returns that status.
+  Status markReady(uint64_t request_id, LayerRange layers, Bytes aux = {});
 
   // Cancels `request_id` at any point (before markReady too: a later markReady then frees the
   // pages and returns Cancelled). Always ok; idempotent.
@@ -125,6 +146,7 @@ class ContextSender {
 
  private:
   struct Peer;
+  struct Piece;
   struct Ask;
   struct Source;
   using Callback = std::function<void()>;
@@ -138,8 +160,23 @@ class ContextSender {
   void onRequestLocked(Peer& peer, wire::TransferRequest req, std::vector<Callback>* callbacks);
   void onCancelLocked(Peer& peer, const wire::Cancel& cancel);
   void onPeerLostLocked(transport::PeerId id);
+  // Starts the asks that may start and advances the started ones.
   void tryStartLocked(Source& src);
+  // Whether `ask` may have layers posted now: the request is ready, or layers of it are and the
+  // request is long enough to stream (stream_min_tokens).
+  bool mayPostLocked(const Source& src, const Ask& ask) const;
+  // kWaiting -> kPosted: takes the cache's transfer hold (the peer and allocation checked).
   void startAskLocked(Source& src, Ask& ask);
+  // Drives a kPosted ask: reaps finished pieces, posts the layers ready since the last piece,
+  // cancels its pieces when it must end early, and answers it once nothing is in flight and
+  // either every layer went or it ended.
+  void advanceAskLocked(Source& src, Ask& ask);
+  // Plans and posts the ask's layers [sent_end, src.ready_end) (one piece, or none when they
+  // hold nothing for the peer); a failure is left in ask.failed.
+  void postPieceLocked(Source& src, Ask& ask);
+  StatusOr<RankPlan> planAskLocked(const Source& src, const Ask& ask, LayerRange layers) const;
+  // The checksum of the whole request part (options_.checksum), over every piece's bytes.
+  StatusOr<uint64_t> checksumAskLocked(const Source& src, const Ask& ask) const;
   void answerLocked(Source& src, Ask& ask, const Status& status, uint64_t bytes,
                     std::optional<uint64_t> checksum);
   // A registered staging area holding `plan`'s pack ops' bytes (RankPlan::scratch_bytes).
@@ -188,6 +225,7 @@ class ContextSender {
   std::unique_ptr<transport::Agent> agent_;
   wire::RankInfo self_;  // fixed after create()
   RankMemory memory_;    // fixed after create()
+  LayerRange stage_;     // this rank's global layers; fixed after create()
 
   mutable std::mutex mu_;
   bool stop_ = false;                                                   // guarded by mu_

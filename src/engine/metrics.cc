@@ -98,6 +98,8 @@ void MetricsSnapshot::merge(const MetricsSnapshot& o) {
   staged_parts += o.staged_parts;
   staging_copies += o.staging_copies;
   staging_bytes += o.staging_bytes;
+  streamed_ranges += o.streamed_ranges;
+  writes_posted += o.writes_posted;
   for (size_t i = 0; i < kNumFailureCauses; ++i) failures[i] += o.failures[i];
   leases_expired += o.leases_expired;
   quarantined_requests += o.quarantined_requests;
@@ -129,6 +131,8 @@ std::string MetricsSnapshot::toJson() const {
   j["staged_parts"] = staged_parts;
   j["staging_copies"] = staging_copies;
   j["staging_bytes"] = staging_bytes;
+  j["streamed_ranges"] = streamed_ranges;
+  j["writes_posted"] = writes_posted;
   nlohmann::json f = nlohmann::json::object();
   for (size_t i = 0; i < kNumFailureCauses; ++i) {
     f[std::string(failureCauseName(static_cast<FailureCause>(i)))] = failures[i];
@@ -187,6 +191,12 @@ void Metrics::staged(uint64_t copies, uint64_t bytes) {
 void Metrics::opsPosted(uint64_t n) {
   std::lock_guard lock(mu_);
   s_.ops += n;
+  ++s_.writes_posted;
+}
+
+void Metrics::rangeStreamed() {
+  std::lock_guard lock(mu_);
+  ++s_.streamed_ranges;
 }
 
 void Metrics::leaseExpired() {

@@ -66,6 +66,9 @@ struct MetricsSnapshot {
   // Context: request parts staged (element order differs between the sides), their local
   // staging copies and staging bytes (RankPlan::pack_ops, scratch_bytes).
   uint64_t staged_parts = 0, staging_copies = 0, staging_bytes = 0;
+  // Context: markReady calls that left layers to come (streaming), and writes posted (one per
+  // request part sent whole, one per range of layers ready when a part streams).
+  uint64_t streamed_ranges = 0, writes_posted = 0;
   std::array<uint64_t, kNumFailureCauses> failures{};  // by FailureCause
   uint64_t leases_expired = 0;        // context: source pages freed because nobody asked in time
   uint64_t quarantined_requests = 0;  // requests freed while writes were in flight (lifetime)
@@ -104,7 +107,8 @@ class Metrics {
   void requestStarted();
   void requestOk(uint64_t bytes, std::chrono::nanoseconds latency);
   void requestFailed(FailureCause cause);
-  void opsPosted(uint64_t n);
+  void opsPosted(uint64_t n);  // one write of n ops
+  void rangeStreamed();
   void staged(uint64_t copies, uint64_t bytes);
   void leaseExpired();
   void quarantined();

@@ -64,6 +64,17 @@ void transferAndVerify(LocalCluster& c, uint64_t first_id, int n, uint32_t token
   }
 }
 
+// Waits (polling) until `pred` holds or the deadline; true when it held.
+template <typename Pred>
+bool eventually(Pred pred) {
+  const auto until = deadline();
+  while (!pred()) {
+    if (Clock::now() > until) return false;
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  return true;
+}
+
 class Transceiver : public ::testing::TestWithParam<std::string> {
  protected:
   std::unique_ptr<LocalCluster> make(ClusterOptions o) {
@@ -75,6 +86,21 @@ class Transceiver : public ::testing::TestWithParam<std::string> {
       EXPECT_TRUE(s.isOk()) << s.toString();
     }
     return std::move(*c);
+  }
+
+  // A tp 1 -> 1 cluster streaming request `id` (90 tokens): asked for, its layers [0, 2) marked
+  // ready and posted, the rest not. Null (with a failure) when that did not happen.
+  std::unique_ptr<LocalCluster> streamingFirstLayers(uint64_t id) {
+    auto o = baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}});
+    o.stream_min_tokens = 0;
+    auto c = make(o);
+    if (c == nullptr) return nullptr;
+    const bool ok = c->prepareContext(id, 90, /*mark_ready=*/false).isOk() &&
+                    c->startGeneration(id, 90).isOk() &&
+                    c->senders()[0]->markReady(id, LayerRange{0, 2}).isOk() &&
+                    eventually([&] { return c->ctxMetrics().writes_posted >= 1; });
+    EXPECT_TRUE(ok) << "request " << id << " did not start streaming";
+    return ok ? std::move(c) : nullptr;
   }
 };
 
@@ -456,6 +482,201 @@ TEST_P(Transceiver, MarkReadyAfterTheAskTimedOutFreesThePagesAndSaysSo) {
   ASSERT_TRUE(c->release(5).isOk());
   expectPagesFree(*c);
   EXPECT_EQ(c->ctxMetrics().leases_expired, 0u);
+}
+
+// ---- streaming: markReady(id, layers) while prefill runs ----
+
+uint32_t numLayers(const LocalCluster& c) { return c.options().model.numLayers(); }
+
+// Every generation rank's ask reached every context rank it goes to.
+bool asked(LocalCluster& c) {
+  uint64_t parts = 0;
+  for (const auto& r : c.receivers()) parts += r->contextRanks().size();
+  return eventually([&] { return c.ctxMetrics().requests_started >= parts; });
+}
+
+// Layers marked one at a time go out as they are marked: writes are posted before the last
+// layer is ready, the Done follows the last one, every byte is the oracle's, and the pages are
+// freed on both sides. At tp 2 -> 1 and pp 2 -> 1, each context rank streams its own layers.
+TEST_P(Transceiver, StreamedLayersGoBeforeTheLastAndEveryByteLands) {
+  const std::pair<ParallelConfig, ParallelConfig> layouts[] = {{{2, 1, {}}, {1, 1, {}}},
+                                                               {{1, 2, {}}, {2, 1, {}}}};
+  for (const auto& [ctx, gen] : layouts) {
+    auto o = baseOptions(GetParam(), ctx, gen);
+    o.stream_min_tokens = 64;
+    o.checksum = true;
+    auto c = make(o);
+    ASSERT_NE(c, nullptr);
+    const uint32_t n = numLayers(*c);
+    ASSERT_TRUE(c->prepareContext(3, 100, /*mark_ready=*/false).isOk());
+    ASSERT_TRUE(c->startGeneration(3, 100).isOk());
+    ASSERT_TRUE(asked(*c));
+    for (uint32_t l = 0; l + 1 < n; ++l) {
+      ASSERT_TRUE(c->markLayersReady(3, {l, 1}).isOk()) << "layer " << l;
+    }
+    // Every layer but the last went out already; the request is not done without the last.
+    EXPECT_TRUE(eventually([&] {
+      return c->ctxMetrics().writes_posted >= 2 * c->senders().size();
+    })) << c->ctxMetrics().writes_posted;
+    auto r = c->receivers()[0]->poll(3);
+    ASSERT_TRUE(r.isOk());
+    EXPECT_FALSE(r->terminal()) << r->status.toString() << " writes "
+                                << c->ctxMetrics().writes_posted;
+    ASSERT_TRUE(c->markLayersReady(3, {n - 1, 1}).isOk());
+    ASSERT_TRUE(c->waitGeneration(3, deadline()).isOk());
+    auto report = c->check(3);
+    ASSERT_TRUE(report.isOk());
+    EXPECT_TRUE(report->ok()) << report->toString();
+    const MetricsSnapshot m = c->ctxMetrics();
+    // Every call but each rank's last left layers to come.
+    EXPECT_EQ(m.streamed_ranges, ctx.tp * n - c->senders().size());
+    EXPECT_EQ(c->genMetrics().failuresBy(FailureCause::kChecksum), 0u);
+    ASSERT_TRUE(c->release(3).isOk());
+    expectPagesFree(*c);
+  }
+}
+
+// Ranges ready before the request arrives go out with it in one piece; staged parts (vLLM's SD
+// conv order against DS) stream too, with a checksum over every piece.
+TEST_P(Transceiver, StreamedRangesBeforeTheAskAndStagedPartsMoveEveryByte) {
+  auto o = baseOptions(GetParam(), {2, 1, {}}, {1, 1, {}});
+  o.ctx_engine = *parseEngineLayout("vllm", "nhd", "sd");
+  o.gen_engine = *parseEngineLayout("hxfer");
+  o.stream_min_tokens = 0;
+  o.checksum = true;
+  auto c = make(o);
+  ASSERT_NE(c, nullptr);
+  const uint32_t n = numLayers(*c);
+  ASSERT_TRUE(c->prepareContext(4, 70, /*mark_ready=*/false).isOk());
+  ASSERT_TRUE(c->markLayersReady(4, {0, 3}).isOk());
+  ASSERT_TRUE(c->startGeneration(4, 70).isOk());
+  ASSERT_TRUE(asked(*c));
+  ASSERT_TRUE(c->markLayersReady(4, {2, 3}).isOk());  // overlapping the previous range is fine
+  ASSERT_TRUE(c->markLayersReady(4, {5, n - 5}).isOk());
+  ASSERT_TRUE(c->waitGeneration(4, deadline()).isOk());
+  auto report = c->check(4);
+  ASSERT_TRUE(report.isOk());
+  EXPECT_TRUE(report->ok()) << report->toString();
+  // One staging area per piece holding conv records: more than one per rank.
+  EXPECT_GT(c->ctxMetrics().staged_parts, c->senders().size());
+  EXPECT_EQ(c->genMetrics().failuresBy(FailureCause::kChecksum), 0u);
+  ASSERT_TRUE(c->release(4).isOk());
+  expectPagesFree(*c);
+}
+
+// Below stream_min_tokens a request waits for its last range and goes as one write.
+TEST_P(Transceiver, ShortRequestsGoInOnePieceAfterTheLastRange) {
+  auto o = baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}});
+  o.stream_min_tokens = 1000;
+  auto c = make(o);
+  ASSERT_NE(c, nullptr);
+  const uint32_t n = numLayers(*c);
+  ASSERT_TRUE(c->prepareContext(5, 100, /*mark_ready=*/false).isOk());
+  ASSERT_TRUE(c->startGeneration(5, 100).isOk());
+  for (uint32_t l = 0; l + 1 < n; ++l) ASSERT_TRUE(c->markLayersReady(5, {l, 1}).isOk());
+  std::this_thread::sleep_for(milliseconds(50));
+  EXPECT_EQ(c->ctxMetrics().writes_posted, 0u);
+  ASSERT_TRUE(c->markLayersReady(5, {n - 1, 1}).isOk());
+  ASSERT_TRUE(c->waitGeneration(5, deadline()).isOk());
+  EXPECT_EQ(c->ctxMetrics().writes_posted, 1u);
+  auto report = c->check(5);
+  ASSERT_TRUE(report.isOk());
+  EXPECT_TRUE(report->ok()) << report->toString();
+  ASSERT_TRUE(c->release(5).isOk());
+  expectPagesFree(*c);
+}
+
+// Ranges out of order are refused naming the range and the reason; nothing changes, and the
+// request still completes.
+TEST_P(Transceiver, BadLayerRangesAreRefusedNamingTheRange) {
+  auto c = make(baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}}));
+  ASSERT_NE(c, nullptr);
+  const uint32_t n = numLayers(*c);
+  ContextSender& s = *c->senders()[0];
+  ASSERT_TRUE(c->prepareContext(6, 40, /*mark_ready=*/false).isOk());
+  auto refused = [&](LayerRange l, const std::string& why) {
+    Status st = s.markReady(6, l);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.toString();
+    EXPECT_NE(st.message().find(why), std::string::npos) << st.toString();
+  };
+  refused({2, 2}, "layers [2, 4) leaves layers [0, 2) not ready");
+  refused({0, 0}, "is empty");
+  refused({0, n + 1}, "goes past this rank's layers [0, " + std::to_string(n) + ")");
+  ASSERT_TRUE(s.markReady(6, LayerRange{0, 3}).isOk());
+  refused({1, 2}, "was marked ready already (layers below 3 are)");
+  ASSERT_TRUE(c->startGeneration(6, 40).isOk());
+  ASSERT_TRUE(s.markReady(6, LayerRange{3, n - 3}).isOk());
+  EXPECT_EQ(s.markReady(6, LayerRange{0, n}).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(c->waitGeneration(6, deadline()).isOk());
+  auto report = c->check(6);
+  ASSERT_TRUE(report.isOk());
+  EXPECT_TRUE(report->ok()) << report->toString();
+  ASSERT_TRUE(c->release(6).isOk());
+  expectPagesFree(*c);
+}
+
+// A generation cancel between two ranges ends that part there (its write cancelled, nothing
+// more posted); the context pages stay with the sender while prefill may still write them and
+// are freed at the last range, as a whole request cancelled before markReady is.
+TEST_P(Transceiver, CancelBetweenRangesFreesThePagesAtTheLastRange) {
+  auto c = streamingFirstLayers(7);
+  ASSERT_NE(c, nullptr);
+  ContextSender& s = *c->senders()[0];
+  ASSERT_TRUE(c->receivers()[0]->cancel(7).isOk());
+  auto r = c->receivers()[0]->wait(7, deadline());
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->status.code(), StatusCode::kCancelled) << r->status.toString();
+  ASSERT_TRUE(c->release(7).isOk());
+  EXPECT_TRUE(eventually([&] { return c->ctxMetrics().requests_cancelled >= 1; }));
+  EXPECT_EQ(s.heldRequests(), 1u);  // not freed under a running prefill
+  EXPECT_TRUE(c->ctxCaches()[0]->find(7).isOk());
+  const uint64_t writes = c->ctxMetrics().writes_posted;
+  ASSERT_TRUE(s.markReady(7, LayerRange{2, 2}).isOk());
+  EXPECT_EQ(s.heldRequests(), 1u);
+  ASSERT_TRUE(s.markReady(7, LayerRange{4, numLayers(*c) - 4}).isOk());
+  expectPagesFree(*c);
+  EXPECT_EQ(c->ctxMetrics().writes_posted, writes);  // nothing posted after the cancel
+  EXPECT_TRUE(s.selfCheck().isOk()) << s.selfCheck().toString();
+}
+
+// A request whose ranges stop coming times out like one never marked ready; the next range
+// reports it and frees the pages.
+TEST_P(Transceiver, RangesThatStopComingTimeOutAndTheNextOneSaysSo) {
+  auto o = baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}});
+  o.lease_timeout = milliseconds(300);
+  o.stream_min_tokens = 1000;  // the ask waits for the last range
+  auto c = make(o);
+  ASSERT_NE(c, nullptr);
+  ContextSender& s = *c->senders()[0];
+  ASSERT_TRUE(c->prepareContext(9, 60, /*mark_ready=*/false).isOk());
+  ASSERT_TRUE(c->startGeneration(9, 60).isOk());
+  ASSERT_TRUE(s.markReady(9, LayerRange{0, 2}).isOk());
+  auto r = c->receivers()[0]->wait(9, deadline());
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->status.code(), StatusCode::kTimeout) << r->status.toString();
+  EXPECT_EQ(s.heldRequests(), 1u);
+  Status next = s.markReady(9, LayerRange{2, 2});
+  EXPECT_EQ(next.code(), StatusCode::kTimeout) << next.toString();
+  EXPECT_NE(next.message().find("ended before its last layers were ready"), std::string::npos)
+      << next.toString();
+  EXPECT_EQ(s.heldRequests(), 0u);
+  ASSERT_TRUE(c->release(9).isOk());
+  expectPagesFree(*c);
+}
+
+// The generation rank going away between ranges fails only its part; the last range frees
+// the pages.
+TEST_P(Transceiver, GenerationGoneBetweenRangesFreesThePagesAtTheLastRange) {
+  auto c = streamingFirstLayers(8);
+  ASSERT_NE(c, nullptr);
+  ContextSender& s = *c->senders()[0];
+  c->receivers()[0]->shutdown();
+  ASSERT_TRUE(eventually([&] { return s.connectedPeers() == 0; }));
+  EXPECT_EQ(s.heldRequests(), 1u);
+  ASSERT_TRUE(s.markReady(8, LayerRange{2, numLayers(*c) - 2}).isOk());
+  EXPECT_TRUE(eventually([&] { return c->ctxCaches()[0]->counters().pagesHeld() == 0; }));
+  EXPECT_EQ(s.heldRequests(), 0u);
+  EXPECT_TRUE(s.selfCheck().isOk()) << s.selfCheck().toString();
 }
 
 std::vector<std::string> backends() { return transport::availableBackends(); }

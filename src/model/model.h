@@ -85,8 +85,8 @@ struct LayerSpec {
 };
 
 struct ModelSpec {
-  std::string name;          // preset name or file stem
-  std::string architecture;  // Hugging Face architecture, e.g. "NemotronHForCausalLM"
+  std::string name;               // preset name or file stem
+  std::string architecture;       // Hugging Face architecture, e.g. "NemotronHForCausalLM"
   std::vector<LayerSpec> layers;  // index = global layer id
   DType kv_dtype = DType::kBf16;
   DType conv_dtype = DType::kBf16;
@@ -148,7 +148,10 @@ struct LayerRange {
   uint32_t count = 0;
   uint32_t end() const { return first + count; }
   bool contains(uint32_t layer) const { return layer >= first && layer < end(); }
+  bool operator==(const LayerRange&) const = default;
 };
+// Every layer (a plan not limited to some layers).
+inline constexpr LayerRange kAllLayers{0, UINT32_MAX};
 
 // Global layers of pipeline stage `pp_rank`. REQUIRES: pc.validate(num_layers) is ok.
 StatusOr<LayerRange> stageLayers(const ParallelConfig& pc, uint32_t num_layers, uint32_t pp_rank);

@@ -183,6 +183,42 @@ uint64_t checkCoverage(const RequestPlan& plan, const RankLayout& gen, const Ran
   return coverage.finish(gen, ids, blocks, token_end, first);
 }
 
+namespace {
+
+// Replaces each rank's part of `plan` by the union of its plans per layer range (o.layer_cuts).
+Status planByLayerRanges(const Planner& planner, const std::vector<RankIds>& ctx_ids,
+                         const RankIds& gen_ids, BlockRange blocks, const LocalTransferOptions& o,
+                         RequestPlan* plan) {
+  std::vector<LayerRange> ranges;
+  uint32_t begin = 0;
+  for (uint32_t cut : o.layer_cuts) {
+    if (cut < begin) return InvalidArgument("layer cuts must ascend");
+    ranges.push_back({begin, cut - begin});
+    begin = cut;
+  }
+  ranges.push_back({begin, UINT32_MAX - begin});
+  plan->total_bytes = plan->total_ops = plan->total_pack_ops = 0;
+  for (RankPlan& rp : plan->ranks) {
+    RankPlan joined;
+    joined.ctx_index = rp.ctx_index;
+    joined.scratch_bytes = rp.scratch_bytes;
+    for (const LayerRange& r : ranges) {
+      ASSIGN_OR_RETURN(RankPlan part,
+                       planner.planRank(rp.ctx_index, ctx_ids[rp.ctx_index], gen_ids, blocks, r));
+      joined.ops.insert(joined.ops.end(), part.ops.begin(), part.ops.end());
+      joined.pack_ops.insert(joined.pack_ops.end(), part.pack_ops.begin(), part.pack_ops.end());
+      joined.bytes += part.bytes;
+    }
+    rp = std::move(joined);
+    plan->total_bytes += rp.bytes;
+    plan->total_ops += rp.ops.size();
+    plan->total_pack_ops += rp.pack_ops.size();
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
 StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
                                                const LocalTransferOptions& o) {
   if (o.tokens == 0) return InvalidArgument("tokens=0 (a request has at least one token)");
@@ -226,6 +262,8 @@ StatusOr<LocalTransferResult> runLocalTransfer(const ModelSpec& model,
   for (LocalRank& g : gen) {
     ASSIGN_OR_RETURN(Planner planner, Planner::create(ctx_layouts, g.layout));
     ASSIGN_OR_RETURN(RequestPlan plan, planner.plan(ctx_ids, g.ids, out.blocks));
+    if (!o.layer_cuts.empty())
+      RETURN_IF_ERROR(planByLayerRanges(planner, ctx_ids, g.ids, out.blocks, o, &plan));
     out.expected_bytes += planner.expectedBytes(out.blocks);
     const uint64_t token_end = planner.kvTokens(out.blocks).second;
     out.total_bytes += plan.total_bytes;

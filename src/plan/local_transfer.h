@@ -55,6 +55,10 @@ struct LocalTransferOptions {
   bool execute = true;         // false: plan only (no memory)
   bool check_coverage = true;  // prove each destination byte is written exactly once
   bool use_regions = true;     // Region::allocate (pre-faulted); false: heap buffers (tests)
+  // When non-empty (ascending), each context rank's part is planned per global layer range
+  // [0, cuts[0]), [cuts[0], cuts[1]), ..., [cuts.back(), every layer) as a streamed request is
+  // (LayerRange), and the ranges' ops are run together.
+  std::vector<uint32_t> layer_cuts;
 };
 
 struct PairStats {

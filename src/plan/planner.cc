@@ -342,6 +342,7 @@ StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayou
           continue;
         }
         Planner::RecordMap m;
+        m.layer = layer;
         m.src_region = cv.region_id;
         m.dst_region = gv.region_id;
         m.src_base = cv.offset(0, cl);
@@ -646,7 +647,7 @@ Status Planner::checkSrc(uint32_t ctx_index, const RankIds& src, BlockRange bloc
 }
 
 void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, BlockRange blocks,
-                   RankPlan* out) const {
+                   LayerRange layers, RankPlan* out) const {
   const SourceMap& m = maps_[ctx_index];
   out->ctx_index = ctx_index;
   out->ops.clear();
@@ -676,6 +677,7 @@ void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, B
         const uint64_t s = src.blocks[t / tc], d = dst.blocks[t / tg];
         for (uint32_t k = grp.map_begin; k < grp.map_end; ++k) {
           const RecordMap& r = m.block_maps[k];
+          if (!layers.contains(r.layer)) continue;
           const auto inserted = memo.try_emplace({k, ci, gi, n});
           std::vector<Segment>& piece = inserted.first->second;
           if (inserted.second) {
@@ -707,6 +709,7 @@ void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, B
         const uint64_t s = src.blocks[i], d = dst.blocks[i];
         for (uint32_t k = grp.map_begin; k < grp.map_end; ++k) {
           const RecordMap& r = m.block_maps[k];
+          if (!layers.contains(r.layer)) continue;
           const uint64_t sb = r.src_base + s * r.src_stride;
           const uint64_t db = r.dst_base + d * r.dst_stride;
           for (uint32_t j = r.seg_begin; j < r.seg_end; ++j) {
@@ -718,6 +721,7 @@ void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, B
     }
   }
   for (const RecordMap& r : m.slot_maps) {
+    if (!layers.contains(r.layer)) continue;
     const uint64_t sb = r.src_base + uint64_t{src.slot} * r.src_stride;
     const uint64_t db = r.dst_base + uint64_t{dst.slot} * r.dst_stride;
     for (uint32_t j = r.seg_begin; j < r.seg_end; ++j) {
@@ -734,24 +738,28 @@ void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, B
     }
   }
   out->bytes = kv_bytes + (m.slot_maps.empty() ? 0 : m.state_bytes);
+  if (layers != kAllLayers) {
+    out->bytes = 0;
+    for (const CopyOp& op : ops) out->bytes += op.bytes;
+  }
 }
 
 Status Planner::planRankInto(uint32_t ctx_index, const RankIds& src, const RankIds& dst,
-                             BlockRange blocks, RankPlan* out) const {
+                             BlockRange blocks, RankPlan* out, LayerRange layers) const {
   if (ctx_index >= maps_.size()) {
     return InvalidArgument("ctx_index=" + std::to_string(ctx_index) + " but the planner has " +
                            std::to_string(maps_.size()) + " context ranks");
   }
   RETURN_IF_ERROR(checkDst(dst, blocks));
   RETURN_IF_ERROR(checkSrc(ctx_index, src, blocks));
-  emit(ctx_index, src, dst, blocks, out);
+  emit(ctx_index, src, dst, blocks, layers, out);
   return OkStatus();
 }
 
 StatusOr<RankPlan> Planner::planRank(uint32_t ctx_index, const RankIds& src, const RankIds& dst,
-                                     BlockRange blocks) const {
+                                     BlockRange blocks, LayerRange layers) const {
   RankPlan plan;
-  RETURN_IF_ERROR(planRankInto(ctx_index, src, dst, blocks, &plan));
+  RETURN_IF_ERROR(planRankInto(ctx_index, src, dst, blocks, &plan, layers));
   return plan;
 }
 
@@ -770,7 +778,7 @@ Status Planner::planInto(const std::vector<RankIds>& ctx_ids, const RankIds& dst
   out->ranks.resize(ctx_.size());
   out->total_bytes = out->total_ops = out->total_pack_ops = 0;
   for (uint32_t i = 0; i < ctx_.size(); ++i) {
-    emit(i, ctx_ids[i], dst, blocks, &out->ranks[i]);
+    emit(i, ctx_ids[i], dst, blocks, kAllLayers, &out->ranks[i]);
     out->total_bytes += out->ranks[i].bytes;
     out->total_ops += out->ranks[i].ops.size();
     out->total_pack_ops += out->ranks[i].pack_ops.size();

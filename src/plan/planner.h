@@ -129,15 +129,19 @@ class Planner {
   // The ops context rank `ctx_index` runs. `src` are that rank's ids, `dst` the generation
   // rank's. Errors (InvalidArgument): block lists shorter than blocks.end() on a side that
   // moves kv, ids outside the pools, a destination block id repeated in the range.
+  // `layers` limits the plan to those global layers, as streaming sends a request's layers when
+  // prefill finishes them (ContextSender::markReady with a range). Each layer's records belong
+  // to one range of a partition, so a partition's plans together are the whole request's
+  // (ops merge only inside one range). RankPlan::bytes is then the range's bytes.
   StatusOr<RankPlan> planRank(uint32_t ctx_index, const RankIds& src, const RankIds& dst,
-                              BlockRange blocks) const;
+                              BlockRange blocks, LayerRange layers = kAllLayers) const;
   // planRank for every context rank. ctx_ids has one entry per context layout.
   StatusOr<RequestPlan> plan(const std::vector<RankIds>& ctx_ids, const RankIds& dst,
                              BlockRange blocks) const;
   // The same, reusing the capacity of *out's op vectors (a request's ops can be hundreds of
   // KiB; reusing them avoids fresh pages per request). *out is changed only on success.
   Status planRankInto(uint32_t ctx_index, const RankIds& src, const RankIds& dst, BlockRange blocks,
-                      RankPlan* out) const;
+                      RankPlan* out, LayerRange layers = kAllLayers) const;
   Status planInto(const std::vector<RankIds>& ctx_ids, const RankIds& dst, BlockRange blocks,
                   RequestPlan* out) const;
 
@@ -176,7 +180,8 @@ class Planner {
     uint64_t ctx_base = 0, gen_base = 0;
     uint64_t element_bytes = 0;
   };
-  struct RecordMap {  // one (source view, local layer) -> (destination view, local layer)
+  struct RecordMap {     // one (source view, local layer) -> (destination view, local layer)
+    uint32_t layer = 0;  // global
     uint32_t src_region = 0, dst_region = 0;
     uint64_t src_base = 0, src_stride = 0;  // offset(index, layer) = base + index * stride
     uint64_t dst_base = 0, dst_stride = 0;
@@ -210,7 +215,7 @@ class Planner {
   Status checkDst(const RankIds& dst, BlockRange blocks) const;
   Status checkSrc(uint32_t ctx_index, const RankIds& src, BlockRange blocks) const;
   void emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, BlockRange blocks,
-            RankPlan* out) const;
+            LayerRange layers, RankPlan* out) const;
 
   std::vector<RankLayout> ctx_;
   RankLayout gen_;
