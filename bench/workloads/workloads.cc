@@ -310,6 +310,22 @@ class MemcpyBaseline {
     }
     return std::chrono::duration<double>(Clock::now() - t0).count();
   }
+  // The whole buffer in n contiguous shares (4 KiB aligned), one thread each, the caller's
+  // included: the machine's copy bandwidth rather than one thread's. Seconds.
+  double runThreads(unsigned n) const {
+    const uint64_t share = (total_ / std::max(n, 1u) + 4095) & ~uint64_t{4095};
+    auto copy = [&](uint64_t off) {
+      if (off < total_) {
+        std::memcpy(dst_->data() + off, src_->data() + off, std::min(share, total_ - off));
+      }
+    };
+    const auto t0 = Clock::now();
+    std::vector<std::thread> copiers;
+    for (unsigned k = 1; k < n; ++k) copiers.emplace_back(copy, k * share);
+    copy(0);
+    for (auto& c : copiers) c.join();
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  }
   uint64_t bytes() const { return total_; }
   const uint8_t* source() const { return src_->data(); }
 
@@ -984,6 +1000,78 @@ Status runLoadWorkload(Context& cx) {
   return OkStatus();
 }
 
+// ---- copy-bandwidth ----
+
+// One request next to memcpy of its bytes on 1..N threads (N = the machine's cores, at most
+// 8), in the same loop: single-request goodput judged against the machine's copy bandwidth.
+Status runCopyBandwidthWorkload(Context& cx) {
+  const WorkloadOptions& o = cx.o;
+  ASSIGN_OR_RETURN(auto tokens, parseCountList("--tokens", o.tokens.empty() ? "8k" : o.tokens));
+  const unsigned cores = std::clamp(std::thread::hardware_concurrency(), 1u, 8u);
+  Table t({"contender", "tokens", "MiB", "median ms", "GB/s", "spread", "x memcpy x1",
+           "x memcpy xN", "target"},
+          {false, true, true, true, true, false, true, true, false});
+  for (const std::string& be : backendsFor(o, "shm")) {
+    const uint32_t max_t = *std::max_element(tokens.begin(), tokens.end());
+    ASSIGN_OR_RETURN(
+        auto c, makeCluster(cx.model, o.ctx_tp, o.gen_tp, be, 2 * blocksFor(cx.model, max_t), 2));
+    for (uint32_t T : tokens) {
+      Row req = baseRow(cx, cx.model, "copy-bandwidth", be, T, o.ctx_tp, o.gen_tp);
+      std::vector<Samples> copies(cores);
+      std::optional<MemcpyBaseline> base;
+      const int total = o.warmup + o.repetitions;
+      const std::string label = "copy-bandwidth " + be + " T=" + tokensLabel(T);
+      for (int i = 0; i < total; ++i) {
+        cx.progress.update(label, static_cast<size_t>(i), static_cast<size_t>(total));
+        const bool timed = i >= o.warmup;
+        ASSIGN_OR_RETURN(TimedRequest r,
+                         timedRequest(*c, cx.next_id++, T, 0, true, !o.no_verify, nullptr));
+        req.bytes = r.bytes;
+        if (timed) req.time.add(r.seconds);
+        if (!base) {
+          ASSIGN_OR_RETURN(MemcpyBaseline b, MemcpyBaseline::create({r.bytes}));
+          base.emplace(std::move(b));
+          for (unsigned n = 1; n <= cores; ++n) (void)base->runThreads(n);  // fault in, warm
+        }
+        for (unsigned n = 1; n <= cores; ++n) {
+          const double sec = base->runThreads(n);
+          if (timed) copies[n - 1].add(sec);
+        }
+      }
+      cx.progress.clear();
+      req.verified = !o.no_verify;
+      req.memcpy_gbps = gbps(req.bytes, copies[0].median());
+      req.ref = "memcpy x" + std::to_string(cores);
+      req.ref_ratio = req.goodput() / gbps(req.bytes, copies[cores - 1].median());
+      req.peak_rss_mib = peakRssMib();
+      const auto line = [&](const std::string& who, const Samples& smp, const char* target) {
+        const double g = gbps(req.bytes, smp.median());
+        t.add({who, tokensLabel(T), mib(req.bytes), fmt("%.2f", smp.median() * 1e3), fmt("%.2f", g),
+               fmt("%.2f", gbps(req.bytes, smp.max())) + ".." +
+                   fmt("%.2f", gbps(req.bytes, smp.min())),
+               fmt("%.2f", g / *req.memcpy_gbps),
+               fmt("%.2f", g / gbps(req.bytes, copies[cores - 1].median())), target});
+      };
+      line(be + " request", req.time, ">= 0.8 x memcpy xN");
+      for (unsigned n = 1; n <= cores; ++n) {
+        line("memcpy x" + std::to_string(n), copies[n - 1], "");
+        Row m = baseRow(cx, cx.model, "copy-bandwidth", "memcpy x" + std::to_string(n), T, o.ctx_tp,
+                        o.gen_tp);
+        m.bytes = req.bytes;
+        m.time = copies[n - 1];
+        cx.rows->push_back(std::move(m));
+      }
+      cx.rows->push_back(std::move(req));
+    }
+  }
+  std::printf(
+      "copy-bandwidth (model %s, tp %u:%u; one request against memcpy of its bytes split over "
+      "1..%u threads, same loop; N = %u)\n",
+      cx.model.name.c_str(), o.ctx_tp, o.gen_tp, cores, cores);
+  t.print(stdout, 2);
+  return OkStatus();
+}
+
 // ---- streaming ----
 
 // One request whose prefill is simulated: its layers take equal compute time one after the
@@ -1491,6 +1579,8 @@ const NamedWorkload kWorkloads[] = {
      runMismatchWorkload},
     {"small-pages", "tokens_per_block 16 vs a large page: ops, contiguous runs, goodput",
      runSmallPagesWorkload},
+    {"copy-bandwidth", "one request against memcpy on 1..N threads (N = cores), same loop",
+     runCopyBandwidthWorkload},
     {"streaming",
      "prefill simulated per layer: end of prefill to request complete, streamed vs whole",
      runStreamingWorkload},
