@@ -93,6 +93,59 @@ TEST(BenchWorkloads, MismatchReportsRatioToMatchedTp) {
   EXPECT_EQ(j["results"][2]["bytes"], j["results"][0]["bytes"]);
 }
 
+// Streamed and whole requests are both verified; streaming writes one piece per layer with a
+// cache, so a request above the threshold takes more writes than one below it; the third plot
+// panel draws the two bars.
+TEST(BenchWorkloads, StreamingReportsExposedTimeAgainstTheWholeRequest) {
+  const std::string json = tempFile("streaming.json");
+  const std::string csv = tempFile("streaming.csv");
+  const std::string svg = tempFile("streaming.svg");
+  CmdResult r = runHxfer(std::string("bench streaming --tokens 64,1k --prefill-us-per-token 5") +
+                         kSmall + " --json " + json + " --csv " + csv + " --plot " + svg);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("writes"), std::string::npos) << r.out;
+  Json j = Json::parse(readAll(json), nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(j.is_discarded());
+  ASSERT_EQ(j["results"].size(), 2u);
+  for (const Json& row : j["results"]) {
+    EXPECT_EQ(row["workload"], "streaming");
+    EXPECT_TRUE(row["verified"].get<bool>());
+    EXPECT_EQ(row["ref"], "not streamed");
+    EXPECT_GT(row["prefill_ms"].get<double>(), 0.0);
+    EXPECT_GT(row["unstreamed_exposed_ms"].get<double>(), 0.0);
+    EXPECT_TRUE(row.contains("ratio_to_ref"));
+    EXPECT_FALSE(row.contains("goodput_gbps"));  // exposed times are not whole transfers
+  }
+  EXPECT_GT(j["results"][1]["bytes"].get<uint64_t>(), j["results"][0]["bytes"].get<uint64_t>());
+  const std::string text = readAll(csv);
+  EXPECT_NE(text.find("prefill_ms,unstreamed_exposed_ms"), std::string::npos) << text;
+  const std::string plot = readAll(svg);
+  EXPECT_NE(plot.find("Exposed transfer after prefill"), std::string::npos);
+  EXPECT_NE(plot.find("streamed per layer"), std::string::npos);
+  r = runHxfer(std::string("bench streaming --prefill-us-per-token 0") + kSmall);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("--prefill-us-per-token must be > 0, got 0"), std::string::npos) << r.out;
+}
+
+// The request row carries its ratio to memcpy on every core; one row per memcpy thread count.
+TEST(BenchWorkloads, CopyBandwidthComparesTheRequestWithMemcpyOnEveryCore) {
+  const std::string json = tempFile("copy.json");
+  CmdResult r =
+      runHxfer(std::string("bench copy-bandwidth --tokens 256") + kSmall + " --json " + json);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  Json j = Json::parse(readAll(json), nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(j.is_discarded());
+  const Json& rows = j["results"];
+  ASSERT_GE(rows.size(), 2u);
+  const Json& req = rows.back();
+  EXPECT_EQ(req["backend"], "inproc");
+  EXPECT_TRUE(req["verified"].get<bool>());
+  EXPECT_GT(req["ratio_to_ref"].get<double>(), 0.0);
+  EXPECT_EQ(req["ref"].get<std::string>().rfind("memcpy x", 0), 0u);
+  EXPECT_EQ(rows[0]["backend"], "memcpy x1");
+  for (const Json& row : rows) EXPECT_EQ(row["bytes"], req["bytes"]);
+}
+
 TEST(BenchWorkloads, BadListsAreRefusedNamingTheFlag) {
   CmdResult r = runHxfer(std::string("bench request --tokens 8x") + kSmall);
   EXPECT_EQ(r.exit_code, 1);
