@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -144,6 +145,29 @@ TEST(BenchWorkloads, CopyBandwidthComparesTheRequestWithMemcpyOnEveryCore) {
   EXPECT_EQ(req["ref"].get<std::string>().rfind("memcpy x", 0), 0u);
   EXPECT_EQ(rows[0]["backend"], "memcpy x1");
   for (const Json& row : rows) EXPECT_EQ(row["bytes"], req["bytes"]);
+}
+
+// NHD and token-major kv fragment at TP mismatch: more ops than HND for the same request, each
+// verified, with the ratio to HND on the same tp pair.
+TEST(BenchWorkloads, StormCountsTheOpsOfFragmentingLayoutsAgainstHnd) {
+  const std::string json = tempFile("storm.json");
+  CmdResult r = runHxfer(std::string("bench storm --tokens 128 --tp-pairs 1:1,2:1") + kSmall +
+                         " --json " + json);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  Json j = Json::parse(readAll(json), nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(j.is_discarded());
+  ASSERT_EQ(j["results"].size(), 6u);  // hnd, nhd, token-major x 2 tp pairs
+  std::map<std::string, uint64_t> ops;
+  for (const Json& row : j["results"]) {
+    EXPECT_EQ(row["workload"], "storm");
+    EXPECT_TRUE(row["verified"].get<bool>());
+    ops[row["backend"].get<std::string>() + " " + std::to_string(row["ctx_tp"].get<int>())] =
+        row["ops"].get<uint64_t>();
+    if (row["backend"] != "inproc hnd") EXPECT_EQ(row["ref"], "hnd");
+  }
+  EXPECT_GT(ops["inproc nhd 2"], ops["inproc hnd 2"]);
+  EXPECT_GT(ops["inproc token-major 2"], ops["inproc hnd 2"]);
+  EXPECT_GT(ops["inproc nhd 2"], ops["inproc nhd 1"]);
 }
 
 TEST(BenchWorkloads, BadListsAreRefusedNamingTheFlag) {

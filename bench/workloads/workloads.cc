@@ -431,12 +431,20 @@ std::vector<std::pair<std::string, std::string>> ucxOptionsFor(const std::string
   return {};
 }
 
+// How a workload's cluster differs from hxfer's own layout on both sides.
+struct ClusterShape {
+  std::optional<EngineLayout> engine;  // both sides laid out as this engine keeps its cache
+  uint64_t stream_min_tokens = 512;
+};
+
 StatusOr<std::unique_ptr<LocalCluster>> makeCluster(const ModelSpec& model, uint32_t ctx_tp,
                                                     uint32_t gen_tp, const std::string& backend,
                                                     uint32_t blocks, uint32_t slots,
-                                                    uint64_t stream_min_tokens = 512) {
+                                                    const ClusterShape& shape = {}) {
   ClusterOptions o;
-  o.stream_min_tokens = stream_min_tokens;
+  o.stream_min_tokens = shape.stream_min_tokens;
+  o.ctx_engine = shape.engine;
+  o.gen_engine = shape.engine;
   o.model = model;
   o.ctx = ParallelConfig{ctx_tp, 1, {}};
   o.gen = ParallelConfig{gen_tp, 1, {}};
@@ -1000,6 +1008,71 @@ Status runLoadWorkload(Context& cx) {
   return OkStatus();
 }
 
+// ---- storm ----
+
+// KV layouts whose records fragment at TP mismatch (NHD, SGLang's token-major rows) against HND,
+// with small pages: the ops a request takes, their size, and what they cost.
+Status runStormWorkload(Context& cx) {
+  const WorkloadOptions& o = cx.o;
+  ASSIGN_OR_RETURN(auto tokens, parseCountList("--tokens", o.tokens.empty() ? "8k" : o.tokens));
+  ASSIGN_OR_RETURN(auto pairs, parseTpPairs(o.tp_pairs.empty() ? "1:1,4:1,1:4" : o.tp_pairs));
+  struct Kind {
+    const char* label;
+    const char* engine;
+    const char* kv;
+  };
+  const Kind kinds[] = {
+      {"hnd", "trtllm-v2", "hnd"}, {"nhd", "trtllm-v2", "nhd"}, {"token-major", "sglang", ""}};
+  Table t({"backend", "kv", "tp", "ops", "bytes/op", "median ms", "GB/s", "x memcpy", "x hnd",
+           "ops x matched", "target"},
+          {false, false, false, true, true, true, true, true, true, true, false});
+  ModelSpec m = cx.model;
+  m.tokens_per_block = o.small_block;
+  for (const std::string& be : backendsFor(o, "shm")) {
+    for (uint32_t T : tokens) {
+      // ops of the matched pair per layout, goodput of hnd per tp pair
+      std::map<std::string, uint64_t> matched_ops;
+      std::map<std::pair<uint32_t, uint32_t>, double> hnd_goodput;
+      for (const Kind& k : kinds) {
+        ASSIGN_OR_RETURN(EngineLayout e, parseEngineLayout(k.engine, k.kv));
+        for (auto [a, b] : pairs) {
+          ASSIGN_OR_RETURN(auto c,
+                           makeCluster(m, a, b, be, blocksFor(m, T) + 1, 1, ClusterShape{e, 512}));
+          Row r = baseRow(cx, m, "storm", be + " " + k.label, T, a, b);
+          RETURN_IF_ERROR(
+              measureRequest(cx, *c, T, &r, false).withContext(std::string("storm ") + k.label));
+          const uint64_t ops = r.ops.value_or(0);
+          if (a == b) matched_ops[k.label] = ops;
+          if (std::string(k.label) == "hnd") {
+            hnd_goodput[{a, b}] = r.goodput();
+          } else if (auto h = hnd_goodput.find({a, b}); h != hnd_goodput.end() && h->second > 0) {
+            r.ref_ratio = r.goodput() / h->second;
+            r.ref = "hnd";
+          }
+          std::optional<double> ops_ratio;
+          if (auto mo = matched_ops.find(k.label); mo != matched_ops.end() && mo->second > 0) {
+            ops_ratio = static_cast<double>(ops) / static_cast<double>(mo->second);
+          }
+          const bool storm = a != b && std::string(k.label) != "hnd";
+          t.add({be, k.label, std::to_string(a) + ":" + std::to_string(b), std::to_string(ops),
+                 ops ? std::to_string(r.bytes / ops) : "-", fmt("%.2f", r.time.median() * 1e3),
+                 fmt("%.2f", r.goodput()), optFmt("%.2f", r.ratioMemcpy()),
+                 optFmt("%.2f", r.ref_ratio), optFmt("%.1f", ops_ratio),
+                 storm ? ">= 0.7 x hnd, <= 2 x matched ops" : ""});
+          cx.rows->push_back(std::move(r));
+        }
+      }
+    }
+  }
+  std::printf(
+      "storm (model %s, %u tokens per block on both sides, each side laid out as the engine "
+      "keeps kv: hnd = trtllm-v2 hnd, nhd = trtllm-v2 nhd, token-major = sglang; x memcpy = "
+      "memcpy with the request's op sizes in the same loop)\n",
+      cx.model.name.c_str(), o.small_block);
+  t.print(stdout, 2);
+  return OkStatus();
+}
+
 // ---- copy-bandwidth ----
 
 // One request next to memcpy of its bytes on 1..N threads (N = the machine's cores, at most
@@ -1133,8 +1206,9 @@ Status runStreamingWorkload(Context& cx) {
            "writes", "target"},
           {false, true, true, true, true, true, true, false, true, false});
   for (const std::string& be : backendsFor(o, "shm")) {
-    ASSIGN_OR_RETURN(auto c, makeCluster(cx.model, o.ctx_tp, o.gen_tp, be,
-                                         2 * blocksFor(cx.model, max_t), 2, o.stream_min_tokens));
+    ASSIGN_OR_RETURN(
+        auto c, makeCluster(cx.model, o.ctx_tp, o.gen_tp, be, 2 * blocksFor(cx.model, max_t), 2,
+                            ClusterShape{std::nullopt, o.stream_min_tokens}));
     for (uint32_t T : tokens) {
       const std::chrono::nanoseconds per_layer(static_cast<int64_t>(
           static_cast<double>(T) * o.prefill_us_per_token * 1e3 / std::max<uint32_t>(layers, 1)));
@@ -1579,6 +1653,8 @@ const NamedWorkload kWorkloads[] = {
      runMismatchWorkload},
     {"small-pages", "tokens_per_block 16 vs a large page: ops, contiguous runs, goodput",
      runSmallPagesWorkload},
+    {"storm", "nhd and token-major kv at tp mismatch with small pages: ops, bytes/op, goodput",
+     runStormWorkload},
     {"copy-bandwidth", "one request against memcpy on 1..N threads (N = cores), same loop",
      runCopyBandwidthWorkload},
     {"streaming",

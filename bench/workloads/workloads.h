@@ -9,6 +9,8 @@
 //   mismatch     the same at several ctx:gen TP pairs (ratio to the matched pair);
 //   small-pages  tokens_per_block 16 against a large page, with many layers: ops per request
 //                after coalescing against the number of contiguous runs, and goodput;
+//   storm        nhd and token-major kv (trtllm-v2 nhd, sglang) at tp mismatch with small
+//                pages against hnd: ops, bytes per op, goodput;
 //   copy-bandwidth  one request against memcpy of its bytes on 1..N threads (N = cores);
 //   streaming    prefill simulated per layer; the time from its end to the request complete,
 //                layers streamed as they finish against the request marked ready whole;
