@@ -106,13 +106,13 @@ TEST(CliMetadata, ModelOptionsReachTheLayout) {
   std::remove(f.c_str());
 }
 
-// An engine layout travels with its described records (wire 1.3) and inspect shows them.
+// An engine layout travels with its described records (wire 1.3 and later) and inspect shows them.
 TEST(CliMetadata, EngineLayoutRecordsTravelAndInspectShowsThem) {
   const std::string f = tempFile("vllm_hnd.bin");
   CmdResult w = runHxfer("metadata --model tiny-hybrid --engine vllm --kv-layout hnd --out " + f,
                          Stderr::kMerge);
   ASSERT_EQ(w.exit_code, 0) << w.out;
-  EXPECT_NE(w.out.find("version=1.3"), std::string::npos) << w.out;
+  EXPECT_NE(w.out.find("version=1.4"), std::string::npos) << w.out;
   Json j = inspectJson(f);
   bool kv_hnd = false, conv_sd = false;
   for (const Json& v : j["rank_info"]["layout"]["views"]) {

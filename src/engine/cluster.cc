@@ -62,6 +62,7 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(ClusterOptions o) {
       ro.tp_rank = t;
       ro.pp_rank = p;
       ro.checksum = opt.checksum;
+      ro.staging_bytes = opt.gen_staging_bytes;
       ro.ctx_parallel = opt.ctx;
       ro.ctx_addresses = addresses;
       ro.request_timeout = opt.request_timeout;

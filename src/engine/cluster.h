@@ -40,7 +40,8 @@ struct ClusterOptions {
   bool checksum = false;
   std::chrono::milliseconds lease_timeout{30000};
   std::chrono::milliseconds request_timeout{30000};
-  uint64_t stream_min_tokens = 512;  // ContextSender::Options
+  uint64_t stream_min_tokens = 512;          // ContextSender::Options
+  uint64_t gen_staging_bytes = 16ull << 20;  // GenerationReceiver::Options::staging_bytes
   // Applied to every agent (tests use it for UCX's TLS choice).
   std::vector<std::pair<std::string, std::string>> ucx_options;
 };

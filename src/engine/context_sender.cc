@@ -4,6 +4,7 @@
 
 #include "common/logging.h"
 #include "engine/handshake.h"
+#include "plan/staging.h"
 
 namespace hxfer::engine {
 
@@ -488,6 +489,8 @@ void ContextSender::tryStartLocked(Source& src) {
 
 bool ContextSender::mayPostLocked(const Source& src, const Ask& ask) const {
   if (src.ready) return true;
+  // A staged part goes as one write of the whole part.
+  if (ask.req.staging) return false;
   // Short requests go in one piece: a few small writes are cheaper than many tiny ones.
   return src.ready_end > stage_.first && ask.req.num_tokens >= options_.stream_min_tokens;
 }
@@ -591,6 +594,10 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   }
   ask.sent_end = src.ready_end;
   if (plan->ops.empty()) return;
+  if (ask.req.staging) {
+    postStagedLocked(src, ask, *plan);
+    return;
+  }
   std::unique_ptr<Region> scratch;
   if (!plan->pack_ops.empty()) {
     auto staged = stageLocked(*plan);
@@ -608,20 +615,78 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
     const uint32_t from = op.src_region == kScratchRegion ? scratch->id() : op.src_region;
     ops.push_back({from, op.src_offset, op.dst_region, op.dst_offset, op.bytes});
   }
+  if (Status st = postLocked(ask, std::move(ops), std::move(scratch), plan->bytes); !st.isOk()) {
+    ask.failed = st;
+  }
+}
+
+Status ContextSender::postLocked(Ask& ask, std::vector<transport::WriteOp> ops,
+                                 std::unique_ptr<Region> area, uint64_t bytes) {
+  const size_t n = ops.size();
   auto t = agent_->postWrite(ask.peer, std::move(ops));
   if (!t.isOk()) {
-    releaseScratchLocked(std::move(scratch));
-    ask.failed = t.status();
-    return;
+    releaseScratchLocked(std::move(area));
+    return t.status();
   }
-  metrics_.opsPosted(plan->ops.size());
+  metrics_.opsPosted(n);
   t->notifyWhenTerminal([waker = waker_] { waker->wake(); });
   Piece piece;
   piece.transfer = *t;
   piece.posted_at = Clock::now();
-  piece.scratch = std::move(scratch);
+  piece.scratch = std::move(area);
   ask.pieces.push_back(std::move(piece));
-  ask.bytes += plan->bytes;
+  ask.bytes += bytes;
+  return OkStatus();
+}
+
+void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan) {
+  const wire::Staging& slot = *ask.req.staging;
+  auto fail = [&](const Status& why) {
+    HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
+                   why.toString());
+    ask.failed = why;
+  };
+  if (plan.bytes != slot.bytes) {
+    fail(InvalidArgument("request " + std::to_string(src.id) + ": staging slot of " +
+                         std::to_string(slot.bytes) + " bytes for a part of " +
+                         std::to_string(plan.bytes)));
+    return;
+  }
+  auto runs = stagingRuns(plan.ops);
+  if (!runs.isOk()) {
+    fail(runs.status());
+    return;
+  }
+  // The ops' sources in one local area laid out as the slot, written as one op.
+  const uint32_t id = 0x80000000u | (next_scratch_++ & 0x7FFFFFFFu);
+  const auto backing = agent_->capabilities().needs_memfd_regions ? Region::Backing::kMemfd
+                                                                  : Region::Backing::kAnonymous;
+  auto area = Region::allocate(id, plan.bytes, backing, "hxfer-gather");
+  if (!area.isOk()) {
+    fail(area.status().withContext("gather area of " + std::to_string(plan.bytes) + " bytes"));
+    return;
+  }
+  std::unique_ptr<Region> gathered = std::move(area).value();
+  std::vector<uint8_t> packed(plan.pack_ops.empty() ? 0 : plan.scratch_bytes);
+  Status s = packed.empty() ? OkStatus() : packScratch(plan, memory_, packed);
+  if (s.isOk()) {
+    s = gatherStaged(plan, *runs, memory_, packed,
+                     std::span<uint8_t>(gathered->data(), gathered->length()));
+  }
+  if (s.isOk())
+    s = agent_->registerRegion(*gathered, transport::RegionAccess::kLocalSource).status();
+  if (!s.isOk()) {
+    fail(s);
+    return;
+  }
+  if (!packed.empty()) metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
+  metrics_.stormStaged(plan.ops.size());
+  const uint32_t from = gathered->id();
+  if (Status st = postLocked(ask, {{from, 0, slot.region, slot.offset, plan.bytes}},
+                             std::move(gathered), plan.bytes);
+      !st.isOk()) {
+    fail(st);
+  }
 }
 
 StatusOr<uint64_t> ContextSender::checksumAskLocked(const Source& src, const Ask& ask) const {

@@ -174,7 +174,14 @@ class ContextSender {
   // Plans and posts the ask's layers [sent_end, src.ready_end) (one piece, or none when they
   // hold nothing for the peer); a failure is left in ask.failed.
   void postPieceLocked(Source& src, Ask& ask);
+  // A part the generation rank asked to stage (TransferRequest::staging): its ops gathered
+  // into one local area in the slot's order (plan/staging.h) and posted as one write.
+  void postStagedLocked(Source& src, Ask& ask, const RankPlan& plan);
   StatusOr<RankPlan> planAskLocked(const Source& src, const Ask& ask, LayerRange layers) const;
+  // Posts `ops` as one piece of `ask` (`area`, a registered local source the ops read, is
+  // released once the write is terminal, or now when posting fails).
+  Status postLocked(Ask& ask, std::vector<transport::WriteOp> ops, std::unique_ptr<Region> area,
+                    uint64_t bytes);
   // The checksum of the whole request part (options_.checksum), over every piece's bytes.
   StatusOr<uint64_t> checksumAskLocked(const Source& src, const Ask& ask) const;
   void answerLocked(Source& src, Ask& ask, const Status& status, uint64_t bytes,

@@ -11,12 +11,15 @@
 
 #include "common/logging.h"
 #include "engine/handshake.h"
+#include "plan/staging.h"
 
 namespace hxfer::engine {
 
 // How long shutdown() waits for the transport to confirm that the connections it closed are
 // gone, so that the pages of requests still in flight can be released.
 constexpr std::chrono::seconds kShutdownFenceWait{5};
+// The staging region's id: far from the pools' (numbered from 0).
+constexpr uint32_t kStagingRegionId = 0x7FFF0000u;
 
 // One context rank this rank talks to.
 struct GenerationReceiver::CtxPeer {
@@ -36,6 +39,7 @@ struct GenerationReceiver::CtxPeer {
   wire::RankInfo info;             // valid when ready
   uint64_t incarnation = 0;        // from its last Hello
   std::optional<Planner> planner;  // that context rank -> this rank (checksums)
+  uint64_t kv_ops_per_block = 0;   // what a kv block adds to a part's ops (storm control)
 };
 
 // One context rank's part of one request.
@@ -49,6 +53,8 @@ struct GenerationReceiver::Part {
   // that no write of the peer into these pages can still run.
   transport::PeerId fenced_by = 0;
   uint64_t bytes = 0;
+  // The slot this part was asked to write into (storm control); freed when its fence ends.
+  std::optional<wire::Staging> staging;
 };
 
 struct GenerationReceiver::Sink {
@@ -101,6 +107,17 @@ StatusOr<std::unique_ptr<GenerationReceiver>> GenerationReceiver::create(
     ASSIGN_OR_RETURN(Bytes key,
                      g->agent_->registerRegion(*region, transport::RegionAccess::kRemoteWritable));
     if (!key.empty()) g->self_.region_keys.push_back({region->id(), std::move(key)});
+  }
+  if (g->options_.staging_bytes > 0) {
+    const auto backing = g->agent_->capabilities().needs_memfd_regions
+                             ? Region::Backing::kMemfd
+                             : Region::Backing::kAnonymous;
+    ASSIGN_OR_RETURN(g->staging_, Region::allocate(kStagingRegionId, g->options_.staging_bytes,
+                                                   backing, "hxfer-staging"));
+    ASSIGN_OR_RETURN(Bytes key, g->agent_->registerRegion(
+                                    *g->staging_, transport::RegionAccess::kRemoteWritable));
+    if (!key.empty()) g->self_.region_keys.push_back({kStagingRegionId, std::move(key)});
+    g->self_.layout.regions.push_back({kStagingRegionId, g->options_.staging_bytes, "staging"});
   }
   RETURN_IF_ERROR(wire::checkRankInfo(g->self_).withContext("own rank_info"));
   g->memory_ = cacheMemory(*cache);
@@ -326,6 +343,7 @@ void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
   req.num_tokens = sink.alloc.num_tokens;
   req.aux = sink.aux;
   req.epoch = sink.epoch;
+  maybeStageLocked(sink, part, peer, &req);
   if (Status st = agent_->sendMessage(peer.id, wire::encodeMessage(req)); !st.isOk()) {
     endPartLocked(sink, part);
     part.state = Part::State::kFailed;
@@ -334,9 +352,52 @@ void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
   }
 }
 
+void GenerationReceiver::maybeStageLocked(const Sink& sink, Part& part, const CtxPeer& peer,
+                                          wire::TransferRequest* req) {
+  if (!staging_ || peer.info.version_minor < wire::kStagingMinor || !peer.planner) return;
+  // A cheap look first: a part whose kv records are whole runs per block is no storm.
+  const uint64_t blocks = sink.alloc.blocks.size() - sink.first_block;
+  if (blocks * peer.kv_ops_per_block < options_.stage_min_ops) return;
+  auto plan = destinationPlanLocked(sink, peer);
+  if (!plan.isOk() || plan->ops.size() < options_.stage_min_ops ||
+      plan->bytes > options_.stage_max_op_bytes * plan->ops.size()) {
+    return;
+  }
+  // First fit, 64-byte aligned.
+  uint64_t at = 0;
+  for (const auto& [offset, bytes] : staging_slots_) {
+    if (offset >= at + plan->bytes) break;
+    at = (offset + bytes + 63) & ~uint64_t{63};
+  }
+  if (at + plan->bytes > staging_->length()) return;  // full: this part goes without staging
+  staging_slots_[at] = plan->bytes;
+  part.staging = wire::Staging{kStagingRegionId, at, plan->bytes};
+  req->staging = part.staging;
+}
+
+Status GenerationReceiver::scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer) {
+  ASSIGN_OR_RETURN(RankPlan plan, destinationPlanLocked(sink, peer));
+  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagingRuns(plan.ops));
+  if (stagingBytes(runs) != part.staging->bytes) {
+    return Internal("request " + std::to_string(sink.id) + ": staged part of " +
+                    std::to_string(part.staging->bytes) + " bytes, the plan has " +
+                    std::to_string(stagingBytes(runs)));
+  }
+  RETURN_IF_ERROR(scatterStaged(
+      runs, std::span<const uint8_t>(staging_->data() + part.staging->offset, part.staging->bytes),
+      memory_));
+  metrics_.stormStaged(runs.size());
+  return OkStatus();
+}
+
 void GenerationReceiver::endPartLocked(Sink& sink, Part& part) {
   if (!part.in_flight) return;
   part.in_flight = false;
+  // No write of this part can land any more: its staging slot is free again.
+  if (part.staging) {
+    staging_slots_.erase(part.staging->offset);
+    part.staging.reset();
+  }
   if (Status s = cache_->endTransfer(sink.id); !s.isOk()) {
     HXFER_LOG_ERROR("generation: endTransfer of request {}: {}", sink.id, s.toString());
   }
@@ -403,10 +464,9 @@ void GenerationReceiver::completeIfDoneLocked(Sink& sink) {
   waiters_.notifyAll();
 }
 
-Status GenerationReceiver::verifyChecksumLocked(const Sink& sink, const CtxPeer& peer,
-                                                uint64_t expected) const {
+StatusOr<RankPlan> GenerationReceiver::destinationPlanLocked(const Sink& sink,
+                                                             const CtxPeer& peer) const {
   const RankLayout& ctx = peer.info.layout;
-  // Only the destination side is hashed: any source ids the plan accepts will do.
   const BlockRange range = sink.range();
   const uint64_t src_blocks =
       peer.planner->byToken()
@@ -417,7 +477,13 @@ Status GenerationReceiver::verifyChecksumLocked(const Sink& sink, const CtxPeer&
     src.blocks.push_back(ctx.num_blocks ? static_cast<uint32_t>(i % ctx.num_blocks) : 0);
   }
   RankIds dst{sink.alloc.blocks, sink.alloc.slot.value_or(0)};
-  ASSIGN_OR_RETURN(RankPlan plan, peer.planner->planRank(0, src, dst, range));
+  return peer.planner->planRank(0, src, dst, range);
+}
+
+Status GenerationReceiver::verifyChecksumLocked(const Sink& sink, const CtxPeer& peer,
+                                                uint64_t expected) const {
+  // Only the destination side is hashed: any source ids the plan accepts will do.
+  ASSIGN_OR_RETURN(RankPlan plan, destinationPlanLocked(sink, peer));
   ASSIGN_OR_RETURN(uint64_t got, checksumOps(std::move(plan.ops), memory_, /*source=*/false));
   if (got != expected) {
     return Corruption("request " + std::to_string(sink.id) + " from context rank " +
@@ -444,6 +510,11 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
     if (peers_[p.peer].get() == &peer && p.state == Part::State::kSent) part = &p;
   }
   if (part == nullptr) return;  // a duplicate answer (e.g. to a Cancel that crossed the Done)
+  // A staged part lands in its slot: into the pages with it, before the slot is freed.
+  Status scattered = OkStatus();
+  if (part->staging && done.status.isOk() && !sink.result.terminal()) {
+    scattered = scatterLocked(sink, *part, peer);
+  }
   endPartLocked(sink, *part);
   part->state = done.status.isOk() ? Part::State::kOk : Part::State::kFailed;
   part->bytes = done.bytes;
@@ -454,6 +525,12 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
   if (!done.status.isOk()) {
     failLocked(sink, done.status.withContext("context rank " + std::to_string(peer.rank)),
                causeOf(done.status));
+    return;
+  }
+  if (!scattered.isOk()) {
+    part->state = Part::State::kFailed;
+    failLocked(sink, scattered.withContext("context rank " + std::to_string(peer.rank)),
+               FailureCause::kOther);
     return;
   }
   if (options_.checksum && done.checksum) {
@@ -519,6 +596,31 @@ void GenerationReceiver::peerDownLocked(CtxPeer& peer, const Status& why, bool f
   waiters_.notifyAll();
 }
 
+namespace {
+
+// The ops one more kv block adds to a part from this context rank (the difference between
+// plans of two blocks and of one, made-up ids): 2 when each kv record is one run, one per
+// token and K|V half where records fragment (NHD or token-major at TP mismatch).
+uint64_t kvOpsPerBlock(const Planner& planner, const RankLayout& ctx, const RankLayout& gen) {
+  if (gen.num_blocks < 2 || ctx.num_blocks < 2) return 0;
+  auto ops = [&](uint32_t n) -> uint64_t {
+    RankIds src, dst;
+    const uint64_t src_blocks =
+        (uint64_t{n} * gen.tokens_per_block + ctx.tokens_per_block - 1) / ctx.tokens_per_block;
+    for (uint64_t i = 0; i < src_blocks; ++i) {
+      // Every other block: consecutive ids would merge and hide the per-block cost.
+      src.blocks.push_back(static_cast<uint32_t>((2 * i) % ctx.num_blocks));
+    }
+    for (uint32_t i = 0; i < n; ++i) dst.blocks.push_back(i == 0 ? 0 : gen.num_blocks - 1);
+    auto plan = planner.planRank(0, src, dst, BlockRange{0, n, uint64_t{n} * gen.tokens_per_block});
+    return plan.isOk() ? plan->ops.size() : 0;
+  };
+  const uint64_t one = ops(1), two = ops(2);
+  return two > one ? two - one : 0;
+}
+
+}  // namespace
+
 void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
   auto refuse = [&](const Status& why) {
     HXFER_LOG_WARN("generation rank {}: refusing context rank {}: {}", rankName(self_.layout),
@@ -567,6 +669,7 @@ void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
   peer.incarnation = hello.incarnation;
   peer.info = std::move(hello.rank_info);
   peer.planner = std::move(*planner);
+  peer.kv_ops_per_block = kvOpsPerBlock(*peer.planner, peer.info.layout, self_.layout);
   peer.state = CtxPeer::State::kReady;
   peer.ever_ready = true;
   peer.last_error = OkStatus();

@@ -28,6 +28,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -75,6 +76,14 @@ class GenerationReceiver {
     std::chrono::milliseconds request_timeout{30000};
     std::chrono::milliseconds handshake_timeout{10000};
     std::chrono::milliseconds reconnect_interval{500};
+    // Storm control (plan/staging.h, docs/engine.md): a part of at least stage_min_ops ops of
+    // at most stage_max_op_bytes on average is asked for as one write into a slot of this
+    // rank's staging region (staging_bytes, registered once; 0: never) and scattered into the
+    // pages here before the request completes. Only context ranks of wire minor 4 or later are
+    // asked; a part that finds no free slot goes as it would without staging.
+    uint64_t staging_bytes = 64ull << 20;
+    uint64_t stage_min_ops = 256;
+    uint64_t stage_max_op_bytes = 4096;
   };
 
   // Registers every region of `cache` with `agent`, computes the overlapping context ranks and
@@ -155,6 +164,14 @@ class GenerationReceiver {
   void endPartLocked(Sink& sink, Part& part);
   void timersLocked();
   Status verifyChecksumLocked(const Sink& sink, const CtxPeer& peer, uint64_t expected) const;
+  // The plan of `sink`'s part from `peer` with made-up source ids: what lands here does not
+  // depend on the context rank's ids (checksums, staging).
+  StatusOr<RankPlan> destinationPlanLocked(const Sink& sink, const CtxPeer& peer) const;
+  // Asks for staging (req->staging, part.staging) when the part is a storm and a slot is free.
+  void maybeStageLocked(const Sink& sink, Part& part, const CtxPeer& peer,
+                        wire::TransferRequest* req);
+  // Copies a staged part from its slot into the pages.
+  Status scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer);
   void sendLocked(transport::PeerId peer, const wire::Message& m);
   CtxPeer* peerById(transport::PeerId id);
   // Whether a connect() other than `except`'s is running.
@@ -162,6 +179,9 @@ class GenerationReceiver {
 
   const Options options_;
   HybridCacheManager* const cache_;
+  // The staging region (Options::staging_bytes), declared before the agent so that it outlives
+  // every write the agent may still run into it.
+  std::unique_ptr<Region> staging_;
   std::unique_ptr<transport::Agent> agent_;
   wire::RankInfo self_;              // fixed after create()
   RankMemory memory_;                // fixed after create()
@@ -193,6 +213,8 @@ class GenerationReceiver {
   Metrics metrics_;
   const uint64_t incarnation_;  // this receiver's, in its Hello
   uint64_t next_epoch_ = 1;     // guarded by mu_; the epoch of the next request started
+  // Staging slots in use (offset -> bytes), each until its part's fence ends.
+  std::map<uint64_t, uint64_t> staging_slots_;  // guarded by mu_
   std::thread thread_;
   std::once_flag shutdown_once_;
 };

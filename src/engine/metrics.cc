@@ -100,6 +100,8 @@ void MetricsSnapshot::merge(const MetricsSnapshot& o) {
   staging_bytes += o.staging_bytes;
   streamed_ranges += o.streamed_ranges;
   writes_posted += o.writes_posted;
+  storm_parts += o.storm_parts;
+  storm_copies += o.storm_copies;
   for (size_t i = 0; i < kNumFailureCauses; ++i) failures[i] += o.failures[i];
   leases_expired += o.leases_expired;
   quarantined_requests += o.quarantined_requests;
@@ -133,6 +135,8 @@ std::string MetricsSnapshot::toJson() const {
   j["staging_bytes"] = staging_bytes;
   j["streamed_ranges"] = streamed_ranges;
   j["writes_posted"] = writes_posted;
+  j["storm_parts"] = storm_parts;
+  j["storm_copies"] = storm_copies;
   nlohmann::json f = nlohmann::json::object();
   for (size_t i = 0; i < kNumFailureCauses; ++i) {
     f[std::string(failureCauseName(static_cast<FailureCause>(i)))] = failures[i];
@@ -192,6 +196,12 @@ void Metrics::opsPosted(uint64_t n) {
   std::lock_guard lock(mu_);
   s_.ops += n;
   ++s_.writes_posted;
+}
+
+void Metrics::stormStaged(uint64_t copies) {
+  std::lock_guard lock(mu_);
+  ++s_.storm_parts;
+  s_.storm_copies += copies;
 }
 
 void Metrics::rangeStreamed() {

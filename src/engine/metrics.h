@@ -69,6 +69,9 @@ struct MetricsSnapshot {
   // Context: markReady calls that left layers to come (streaming), and writes posted (one per
   // request part sent whole, one per range of layers ready when a part streams).
   uint64_t streamed_ranges = 0, writes_posted = 0;
+  // Storm control (plan/staging.h): request parts sent as one staged write, and the local
+  // copies that took (context: ops gathered; generation: runs scattered).
+  uint64_t storm_parts = 0, storm_copies = 0;
   std::array<uint64_t, kNumFailureCauses> failures{};  // by FailureCause
   uint64_t leases_expired = 0;        // context: source pages freed because nobody asked in time
   uint64_t quarantined_requests = 0;  // requests freed while writes were in flight (lifetime)
@@ -109,6 +112,7 @@ class Metrics {
   void requestFailed(FailureCause cause);
   void opsPosted(uint64_t n);  // one write of n ops
   void rangeStreamed();
+  void stormStaged(uint64_t copies);
   void staged(uint64_t copies, uint64_t bytes);
   void leaseExpired();
   void quarantined();

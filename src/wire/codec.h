@@ -26,7 +26,9 @@ namespace hxfer::wire {
 inline constexpr uint16_t kWireVersionMajor = 1;
 // 1: transfer_done.aux. 2: hello.incarnation, epochs in transfer_request / transfer_done /
 // cancel, status code 11 (expired). 3: rank_info.records (engine layouts, record_layout.h).
-inline constexpr uint16_t kWireVersionMinor = 3;
+// 4: transfer_request.staging (a part gathered into one write, scattered by the generation rank).
+inline constexpr uint16_t kWireVersionMinor = 4;
+inline constexpr uint16_t kStagingMinor = 4;
 
 // Limits (all inclusive). Changing one is a format change: document it.
 inline constexpr uint64_t kMaxFrameBodyBytes = 16u << 20;  // one message body

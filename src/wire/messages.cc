@@ -54,6 +54,12 @@ void encodeBody(const TransferRequest& m, Bytes& out) {
   putVarint64(out, m.num_tokens);
   putBytes(out, m.aux);
   putVarint64(out, m.epoch);
+  putFixed8(out, m.staging.has_value() ? 1 : 0);
+  if (m.staging) {
+    putVarint64(out, m.staging->region);
+    putVarint64(out, m.staging->offset);
+    putVarint64(out, m.staging->bytes);
+  }
 }
 
 void encodeBody(const TransferDone& m, Bytes& out) {
@@ -114,6 +120,12 @@ Status check(const TransferRequest& m) {
     return over("transfer_request.num_tokens", m.num_tokens, kMaxTokens);
   if (m.aux.size() > kMaxAuxBytes)
     return over("transfer_request.aux.length", m.aux.size(), kMaxAuxBytes);
+  if (m.staging) {
+    if (m.staging->offset > kMaxRegionBytes)
+      return over("transfer_request.staging.offset", m.staging->offset, kMaxRegionBytes);
+    if (m.staging->bytes > kMaxRegionBytes)
+      return over("transfer_request.staging.bytes", m.staging->bytes, kMaxRegionBytes);
+  }
   return OkStatus();
 }
 
@@ -161,6 +173,7 @@ Status readBody(WireReader& r, Hello* m, uint16_t minor) {
   return r.u64Fixed("incarnation", &m->incarnation);
 }
 
+// transfer_request.epoch was appended in minor 2, transfer_request.staging in minor 4.
 Status readBody(WireReader& r, TransferRequest* m, uint16_t minor) {
   RETURN_IF_ERROR(r.u64Fixed("request_id", &m->request_id));
   RETURN_IF_ERROR(r.varint32("gen_tp_rank", kMaxTp - 1, &m->gen_tp_rank));
@@ -182,7 +195,17 @@ Status readBody(WireReader& r, TransferRequest* m, uint16_t minor) {
   RETURN_IF_ERROR(r.varint("num_tokens", kMaxTokens, &m->num_tokens));
   RETURN_IF_ERROR(r.bytes("aux", kMaxAuxBytes, &m->aux));
   if (minor < 2) return OkStatus();
-  return r.varint("epoch", UINT64_MAX, &m->epoch);
+  RETURN_IF_ERROR(r.varint("epoch", UINT64_MAX, &m->epoch));
+  if (minor < kStagingMinor) return OkStatus();
+  bool has_staging = false;
+  RETURN_IF_ERROR(r.boolean("has_staging", &has_staging));
+  if (!has_staging) return OkStatus();
+  Staging st;
+  RETURN_IF_ERROR(r.varint32("staging.region", UINT32_MAX, &st.region));
+  RETURN_IF_ERROR(r.varint("staging.offset", kMaxRegionBytes, &st.offset));
+  RETURN_IF_ERROR(r.varint("staging.bytes", kMaxRegionBytes, &st.bytes));
+  m->staging = st;
+  return OkStatus();
 }
 
 // transfer_done.aux was appended in minor 1, transfer_done.epoch in minor 2.
@@ -398,6 +421,24 @@ Status checkDestination(const TransferRequest& req, const RankLayout& dst) {
                              " blocks of " + std::to_string(dst.tokens_per_block) + " tokens");
     }
   }
+  if (req.staging) {
+    // A region of that rank's own RankInfo that is no pool: the part may land nowhere else.
+    const Staging& st = *req.staging;
+    const RegionSpec* region = dst.findRegion(st.region);
+    const bool pool = std::any_of(dst.views.begin(), dst.views.end(),
+                                  [&](const PoolView& v) { return v.region_id == st.region; });
+    if (region == nullptr || pool) {
+      return InvalidArgument("transfer_request.staging.region=" + std::to_string(st.region) +
+                             (region == nullptr ? " is not a region of the rank"
+                                                : " is a pool, not a staging region"));
+    }
+    if (st.offset > region->length || st.bytes > region->length - st.offset) {
+      return InvalidArgument("transfer_request.staging [" + std::to_string(st.offset) + ", +" +
+                             std::to_string(st.bytes) + ") is outside region " +
+                             std::to_string(st.region) + " of " + std::to_string(region->length) +
+                             " bytes");
+    }
+  }
   return OkStatus();
 }
 
@@ -422,7 +463,10 @@ std::string summary(const TransferRequest& m) {
          " first=" + std::to_string(m.first_block) +
          " slot=" + (m.dst_slot ? std::to_string(*m.dst_slot) : std::string("none")) +
          " tokens=" + std::to_string(m.num_tokens) + " aux=" + std::to_string(m.aux.size()) +
-         "B epoch=" + std::to_string(m.epoch);
+         "B epoch=" + std::to_string(m.epoch) +
+         (m.staging ? " staging=" + std::to_string(m.staging->region) + "@" +
+                          std::to_string(m.staging->offset) + "+" + std::to_string(m.staging->bytes)
+                    : "");
 }
 
 std::string summary(const TransferDone& m) {

@@ -57,6 +57,18 @@ struct Hello {
   bool operator==(const Hello&) const = default;
 };
 
+// Minor 4: where a context rank writes its whole part of a request as one run, instead of into
+// the pages: `bytes` at `offset` of the generation rank's region `region` (a region of its
+// RankInfo that no view uses), the part's bytes in the order of their destination addresses
+// (plan/staging.h). The generation rank scatters them into the pages before it completes the
+// request. Asked for when the part's ops are many and small (a descriptor storm).
+struct Staging {
+  uint32_t region = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  bool operator==(const Staging&) const = default;
+};
+
 // Generation -> each overlapping context rank: "write request `request_id` into these pages of
 // generation rank (gen_tp_rank, gen_pp_rank)". Block ids index every kv view of that rank (one
 // block-id space, RankLayout::num_blocks); the slot indexes every conv/ssm view.
@@ -75,6 +87,9 @@ struct TransferRequest {
   // request it starts); TransferDone and Cancel of this request carry it back, so a message
   // about an earlier request with the same id can never end this one. 0 = not given.
   uint64_t epoch = 0;
+  // Minor 4: write the part into this staging slot (above). A context rank of minor 4 or later
+  // either does so or fails the part; the generation rank asks only such ranks.
+  std::optional<Staging> staging;
   bool operator==(const TransferRequest&) const = default;
 };
 

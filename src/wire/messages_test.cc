@@ -266,6 +266,58 @@ TEST(Messages, TransferDoneCarriesEveryStatusCodeButPermissionDenied) {
   }
 }
 
+// Minor 4 appended transfer_request.staging: it round-trips, a minor-3 frame reads without it,
+// and a minor-3 reader skips it (the generation rank asks for staging only from minor-4 ranks).
+TEST(Messages, StagingRoundTripsAndOlderFramesReadWithoutIt) {
+  TransferRequest req;
+  req.request_id = 5;
+  req.dst_block_ids = {1, 2};
+  req.num_tokens = 3;
+  req.epoch = 7;
+  req.staging = Staging{9, 4096, 65536};
+  auto back = decodeMessage(encodeMessage(req));
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_EQ(std::get<TransferRequest>(*back), req);
+  // A minor-3 frame: the same bytes without the staging field (1 flag + 1 + 2 + 3 varint bytes).
+  Bytes frame = encodeMessage(req);
+  frame.erase(frame.end() - kFrameTrailerBytes - 7, frame.end() - kFrameTrailerBytes);
+  frame[6] = 3;
+  reseal(frame);
+  back = decodeMessage(frame);
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_FALSE(std::get<TransferRequest>(*back).staging.has_value());
+  EXPECT_EQ(std::get<TransferRequest>(*back).epoch, 7u);
+  // Over the limits: refused naming the field.
+  req.staging->bytes = kMaxRegionBytes + 1;
+  EXPECT_NE(checkMessage(req).message().find("transfer_request.staging.bytes"), std::string::npos)
+      << checkMessage(req).toString();
+}
+
+// The staging slot must lie inside a region of the rank's own RankInfo that is not a pool.
+TEST(Messages, CheckDestinationRefusesAStagingSlotOutsideAStagingRegion) {
+  auto info = examples::rankInfo(examples::models()[0], {1, 1, {}}, 0, StateLayout::kPaged,
+                                 InstanceRole::kGeneration);
+  ASSERT_TRUE(info.isOk());
+  RankLayout layout = info->layout;
+  const uint32_t staging_id = 1000;
+  layout.regions.push_back({staging_id, 1 << 20, "staging"});
+  TransferRequest req;
+  req.dst_block_ids = {1, 2};
+  req.dst_slot = 0;
+  req.num_tokens = 3;
+  req.staging = Staging{staging_id, 4096, 65536};
+  EXPECT_TRUE(checkDestination(req, layout).isOk()) << checkDestination(req, layout).toString();
+  req.staging = Staging{staging_id, (1 << 20) - 100, 200};
+  Status s = checkDestination(req, layout);
+  EXPECT_NE(s.message().find("is outside region 1000"), std::string::npos) << s.toString();
+  req.staging = Staging{layout.views[0].region_id, 0, 16};
+  s = checkDestination(req, layout);
+  EXPECT_NE(s.message().find("is a pool, not a staging region"), std::string::npos) << s.toString();
+  req.staging = Staging{77, 0, 16};
+  s = checkDestination(req, layout);
+  EXPECT_NE(s.message().find("is not a region of the rank"), std::string::npos) << s.toString();
+}
+
 // Minor 2 appended the epochs and hello.incarnation, and the Expired code (11). A minor-1
 // frame without them reads with zero epochs; Expired in a minor-1 frame is refused, since a
 // minor-1 reader would not know it.
@@ -280,8 +332,8 @@ TEST(Messages, MinorOneFramesReadWithoutEpochsAndCannotSayExpired) {
   req.request_id = 5;
   req.dst_block_ids = {1, 2};
   req.num_tokens = 3;
-  req.epoch = 7;  // one varint byte
-  auto got = decodeMessage(asMinorOne(encodeMessage(req), 1));
+  req.epoch = 7;  // one varint byte, then has_staging (minor 4): one byte
+  auto got = decodeMessage(asMinorOne(encodeMessage(req), 2));
   ASSERT_TRUE(got.isOk()) << got.status().toString();
   EXPECT_EQ(std::get<TransferRequest>(*got).epoch, 0u);
   EXPECT_EQ(std::get<TransferRequest>(*got).dst_block_ids, req.dst_block_ids);

@@ -1,0 +1,108 @@
+#include "plan/staging.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <tuple>
+
+namespace hxfer {
+
+StatusOr<std::vector<StagedRun>> stagingRuns(std::span<const CopyOp> ops) {
+  std::vector<StagedRun> runs;
+  runs.reserve(ops.size());
+  for (const CopyOp& op : ops) {
+    if (op.bytes != 0) runs.push_back({op.dst_region, op.dst_offset, 0, op.bytes});
+  }
+  std::sort(runs.begin(), runs.end(), [](const StagedRun& a, const StagedRun& b) {
+    return std::tie(a.region, a.dst_offset) < std::tie(b.region, b.dst_offset);
+  });
+  size_t out = 0;
+  uint64_t at = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const StagedRun& r = runs[i];
+    if (out > 0) {
+      StagedRun& last = runs[out - 1];
+      const uint64_t last_end = last.dst_offset + last.bytes;
+      if (last.region == r.region && r.dst_offset < last_end) {
+        return InvalidArgument("ops write bytes [" + std::to_string(r.dst_offset) + ", " +
+                               std::to_string(last_end) + ") of region " +
+                               std::to_string(r.region) + " twice");
+      }
+      if (last.region == r.region && r.dst_offset == last_end) {
+        last.bytes += r.bytes;
+        at += r.bytes;
+        continue;
+      }
+    }
+    runs[out] = r;
+    runs[out].stage_offset = at;
+    at += r.bytes;
+    ++out;
+  }
+  runs.resize(out);
+  return runs;
+}
+
+uint64_t stagingBytes(const std::vector<StagedRun>& runs) {
+  return runs.empty() ? 0 : runs.back().stage_offset + runs.back().bytes;
+}
+
+namespace {
+
+// Where op's destination bytes sit in the slot. REQUIRES: runs sorted (stagingRuns).
+StatusOr<uint64_t> slotOffset(const std::vector<StagedRun>& runs, const CopyOp& op) {
+  auto it = std::upper_bound(runs.begin(), runs.end(), std::make_pair(op.dst_region, op.dst_offset),
+                             [](const std::pair<uint32_t, uint64_t>& key, const StagedRun& r) {
+                               return key < std::make_pair(r.region, r.dst_offset);
+                             });
+  if (it != runs.begin()) {
+    const StagedRun& r = *std::prev(it);
+    if (r.region == op.dst_region && op.dst_offset >= r.dst_offset &&
+        op.dst_offset - r.dst_offset + op.bytes <= r.bytes) {
+      return r.stage_offset + (op.dst_offset - r.dst_offset);
+    }
+  }
+  return InvalidArgument("op to region " + std::to_string(op.dst_region) + " bytes [" +
+                         std::to_string(op.dst_offset) + ", +" + std::to_string(op.bytes) +
+                         ") is in no staged run");
+}
+
+}  // namespace
+
+Status gatherStaged(const RankPlan& plan, const std::vector<StagedRun>& runs, const RankMemory& src,
+                    std::span<const uint8_t> plan_scratch, std::span<uint8_t> slot) {
+  if (slot.size() < stagingBytes(runs)) {
+    return InvalidArgument("staging slot of " + std::to_string(slot.size()) +
+                           " bytes, the runs need " + std::to_string(stagingBytes(runs)));
+  }
+  std::vector<std::pair<const uint8_t*, uint64_t>> copies;  // (source, slot offset)
+  copies.reserve(plan.ops.size());
+  for (const CopyOp& op : plan.ops) {
+    auto from = sourceBytes(src, plan_scratch, op);
+    if (!from.isOk()) return from.status().withContext("staging gather source");
+    ASSIGN_OR_RETURN(uint64_t at, slotOffset(runs, op));
+    copies.push_back({*from, at});
+  }
+  for (size_t i = 0; i < copies.size(); ++i) {
+    std::memcpy(slot.data() + copies[i].second, copies[i].first, plan.ops[i].bytes);
+  }
+  return OkStatus();
+}
+
+Status scatterStaged(const std::vector<StagedRun>& runs, std::span<const uint8_t> slot,
+                     const RankMemory& dst) {
+  if (slot.size() < stagingBytes(runs)) {
+    return InvalidArgument("staging slot of " + std::to_string(slot.size()) +
+                           " bytes, the runs need " + std::to_string(stagingBytes(runs)));
+  }
+  for (const StagedRun& r : runs) {
+    auto to = regionBytes(dst, r.region, r.dst_offset, r.bytes);
+    if (!to.isOk()) return to.status().withContext("staging scatter destination");
+  }
+  for (const StagedRun& r : runs) {
+    std::memcpy(dst[r.region].data + r.dst_offset, slot.data() + r.stage_offset, r.bytes);
+  }
+  return OkStatus();
+}
+
+}  // namespace hxfer

@@ -1,0 +1,53 @@
+// Staging a request part as one run (wire::Staging, DESIGN §12): when a context rank's ops
+// towards a generation rank are many and small (a descriptor storm: NHD or token-major kv at TP
+// mismatch gives one op per token), it gathers them locally into one contiguous area, writes
+// that as a single op into a staging slot of the generation rank, which scatters it into the
+// pages before it completes the request.
+//
+// The slot holds the part's bytes in the order of their destination addresses. The destination
+// bytes of a part do not depend on the context rank's ids (how its ops merge does), so both
+// sides lay the slot out alone: the context rank from the ops it planned, the generation rank
+// from a plan of the same request with any source ids.
+//
+// Pure functions over caller-owned memory.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "common/status.h"
+#include "plan/memory.h"
+#include "plan/planner.h"
+
+namespace hxfer {
+
+// One maximal destination interval of a part and where it sits in the staging slot.
+struct StagedRun {
+  uint32_t region = 0;
+  uint64_t dst_offset = 0;
+  uint64_t stage_offset = 0;  // the bytes of every run before this one
+  uint64_t bytes = 0;
+  bool operator==(const StagedRun&) const = default;
+};
+
+// The destination intervals of `ops`, sorted by (region, offset) and joined where they touch,
+// each with its offset in the slot. InvalidArgument when two ops write the same byte (a plan
+// never does).
+StatusOr<std::vector<StagedRun>> stagingRuns(std::span<const CopyOp> ops);
+
+// The slot's size: the bytes of every run.
+uint64_t stagingBytes(const std::vector<StagedRun>& runs);
+
+// Copies each op of `plan` from its source (the rank's pools in `src`, or `plan_scratch` for an
+// op reading kScratchRegion: packScratch's result) to its place in `slot`, laid out by `runs`
+// (stagingRuns of plan.ops). Every range is checked before anything is copied.
+Status gatherStaged(const RankPlan& plan, const std::vector<StagedRun>& runs, const RankMemory& src,
+                    std::span<const uint8_t> plan_scratch, std::span<uint8_t> slot);
+
+// Copies `slot` into the destination pages `dst`, run by run. Every range is checked before
+// anything is copied.
+Status scatterStaged(const std::vector<StagedRun>& runs, std::span<const uint8_t> slot,
+                     const RankMemory& dst);
+
+}  // namespace hxfer
