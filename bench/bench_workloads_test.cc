@@ -148,7 +148,7 @@ TEST(BenchWorkloads, CopyBandwidthComparesTheRequestWithMemcpyOnEveryCore) {
 }
 
 // NHD and token-major kv fragment at TP mismatch: more ops than HND for the same request, each
-// verified, with the ratio to HND on the same tp pair.
+// verified, with the ratio to HND on the same tp pair; every row also runs staged.
 TEST(BenchWorkloads, StormCountsTheOpsOfFragmentingLayoutsAgainstHnd) {
   const std::string json = tempFile("storm.json");
   CmdResult r = runHxfer(std::string("bench storm --tokens 128 --tp-pairs 1:1,2:1") + kSmall +
@@ -156,7 +156,7 @@ TEST(BenchWorkloads, StormCountsTheOpsOfFragmentingLayoutsAgainstHnd) {
   ASSERT_EQ(r.exit_code, 0) << r.out;
   Json j = Json::parse(readAll(json), nullptr, /*allow_exceptions=*/false);
   ASSERT_FALSE(j.is_discarded());
-  ASSERT_EQ(j["results"].size(), 6u);  // hnd, nhd, token-major x 2 tp pairs
+  ASSERT_EQ(j["results"].size(), 12u);  // hnd, nhd, token-major x 2 tp pairs x staging off, on
   std::map<std::string, uint64_t> ops;
   for (const Json& row : j["results"]) {
     EXPECT_EQ(row["workload"], "storm");
@@ -164,6 +164,9 @@ TEST(BenchWorkloads, StormCountsTheOpsOfFragmentingLayoutsAgainstHnd) {
     ops[row["backend"].get<std::string>() + " " + std::to_string(row["ctx_tp"].get<int>())] =
         row["ops"].get<uint64_t>();
     if (row["backend"] != "inproc hnd") EXPECT_EQ(row["ref"], "hnd");
+    if (row["backend"].get<std::string>().ends_with(" staged")) {
+      EXPECT_EQ(row["bytes"], j["results"][0]["bytes"]);  // the same request, staged or not
+    }
   }
   EXPECT_GT(ops["inproc nhd 2"], ops["inproc hnd 2"]);
   EXPECT_GT(ops["inproc token-major 2"], ops["inproc hnd 2"]);

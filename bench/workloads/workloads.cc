@@ -435,6 +435,8 @@ std::vector<std::pair<std::string, std::string>> ucxOptionsFor(const std::string
 struct ClusterShape {
   std::optional<EngineLayout> engine;  // both sides laid out as this engine keeps its cache
   uint64_t stream_min_tokens = 512;
+  uint64_t staging_bytes = 64ull << 20;  // the generation ranks' staging regions (0: none)
+  bool stage_on_cheap_ops = false;       // GenerationReceiver::Options::stage_on_cheap_ops
 };
 
 StatusOr<std::unique_ptr<LocalCluster>> makeCluster(const ModelSpec& model, uint32_t ctx_tp,
@@ -445,6 +447,8 @@ StatusOr<std::unique_ptr<LocalCluster>> makeCluster(const ModelSpec& model, uint
   o.stream_min_tokens = shape.stream_min_tokens;
   o.ctx_engine = shape.engine;
   o.gen_engine = shape.engine;
+  o.gen_staging_bytes = shape.staging_bytes;
+  o.gen_stage_on_cheap_ops = shape.stage_on_cheap_ops;
   o.model = model;
   o.ctx = ParallelConfig{ctx_tp, 1, {}};
   o.gen = ParallelConfig{gen_tp, 1, {}};
@@ -1023,52 +1027,62 @@ Status runStormWorkload(Context& cx) {
   };
   const Kind kinds[] = {
       {"hnd", "trtllm-v2", "hnd"}, {"nhd", "trtllm-v2", "nhd"}, {"token-major", "sglang", ""}};
-  Table t({"backend", "kv", "tp", "ops", "bytes/op", "median ms", "GB/s", "x memcpy", "x hnd",
-           "ops x matched", "target"},
-          {false, false, false, true, true, true, true, true, true, true, false});
+  Table t({"backend", "kv", "tp", "staging", "planned ops", "posted ops", "bytes/op", "median ms",
+           "GB/s", "x memcpy", "x hnd", "posted x matched", "target"},
+          {false, false, false, false, true, true, true, true, true, true, true, true, false});
   ModelSpec m = cx.model;
   m.tokens_per_block = o.small_block;
+  const int runs = o.warmup + o.repetitions;
   for (const std::string& be : backendsFor(o, "shm")) {
     for (uint32_t T : tokens) {
-      // ops of the matched pair per layout, goodput of hnd per tp pair
+      // Posted ops of the matched pair per layout, goodput of hnd (direct) per tp pair.
       std::map<std::string, uint64_t> matched_ops;
       std::map<std::pair<uint32_t, uint32_t>, double> hnd_goodput;
       for (const Kind& k : kinds) {
         ASSIGN_OR_RETURN(EngineLayout e, parseEngineLayout(k.engine, k.kv));
         for (auto [a, b] : pairs) {
-          ASSIGN_OR_RETURN(auto c,
-                           makeCluster(m, a, b, be, blocksFor(m, T) + 1, 1, ClusterShape{e, 512}));
-          Row r = baseRow(cx, m, "storm", be + " " + k.label, T, a, b);
-          RETURN_IF_ERROR(
-              measureRequest(cx, *c, T, &r, false).withContext(std::string("storm ") + k.label));
-          const uint64_t ops = r.ops.value_or(0);
-          if (a == b) matched_ops[k.label] = ops;
-          if (std::string(k.label) == "hnd") {
-            hnd_goodput[{a, b}] = r.goodput();
-          } else if (auto h = hnd_goodput.find({a, b}); h != hnd_goodput.end() && h->second > 0) {
-            r.ref_ratio = r.goodput() / h->second;
-            r.ref = "hnd";
+          for (bool staging : {false, true}) {
+            // Staged rows stage on every backend, so that both ways are measured.
+            ClusterShape shape{e, 512, staging ? o.staging_bytes : 0, true};
+            ASSIGN_OR_RETURN(auto c, makeCluster(m, a, b, be, blocksFor(m, T) + 1, 1, shape));
+            Row r =
+                baseRow(cx, m, "storm", be + " " + k.label + (staging ? " staged" : ""), T, a, b);
+            const uint64_t ops0 = c->ctxMetrics().ops;
+            RETURN_IF_ERROR(
+                measureRequest(cx, *c, T, &r, false).withContext(std::string("storm ") + k.label));
+            const uint64_t posted = (c->ctxMetrics().ops - ops0) / static_cast<uint64_t>(runs);
+            const std::string key = std::string(k.label) + (staging ? "+" : "");
+            if (a == b) matched_ops[key] = posted;
+            if (std::string(k.label) == "hnd" && !staging) {
+              hnd_goodput[{a, b}] = r.goodput();
+            } else if (auto h = hnd_goodput.find({a, b}); h != hnd_goodput.end() && h->second > 0) {
+              r.ref_ratio = r.goodput() / h->second;
+              r.ref = "hnd";
+            }
+            std::optional<double> ops_ratio;
+            if (auto mo = matched_ops.find(key); mo != matched_ops.end() && mo->second > 0) {
+              ops_ratio = static_cast<double>(posted) / static_cast<double>(mo->second);
+            }
+            const bool storm = a != b && std::string(k.label) != "hnd" && staging;
+            t.add({be, k.label, std::to_string(a) + ":" + std::to_string(b), staging ? "on" : "off",
+                   std::to_string(r.ops.value_or(0)), std::to_string(posted),
+                   posted ? std::to_string(r.bytes / posted) : "-",
+                   fmt("%.2f", r.time.median() * 1e3), fmt("%.2f", r.goodput()),
+                   optFmt("%.2f", r.ratioMemcpy()), optFmt("%.2f", r.ref_ratio),
+                   optFmt("%.1f", ops_ratio), storm ? ">= 0.7 x hnd, <= 2 x matched" : ""});
+            cx.rows->push_back(std::move(r));
           }
-          std::optional<double> ops_ratio;
-          if (auto mo = matched_ops.find(k.label); mo != matched_ops.end() && mo->second > 0) {
-            ops_ratio = static_cast<double>(ops) / static_cast<double>(mo->second);
-          }
-          const bool storm = a != b && std::string(k.label) != "hnd";
-          t.add({be, k.label, std::to_string(a) + ":" + std::to_string(b), std::to_string(ops),
-                 ops ? std::to_string(r.bytes / ops) : "-", fmt("%.2f", r.time.median() * 1e3),
-                 fmt("%.2f", r.goodput()), optFmt("%.2f", r.ratioMemcpy()),
-                 optFmt("%.2f", r.ref_ratio), optFmt("%.1f", ops_ratio),
-                 storm ? ">= 0.7 x hnd, <= 2 x matched ops" : ""});
-          cx.rows->push_back(std::move(r));
         }
       }
     }
   }
   std::printf(
       "storm (model %s, %u tokens per block on both sides, each side laid out as the engine "
-      "keeps kv: hnd = trtllm-v2 hnd, nhd = trtllm-v2 nhd, token-major = sglang; x memcpy = "
-      "memcpy with the request's op sizes in the same loop)\n",
-      cx.model.name.c_str(), o.small_block);
+      "keeps kv: hnd = trtllm-v2 hnd, nhd = trtllm-v2 nhd, token-major = sglang; staging = the "
+      "generation rank's staging region, %llu MiB or none; planned ops = the plan's, posted = "
+      "the writes' ops per request; x memcpy = memcpy with the planned op sizes in the same "
+      "loop; x hnd = against hnd without staging)\n",
+      cx.model.name.c_str(), o.small_block, static_cast<unsigned long long>(o.staging_bytes >> 20));
   t.print(stdout, 2);
   return OkStatus();
 }

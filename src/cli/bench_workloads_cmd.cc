@@ -55,6 +55,9 @@ void addWorkloadOptions(CLI::App* cmd, Options* opts) {
   cmd->add_option("--stream-min-tokens", o->stream_min_tokens,
                   "streaming: requests shorter than this go whole after their last layer")
       ->capture_default_str();
+  cmd->add_option("--staging-bytes", o->staging_bytes,
+                  "storm: each generation rank's staging region for its staged rows")
+      ->capture_default_str();
   cmd->add_option("--rounds", o->control_rounds, "control: timed round trips")
       ->capture_default_str();
   cmd->add_option("--repetitions", o->repetitions, "timed runs per configuration")

@@ -63,6 +63,7 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(ClusterOptions o) {
       ro.pp_rank = p;
       ro.checksum = opt.checksum;
       ro.staging_bytes = opt.gen_staging_bytes;
+      ro.stage_on_cheap_ops = opt.gen_stage_on_cheap_ops;
       ro.ctx_parallel = opt.ctx;
       ro.ctx_addresses = addresses;
       ro.request_timeout = opt.request_timeout;

@@ -42,6 +42,7 @@ struct ClusterOptions {
   std::chrono::milliseconds request_timeout{30000};
   uint64_t stream_min_tokens = 512;          // ContextSender::Options
   uint64_t gen_staging_bytes = 16ull << 20;  // GenerationReceiver::Options::staging_bytes
+  bool gen_stage_on_cheap_ops = false;       // GenerationReceiver::Options::stage_on_cheap_ops
   // Applied to every agent (tests use it for UCX's TLS choice).
   std::vector<std::pair<std::string, std::string>> ucx_options;
 };

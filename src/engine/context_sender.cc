@@ -658,10 +658,7 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan
     return;
   }
   // The ops' sources in one local area laid out as the slot, written as one op.
-  const uint32_t id = 0x80000000u | (next_scratch_++ & 0x7FFFFFFFu);
-  const auto backing = agent_->capabilities().needs_memfd_regions ? Region::Backing::kMemfd
-                                                                  : Region::Backing::kAnonymous;
-  auto area = Region::allocate(id, plan.bytes, backing, "hxfer-gather");
+  auto area = acquireAreaLocked(plan.bytes);
   if (!area.isOk()) {
     fail(area.status().withContext("gather area of " + std::to_string(plan.bytes) + " bytes"));
     return;
@@ -673,9 +670,8 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan
     s = gatherStaged(plan, *runs, memory_, packed,
                      std::span<uint8_t>(gathered->data(), gathered->length()));
   }
-  if (s.isOk())
-    s = agent_->registerRegion(*gathered, transport::RegionAccess::kLocalSource).status();
   if (!s.isOk()) {
+    releaseScratchLocked(std::move(gathered));
     fail(s);
     return;
   }
@@ -699,26 +695,58 @@ StatusOr<uint64_t> ContextSender::checksumAskLocked(const Source& src, const Ask
 }
 
 StatusOr<std::unique_ptr<Region>> ContextSender::stageLocked(const RankPlan& plan) {
+  auto area = acquireAreaLocked(plan.scratch_bytes);
+  if (!area.isOk()) {
+    return area.status().withContext("staging area of " + std::to_string(plan.scratch_bytes) +
+                                     " bytes");
+  }
+  std::unique_ptr<Region> r = std::move(area).value();
+  if (Status s = packScratch(plan, memory_, std::span<uint8_t>(r->data(), r->length()));
+      !s.isOk()) {
+    releaseScratchLocked(std::move(r));
+    return s;
+  }
+  metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
+  return r;
+}
+
+StatusOr<std::unique_ptr<Region>> ContextSender::acquireAreaLocked(uint64_t bytes) {
+  // The smallest spare that fits: a request of the same shape as an earlier one reuses its
+  // area, already faulted in and registered.
+  auto best = spare_areas_.end();
+  for (auto it = spare_areas_.begin(); it != spare_areas_.end(); ++it) {
+    if ((*it)->length() >= bytes &&
+        (best == spare_areas_.end() || (*it)->length() < (*best)->length())) {
+      best = it;
+    }
+  }
+  if (best != spare_areas_.end()) {
+    std::unique_ptr<Region> r = std::move(*best);
+    spare_areas_.erase(best);
+    spare_bytes_ -= r->length();
+    return r;
+  }
   // Ids far above any pool's (a layout numbers its regions from 0), never reused while one is
-  // registered: 2^31 stagings later the counter wraps into ids long released.
+  // registered: 2^31 areas later the counter wraps into ids long released.
   const uint32_t id = 0x80000000u | (next_scratch_++ & 0x7FFFFFFFu);
   const auto backing = agent_->capabilities().needs_memfd_regions ? Region::Backing::kMemfd
                                                                   : Region::Backing::kAnonymous;
-  auto region = Region::allocate(id, plan.scratch_bytes, backing, "hxfer-staging");
-  if (!region.isOk()) {
-    return region.status().withContext("staging area of " + std::to_string(plan.scratch_bytes) +
-                                       " bytes");
-  }
-  std::unique_ptr<Region> r = std::move(region).value();
-  RETURN_IF_ERROR(packScratch(plan, memory_, std::span<uint8_t>(r->data(), r->length())));
+  const uint64_t length =
+      (std::max<uint64_t>(bytes, 1) + kAreaGranule - 1) / kAreaGranule * kAreaGranule;
+  ASSIGN_OR_RETURN(std::unique_ptr<Region> r,
+                   Region::allocate(id, length, backing, "hxfer-staging"));
   auto key = agent_->registerRegion(*r, transport::RegionAccess::kLocalSource);
-  if (!key.isOk()) return key.status().withContext("registering the staging area");
-  metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
+  if (!key.isOk()) return key.status().withContext("registering a staging area");
   return r;
 }
 
 void ContextSender::releaseScratchLocked(std::unique_ptr<Region> scratch) {
   if (!scratch) return;
+  if (!stop_ && spare_bytes_ + scratch->length() <= kSpareAreaBytes) {
+    spare_bytes_ += scratch->length();
+    spare_areas_.push_back(std::move(scratch));
+    return;
+  }
   if (Status s = agent_->deregisterRegion(scratch->id()); !s.isOk()) {
     HXFER_LOG_ERROR("context: releasing staging area {}: {}", scratch->id(), s.toString());
   }

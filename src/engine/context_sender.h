@@ -188,7 +188,10 @@ class ContextSender {
                     std::optional<uint64_t> checksum);
   // A registered staging area holding `plan`'s pack ops' bytes (RankPlan::scratch_bytes).
   StatusOr<std::unique_ptr<Region>> stageLocked(const RankPlan& plan);
-  // Deregisters and frees a staging area whose write is terminal (or never started).
+  // A registered local area of at least `bytes` (staging, gathering): a spare one, or new.
+  StatusOr<std::unique_ptr<Region>> acquireAreaLocked(uint64_t bytes);
+  // Takes back an area whose write is terminal (or never started): kept as a spare while the
+  // spares stay under kSpareAreaBytes, deregistered and freed otherwise.
   void releaseScratchLocked(std::unique_ptr<Region> scratch);
   void progressLocked();
   void timersLocked();
@@ -241,7 +244,13 @@ class ContextSender {
   // Ended ids whose asks are answered with this status (cancelled, lease expired, timed out).
   RecentIds<Status> tombstones_;  // guarded by mu_
   const uint64_t incarnation_;    // this sender's, in its Hello
-  uint32_t next_scratch_ = 0;     // guarded by mu_; staging area ids (stageLocked)
+  uint32_t next_scratch_ = 0;     // guarded by mu_; staging area ids (acquireAreaLocked)
+  // Areas whose writes ended, kept registered and faulted in for the next parts that need one
+  // (a fresh area of tens of MiB costs more to fault in than to fill).
+  static constexpr uint64_t kSpareAreaBytes = 256ull << 20;
+  static constexpr uint64_t kAreaGranule = 1ull << 20;
+  std::vector<std::unique_ptr<Region>> spare_areas_;  // guarded by mu_
+  uint64_t spare_bytes_ = 0;                          // guarded by mu_
   Metrics metrics_;
   std::shared_ptr<Waker> waker_ = std::make_shared<Waker>();
   std::thread thread_;

@@ -355,6 +355,7 @@ void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
 void GenerationReceiver::maybeStageLocked(const Sink& sink, Part& part, const CtxPeer& peer,
                                           wire::TransferRequest* req) {
   if (!staging_ || peer.info.version_minor < wire::kStagingMinor || !peer.planner) return;
+  if (agent_->capabilities().many_small_ops_cheap && !options_.stage_on_cheap_ops) return;
   // A cheap look first: a part whose kv records are whole runs per block is no storm.
   const uint64_t blocks = sink.alloc.blocks.size() - sink.first_block;
   if (blocks * peer.kv_ops_per_block < options_.stage_min_ops) return;

@@ -84,6 +84,10 @@ class GenerationReceiver {
     uint64_t staging_bytes = 64ull << 20;
     uint64_t stage_min_ops = 256;
     uint64_t stage_max_op_bytes = 4096;
+    // Also where the transport's per-op cost is about a memcpy call (shm, inproc:
+    // Capabilities::many_small_ops_cheap). There staging's two extra local copies cost more
+    // than the ops they save (docs/performance.md); tests and benchmarks turn it on.
+    bool stage_on_cheap_ops = false;
   };
 
   // Registers every region of `cache` with `agent`, computes the overlapping context ranks and

@@ -701,6 +701,7 @@ TEST_P(Transceiver, StormPartsGoAsOneStagedWriteAndScatterEveryByte) {
       o.blocks = 64;
       o.checksum = true;
       o.gen_staging_bytes = staging ? 16ull << 20 : 0;
+      o.gen_stage_on_cheap_ops = true;
       SCOPED_TRACE(std::string(k.engine) + " tp " + std::to_string(k.ctx.tp) + "x" +
                    std::to_string(k.ctx.pp) + " -> " + std::to_string(k.gen.tp) + "x" +
                    std::to_string(k.gen.pp) + (staging ? " staged" : " direct"));
@@ -727,15 +728,34 @@ TEST_P(Transceiver, StormPartsGoAsOneStagedWriteAndScatterEveryByte) {
   }
 }
 
-// Concurrent storm parts share a small staging region: those that find no free slot go as
-// direct ops, slots come back as parts end, and every request verifies.
-TEST_P(Transceiver, StormPartsWithoutAFreeSlotGoDirect) {
-  auto o = baseOptions(GetParam(), {4, 1, {}}, {1, 1, {}});
+// NHD kv at 4:1 with 16-token pages: one op per token and K|V half on each context rank.
+ClusterOptions stormOptions(const std::string& backend) {
+  auto o = baseOptions(backend, {4, 1, {}}, {1, 1, {}});
   o.ctx_engine = *parseEngineLayout("trtllm-v2", "nhd");
   o.gen_engine = o.ctx_engine;
   o.ctx_tokens_per_block = o.gen_tokens_per_block = 16;
   o.blocks = 64;
+  return o;
+}
+
+// Where a write's per-op cost is about a memcpy call (shm, inproc), staging's extra copies cost
+// more than the ops: storm parts go direct unless asked otherwise. Over ucx they are staged.
+TEST_P(Transceiver, StormPartsAreStagedOnlyWhereOpsAreDear) {
+  ClusterOptions o = stormOptions(GetParam());
+  auto c = make(o);
+  ASSERT_NE(c, nullptr);
+  transferAndVerify(*c, 1, 2, 300);
+  const bool cheap = GetParam() != "ucx";
+  EXPECT_EQ(c->genMetrics().storm_parts, cheap ? 0u : 8u);
+  expectPagesFree(*c);
+}
+
+// Concurrent storm parts share a small staging region: those that find no free slot go as
+// direct ops, slots come back as parts end, and every request verifies.
+TEST_P(Transceiver, StormPartsWithoutAFreeSlotGoDirect) {
+  ClusterOptions o = stormOptions(GetParam());
   o.gen_staging_bytes = 64 << 10;  // room for a few parts of the 8 in flight
+  o.gen_stage_on_cheap_ops = true;
   auto c = make(o);
   ASSERT_NE(c, nullptr);
   transferAndVerify(*c, 1, 2, 300);
