@@ -357,6 +357,11 @@ struct ReceiverOptions : TransportOptions {
   uint32_t peer_pp = 1;
   std::chrono::milliseconds request_timeout{30000};
   std::chrono::milliseconds handshake_timeout{10000};
+  // Storm control: a registered region of this many bytes into which a context rank writes a
+  // request part of many small ops (NHD or token-major kv at TP mismatch) as one write, which
+  // this rank then scatters into the pages; only over transports whose per-op cost is above a
+  // memcpy call (ucx). 0: never (docs/engine.md).
+  uint64_t staging_bytes = 64ull << 20;
 };
 
 struct Result {

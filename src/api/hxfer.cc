@@ -761,6 +761,7 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
   ro.ctx_parallel.pp = o.peer_pp;
   ro.ctx_addresses = std::move(addresses);
   ro.request_timeout = clampTimeout(o.request_timeout);
+  ro.staging_bytes = o.staging_bytes;
   ro.handshake_timeout = clampTimeout(o.handshake_timeout);
   auto receiver =
       engine::GenerationReceiver::create(std::move(ro), &impl->cache(), std::move(*agent));

@@ -116,6 +116,8 @@ std::vector<std::pair<std::string, Message>> messages() {
   plain.dst_block_ids = {300, 301};
   plain.num_tokens = 17;
   out.emplace_back("transfer_request_no_slot", plain);
+  req.staging = Staging{0x7FFF0000u, 4096, 1u << 20};
+  out.emplace_back("transfer_request_staged", req);
 
   out.emplace_back("transfer_done", TransferDone{7, OkStatus(), 123456, 0x0123456789abcdefull,
                                                  Bytes{0x2a, 0, 0, 0}, 3});
