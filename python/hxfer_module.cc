@@ -607,7 +607,7 @@ std::unique_ptr<PyReceiver> makeReceiver(py::object layout_obj, py::object memor
                                          const std::string& token, const std::string& instance,
                                          bool checksum, double request_timeout,
                                          double handshake_timeout, py::object ucx_options,
-                                         py::object on_released) {
+                                         py::object on_released, uint64_t staging_bytes) {
   const hxfer::Layout& layout = layout_obj.cast<const hxfer::Layout&>();
   const hxfer::Memory& memory = memoryOf(memory_obj);
   auto out = std::make_unique<PyReceiver>();
@@ -622,6 +622,7 @@ std::unique_ptr<PyReceiver> makeReceiver(py::object layout_obj, py::object memor
   o.peer_pp = peer_pp;
   o.request_timeout = toMillis(request_timeout, "request_timeout");
   o.handshake_timeout = toMillis(handshake_timeout, "handshake_timeout");
+  o.staging_bytes = staging_bytes;
   o.on_released = releasedFn(out->on_released);
   hxfer::StatusOr<std::unique_ptr<hxfer::Receiver>> created = hxfer::Status();
   {
@@ -1029,7 +1030,7 @@ PYBIND11_MODULE(hxfer, m) {
            py::arg("backend") = "auto", py::arg("token") = "", py::arg("instance") = "hxfer",
            py::arg("checksum") = false, py::arg("request_timeout") = 30.0,
            py::arg("handshake_timeout") = 10.0, py::arg("ucx_options") = py::none(),
-           py::arg("on_released") = py::none())
+           py::arg("on_released") = py::none(), py::arg("staging_bytes") = 64ull << 20)
       .def_property_readonly("backend", [](const PyReceiver& r) { return r.backend; })
       .def_property_readonly("routing", [](const PyReceiver& r) { return r.routing; })
       .def_property_readonly("layout", [](const PyReceiver& r) { return r.layout; })
