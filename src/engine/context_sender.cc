@@ -1059,6 +1059,14 @@ void ContextSender::shutdown() {
       if (!stuck) freePagesLocked(*src);
     }
     sources_.clear();
+    // Spare areas: no write reads them any more; deregistered before they are unmapped.
+    for (auto& area : spare_areas_) {
+      if (Status s = agent_->deregisterRegion(area->id()); !s.isOk()) {
+        HXFER_LOG_ERROR("context: releasing staging area {}: {}", area->id(), s.toString());
+      }
+    }
+    spare_areas_.clear();
+    spare_bytes_ = 0;
   });
 }
 
