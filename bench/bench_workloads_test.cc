@@ -131,8 +131,9 @@ TEST(BenchWorkloads, StreamingReportsExposedTimeAgainstTheWholeRequest) {
 // The request row carries its ratio to memcpy on every core; one row per memcpy thread count.
 TEST(BenchWorkloads, CopyBandwidthComparesTheRequestWithMemcpyOnEveryCore) {
   const std::string json = tempFile("copy.json");
-  CmdResult r =
-      runHxfer(std::string("bench copy-bandwidth --tokens 256") + kSmall + " --json " + json);
+  const std::string svg = tempFile("copy.svg");
+  CmdResult r = runHxfer(std::string("bench copy-bandwidth --tokens 256") + kSmall + " --json " +
+                         json + " --plot " + svg);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   Json j = Json::parse(readAll(json), nullptr, /*allow_exceptions=*/false);
   ASSERT_FALSE(j.is_discarded());
@@ -145,14 +146,18 @@ TEST(BenchWorkloads, CopyBandwidthComparesTheRequestWithMemcpyOnEveryCore) {
   EXPECT_EQ(req["ref"].get<std::string>().rfind("memcpy x", 0), 0u);
   EXPECT_EQ(rows[0]["backend"], "memcpy x1");
   for (const Json& row : rows) EXPECT_EQ(row["bytes"], req["bytes"]);
+  const std::string plot = readAll(svg);
+  EXPECT_NE(plot.find("memcpy x1"), std::string::npos);
+  EXPECT_EQ(plot.find("no data: run `hxfer bench copy-bandwidth`"), std::string::npos);
 }
 
 // NHD and token-major kv fragment at TP mismatch: more ops than HND for the same request, each
 // verified, with the ratio to HND on the same tp pair; every row also runs staged.
 TEST(BenchWorkloads, StormCountsTheOpsOfFragmentingLayoutsAgainstHnd) {
   const std::string json = tempFile("storm.json");
+  const std::string svg = tempFile("storm.svg");
   CmdResult r = runHxfer(std::string("bench storm --tokens 128 --tp-pairs 1:1,2:1") + kSmall +
-                         " --json " + json);
+                         " --json " + json + " --plot " + svg);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   Json j = Json::parse(readAll(json), nullptr, /*allow_exceptions=*/false);
   ASSERT_FALSE(j.is_discarded());
@@ -171,6 +176,9 @@ TEST(BenchWorkloads, StormCountsTheOpsOfFragmentingLayoutsAgainstHnd) {
   EXPECT_GT(ops["inproc nhd 2"], ops["inproc hnd 2"]);
   EXPECT_GT(ops["inproc token-major 2"], ops["inproc hnd 2"]);
   EXPECT_GT(ops["inproc nhd 2"], ops["inproc nhd 1"]);
+  const std::string plot = readAll(svg);
+  EXPECT_NE(plot.find("Descriptor storms: goodput"), std::string::npos);
+  EXPECT_EQ(plot.find("no data: run `hxfer bench storm`"), std::string::npos);  // drawn
 }
 
 TEST(BenchWorkloads, BadListsAreRefusedNamingTheFlag) {

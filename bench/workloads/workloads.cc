@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -1592,55 +1593,136 @@ void plotLatency(Svg& s, const std::vector<Row>& rows, double x0, double y0, dou
   }
 }
 
-void plotStreaming(Svg& s, const std::vector<Row>& rows, double x0, double y0, double w, double h) {
-  s.text(x0 + w / 2, y0 - 12, "Exposed transfer after prefill (streaming workload, median)", 14,
-         "middle", " font-weight='bold'");
+// Bars in groups, one color per series, on a log time axis (seconds) or a linear GB/s one.
+struct BarGroup {
+  std::string label;
+  std::vector<double> values;  // one per series
+};
+struct BarPanel {
+  std::string title, empty_hint;
+  std::vector<std::string> series;
+  bool time_axis = true;  // else GB/s, linear from 0
+};
+
+void plotBars(Svg& s, const BarPanel& panel, const std::vector<BarGroup>& groups, double x0,
+              double y0, double w, double h) {
+  s.text(x0 + w / 2, y0 - 12, panel.title, 14, "middle", " font-weight='bold'");
   s.rect(x0, y0, w, h, "none", "#444");
-  struct Cat {
-    std::string label;
-    double whole, streamed;
-  };
-  std::vector<Cat> cats;
-  for (const Row& r : rows) {
-    if (r.workload != "streaming" || !r.whole_exposed_s) continue;
-    cats.push_back({r.backend + " " + tokensLabel(r.tokens), *r.whole_exposed_s, r.time.median()});
-  }
-  if (cats.empty()) {
-    s.text(x0 + w / 2, y0 + h / 2, "no data: run `hxfer bench streaming` with --plot", 12,
-           "middle");
+  if (groups.empty()) {
+    s.text(x0 + w / 2, y0 + h / 2, panel.empty_hint, 12, "middle");
     return;
   }
   double lo = 1e300, hi = 0;
-  for (const Cat& c : cats) {
-    lo = std::min({lo, c.whole, c.streamed});
-    hi = std::max({hi, c.whole, c.streamed});
-  }
-  const LogAxis ya = timeAxis(s, lo, hi, x0, y0, w, h);
-  const double slot = w / static_cast<double>(cats.size());
-  const double bw = std::min(18.0, slot / 3);
-  for (size_t i = 0; i < cats.size(); ++i) {
-    const double cx = x0 + slot * (static_cast<double>(i) + 0.5);
-    const double vals[] = {cats[i].whole, cats[i].streamed};
-    for (int k = 0; k < 2; ++k) {
-      const double x = cx + (k - 1.0) * bw;
-      const double y = ya.map(vals[k]);
-      s.rect(x, y, bw - 1, y0 + h - y, kColors[k]);
+  for (const BarGroup& g : groups) {
+    for (double v : g.values) {
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
     }
-    s.text(cx, y0 + h + 16, cats[i].label, 10, "middle");
   }
-  const char* names[] = {"marked ready whole", "streamed per layer"};
-  for (int k = 0; k < 2; ++k) {
-    s.rect(x0 + w - 170, y0 + 8 + k * 16, 10, 10, kColors[k]);
-    s.text(x0 + w - 156, y0 + 17 + k * 16, names[k], 11);
+  std::function<double(double)> map;
+  if (panel.time_axis) {
+    const LogAxis ya = timeAxis(s, lo, hi, x0, y0, w, h);
+    map = [ya](double v) { return ya.map(v); };
+  } else {
+    const double top = hi > 0 ? hi * 1.1 : 1.0;
+    for (int k = 0; k <= 4; ++k) {
+      const double v = top * k / 4, y = y0 + h - h * k / 4;
+      s.line(x0, y, x0 + w, y, "#ddd");
+      s.text(x0 - 6, y + 4, fmt("%.1f GB/s", v), 10, "end");
+    }
+    map = [=](double v) { return y0 + h - h * std::max(v, 0.0) / top; };
+  }
+  const size_t n = panel.series.size();
+  const double slot = w / static_cast<double>(groups.size());
+  const double bw = std::min(18.0, slot / static_cast<double>(n + 1));
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const double cx = x0 + slot * (static_cast<double>(i) + 0.5);
+    for (size_t k = 0; k < n && k < groups[i].values.size(); ++k) {
+      const double x = cx + (static_cast<double>(k) - n / 2.0) * bw;
+      const double y = map(groups[i].values[k]);
+      s.rect(x, y, bw - 1, y0 + h - y, kColors[k % 8]);
+    }
+    const double ty = y0 + h + 14;
+    s.text(cx, ty, groups[i].label, 10, "end",
+           " transform='rotate(-35 " + fmt("%.1f", cx) + " " + fmt("%.1f", ty) + ")'");
+  }
+  for (size_t k = 0; k < n; ++k) {
+    s.rect(x0 + w - 170, y0 + 8 + k * 16, 10, 10, kColors[k % 8]);
+    s.text(x0 + w - 156, y0 + 17 + k * 16, panel.series[k], 11);
   }
 }
 
+void plotStreaming(Svg& s, const std::vector<Row>& rows, double x0, double y0, double w, double h) {
+  std::vector<BarGroup> groups;
+  for (const Row& r : rows) {
+    if (r.workload != "streaming" || !r.whole_exposed_s) continue;
+    groups.push_back(
+        {r.backend + " " + tokensLabel(r.tokens), {*r.whole_exposed_s, r.time.median()}});
+  }
+  plotBars(s,
+           {"Exposed transfer after prefill (streaming workload, median)",
+            "no data: run `hxfer bench streaming` with --plot",
+            {"marked ready whole", "streamed per layer"},
+            true},
+           groups, x0, y0, w, h);
+}
+
+void plotStorm(Svg& s, const std::vector<Row>& rows, double x0, double y0, double w, double h) {
+  // Rows come in pairs: staging off, then on, for each (kv, tp).
+  std::vector<BarGroup> groups;
+  for (size_t i = 0; i + 1 < rows.size(); ++i) {
+    const Row& a = rows[i];
+    const Row& b = rows[i + 1];
+    if (a.workload != "storm" || b.workload != "storm" || b.backend != a.backend + " staged") {
+      continue;
+    }
+    groups.push_back({a.backend + " " + std::to_string(a.ctx_tp) + ":" + std::to_string(a.gen_tp),
+                      {a.goodput(), b.goodput()}});
+  }
+  plotBars(s,
+           {"Descriptor storms: goodput (storm workload, median)",
+            "no data: run `hxfer bench storm` with --plot",
+            {"ops as planned", "staged"},
+            false},
+           groups, x0, y0, w, h);
+}
+
+void plotCopyBandwidth(Svg& s, const std::vector<Row>& rows, double x0, double y0, double w,
+                       double h) {
+  // The memcpy rows of a configuration come first, then its request row.
+  std::vector<BarGroup> groups;
+  std::vector<double> copies;
+  std::vector<std::string> series;
+  for (const Row& r : rows) {
+    if (r.workload != "copy-bandwidth") continue;
+    const double g = gbps(r.bytes, r.time.median());
+    if (r.backend.rfind("memcpy x", 0) == 0) {
+      copies.push_back(g);
+      continue;
+    }
+    BarGroup grp{r.backend + " " + tokensLabel(r.tokens), {g}};
+    grp.values.insert(grp.values.end(), copies.begin(), copies.end());
+    if (series.empty()) {
+      series.push_back("one request");
+      for (size_t n = 1; n <= copies.size(); ++n) series.push_back("memcpy x" + std::to_string(n));
+    }
+    groups.push_back(std::move(grp));
+    copies.clear();
+  }
+  plotBars(s,
+           {"One request against the machine's copy bandwidth (copy-bandwidth, median)",
+            "no data: run `hxfer bench copy-bandwidth` with --plot", series, false},
+           groups, x0, y0, w, h);
+}
+
 Status writePlot(const std::string& path, const std::vector<Row>& rows, const std::string& title) {
-  Svg s(1800, 560);
+  Svg s(1800, 1100);
   s.text(900, 24, title, 15, "middle", " font-weight='bold'");
   plotGoodput(s, rows, 80, 70, 460, 380);
   plotLatency(s, rows, 690, 70, 460, 380);
   plotStreaming(s, rows, 1290, 70, 460, 380);
+  plotStorm(s, rows, 80, 610, 460, 380);
+  plotCopyBandwidth(s, rows, 690, 610, 460, 380);
   std::ofstream out(path, std::ios::binary);
   out << s.str();
   if (!out) return Unavailable("--plot: cannot write '" + path + "'");
