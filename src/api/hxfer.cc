@@ -381,10 +381,8 @@ std::vector<uint32_t> Layout::layers() const {
 }
 
 LayerSpan Layout::stageLayers() const {
-  const RankLayout& l = impl_->layout;
-  uint32_t first = 0;
-  for (uint32_t i = 0; i < l.pp_rank; ++i) first += l.layers_per_stage[i];
-  return {first, l.layers_per_stage[l.pp_rank]};
+  const LayerRange stage = impl_->layout.stageLayers();
+  return {stage.first, stage.count};
 }
 
 std::string Layout::describe() const {

@@ -264,6 +264,12 @@ const RegionSpec* RankLayout::findRegion(uint32_t id) const {
   return nullptr;
 }
 
+LayerRange RankLayout::stageLayers() const {
+  uint32_t first = 0;
+  for (uint32_t s = 0; s < pp_rank; ++s) first += layers_per_stage[s];
+  return {first, layers_per_stage[pp_rank]};
+}
+
 uint64_t RankLayout::kvBytesPerBlock() const {
   uint64_t total = 0;
   for (const PoolView& v : views) {

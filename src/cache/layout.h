@@ -87,6 +87,8 @@ struct RankLayout {
   // common stride, as every layout buildRankLayout makes does. Errors name the view and field.
   Status validate() const;
 
+  // Global layers of this rank's pp stage, cache or not. REQUIRES: validate() is ok.
+  LayerRange stageLayers() const;
   // Bytes of all kv records of one block / all conv+ssm records of one slot on this rank.
   uint64_t kvBytesPerBlock() const;
   // The dtype of the records of `role` (kv, conv or ssm).

@@ -103,11 +103,9 @@ Status LocalCluster::markReady(uint64_t request_id) {
 
 Status LocalCluster::markLayersReady(uint64_t request_id, LayerRange layers) {
   for (size_t i = 0; i < senders_.size(); ++i) {
-    const RankLayout& l = ctx_caches_[i]->layout();
-    uint32_t first = 0;
-    for (uint32_t s = 0; s < l.pp_rank; ++s) first += l.layers_per_stage[s];
-    const uint32_t end = first + l.layers_per_stage[l.pp_rank];
-    const uint32_t lo = std::max(first, layers.first), hi = std::min(end, layers.end());
+    const LayerRange stage = ctx_caches_[i]->layout().stageLayers();
+    const uint32_t lo = std::max(stage.first, layers.first),
+                   hi = std::min(stage.end(), layers.end());
     if (lo >= hi) continue;
     RETURN_IF_ERROR(senders_[i]->markReady(request_id, LayerRange{lo, hi - lo}));
   }

@@ -55,6 +55,9 @@ struct ContextSender::Ask {
   std::vector<Piece> pieces;
   uint32_t sent_end = 0;  // global layers below this one are planned and posted (kPosted)
   uint64_t bytes = 0;
+  // The part's checksum (options_.checksum) when it went as one plan of every layer, taken from
+  // that plan; a streamed part's is computed once its last piece ended.
+  std::optional<uint64_t> checksum;
   Clock::time_point asked_at;
   size_t inFlight() const {
     return std::count_if(pieces.begin(), pieces.end(), [](const Piece& p) { return !p.terminal; });
@@ -106,9 +109,7 @@ StatusOr<std::unique_ptr<ContextSender>> ContextSender::create(
   }
   RETURN_IF_ERROR(wire::checkRankInfo(s->self_).withContext("own rank_info"));
   s->memory_ = cacheMemory(*cache);
-  uint32_t first = 0;
-  for (uint32_t i = 0; i < layout.pp_rank; ++i) first += layout.layers_per_stage[i];
-  s->stage_ = {first, layout.layers_per_stage[layout.pp_rank]};
+  s->stage_ = layout.stageLayers();
   s->waker_->agent = s->agent_.get();
   s->thread_ = std::thread([p = s.get()] { p->run(); });
   return s;
@@ -550,7 +551,9 @@ void ContextSender::advanceAskLocked(Source& src, Ask& ask) {
   if (!end && !(src.ready && ask.sent_end == stage_.end())) return;  // more layers to come
   (void)cache_->endTransfer(src.id);
   std::optional<uint64_t> checksum;
-  if (!end && options_.checksum) {
+  if (!end && options_.checksum && ask.checksum) {
+    checksum = ask.checksum;
+  } else if (!end && options_.checksum) {
     auto sum = checksumAskLocked(src, ask);
     if (sum.isOk()) {
       checksum = *sum;
@@ -608,6 +611,17 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
       return;
     }
     scratch = std::move(staged).value();
+  }
+  if (options_.checksum && layers == kAllLayers) {
+    const auto bytes = scratch ? std::span<const uint8_t>(scratch->data(), scratch->length())
+                               : std::span<const uint8_t>();
+    auto sum = checksumOps(plan->ops, memory_, /*source=*/true, bytes);
+    if (!sum.isOk()) {
+      releaseScratchLocked(std::move(scratch));
+      ask.failed = sum.status();
+      return;
+    }
+    ask.checksum = *sum;
   }
   std::vector<transport::WriteOp> ops;
   ops.reserve(plan->ops.size());
@@ -669,6 +683,12 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan
   if (s.isOk()) {
     s = gatherStaged(plan, *runs, memory_, packed,
                      std::span<uint8_t>(gathered->data(), gathered->length()));
+  }
+  if (s.isOk() && options_.checksum) {
+    // A staged part is always the whole part in one plan.
+    auto sum = checksumOps(plan.ops, memory_, /*source=*/true, packed);
+    if (sum.isOk()) ask.checksum = *sum;
+    s = sum.status();
   }
   if (!s.isOk()) {
     releaseScratchLocked(std::move(gathered));

@@ -182,7 +182,7 @@ class ContextSender {
   // released once the write is terminal, or now when posting fails).
   Status postLocked(Ask& ask, std::vector<transport::WriteOp> ops, std::unique_ptr<Region> area,
                     uint64_t bytes);
-  // The checksum of the whole request part (options_.checksum), over every piece's bytes.
+  // The checksum of a streamed request part (options_.checksum), over every piece's bytes.
   StatusOr<uint64_t> checksumAskLocked(const Source& src, const Ask& ask) const;
   void answerLocked(Source& src, Ask& ask, const Status& status, uint64_t bytes,
                     std::optional<uint64_t> checksum);

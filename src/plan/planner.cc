@@ -27,13 +27,6 @@ uint64_t numLayers(const RankLayout& l) {
   return n;
 }
 
-// Global layers [first, end) of the rank's pp stage. REQUIRES: l.validate() is ok.
-std::pair<uint64_t, uint64_t> stageRange(const RankLayout& l) {
-  uint64_t first = 0;
-  for (uint32_t s = 0; s < l.pp_rank; ++s) first += l.layers_per_stage[s];
-  return {first, first + l.layers_per_stage[l.pp_rank]};
-}
-
 std::string sectionsText(const std::vector<Section>& sections) {
   std::string s;
   for (const Section& sec : sections) {
@@ -428,8 +421,9 @@ Status checkCompatible(const RankLayout& ctx, const RankLayout& gen) {
   if (Status s = gen.validate(); !s.isOk()) return s.withContext("gen layout " + rankName(gen));
 
   // Every layer both stages hold has the same records on both sides.
-  const auto [c_first, c_end] = stageRange(ctx);
-  const auto [g_first, g_end] = stageRange(gen);
+  const LayerRange c_stage = ctx.stageLayers(), g_stage = gen.stageLayers();
+  const uint64_t c_first = c_stage.first, c_end = c_stage.end();
+  const uint64_t g_first = g_stage.first, g_end = g_stage.end();
   const RecordIndex c_idx = indexRecords(ctx);
   const RecordIndex g_idx = indexRecords(gen);
   for (uint64_t layer = std::max(c_first, g_first); layer < std::min(c_end, g_end); ++layer) {
