@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Engine matrix: runs `hxfer plan --verify --json` for every model preset, every pair
-# of the 10 engine layouts (docs/layouts.md), tp pairs 1->1 2->1 1->2 4->1 1->4 2->4 and pp pairs
+# of the 12 engine layouts (docs/layouts.md; vllm's shared tensors included), tp pairs 1->1 2->1 1->2 4->1 1->4 2->4 and pp pairs
 # (1,1) (2,1) (1,2), and checks that every run moves and verifies every byte. Each side uses
 # 32 tokens per block, or the vLLM block size its Mamba page needs; the request is 64 tokens
 # (or that larger block size). A combination the model cannot shard (tp/pp divisibility) is
 # counted as "not shardable", never as a pass; any other error or verified:false is a failure.
 #
-# Usage: scripts/engine-matrix.sh [--hxfer PATH] [--presets "a b"] [--quick] [--out FILE]
+# Usage: scripts/engine-matrix.sh [--hxfer PATH] [--presets "a b"] [--quick] [--shared-only]
+#                                 [--out FILE]
 #   --hxfer PATH     binary to run (default: build/hxfer in the repository)
 #   --presets "a b"  presets to run, in this order (default: every one `hxfer models` lists)
 #   --quick          only tiny-hybrid and granite-4.0-h-tiny
+#   --shared-only    only the pairs with a vllm shared-tensors side (44 of the 144)
 #   --out FILE       also write one JSON line per case, per preset and the summary to FILE
 # Exits 1 if any case failed.
 set -euo pipefail
@@ -20,13 +22,15 @@ presets_arg=""
 quick=0
 out=""
 
-usage() { sed -n '9,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '9,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+shared_only=0
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --hxfer) hxfer=${2:?--hxfer needs a path}; shift 2 ;;
     --presets) presets_arg=${2?--presets needs a list}; shift 2 ;;
     --quick) quick=1; shift ;;
+    --shared-only) shared_only=1; shift ;;
     --out) out=${2:?--out needs a file}; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "engine-matrix: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
@@ -48,19 +52,21 @@ for p in "${presets[@]}"; do
   grep -qxF -- "$p" <<<"$all_presets" || { echo "engine-matrix: unknown preset '$p'" >&2; exit 2; }
 done
 
-# The 10 engine layouts of allEngineLayouts(): engine kv conv state ("-" = option not given;
-# an engine refuses an option it does not have).
+# The 10 engine layouts of allEngineLayouts() and the 2 of sharedEngineLayouts(): engine kv
+# conv state shared ("-" = option not given; an engine refuses an option it does not have).
 layouts=(
-  "hxfer - - paged"
-  "hxfer - - layer-major"
-  "trtllm-v1 - - -"
-  "trtllm-v2 hnd - -"
-  "trtllm-v2 nhd - -"
-  "vllm nhd sd -"
-  "vllm nhd ds -"
-  "vllm hnd sd -"
-  "vllm hnd ds -"
-  "sglang - - -"
+  "hxfer - - paged -"
+  "hxfer - - layer-major -"
+  "trtllm-v1 - - - -"
+  "trtllm-v2 hnd - - -"
+  "trtllm-v2 nhd - - -"
+  "vllm nhd sd - -"
+  "vllm nhd ds - -"
+  "vllm hnd sd - -"
+  "vllm hnd ds - -"
+  "sglang - - - -"
+  "vllm nhd sd - on"
+  "vllm hnd ds - on"
 )
 tp_pairs=("1 1" "2 1" "1 2" "4 1" "1 4" "2 4")
 pp_pairs=("1 1" "2 1" "1 2")
@@ -77,22 +83,24 @@ re_bytes_checked=$'\n  "bytes_checked": ([0-9]+)'
 # Refusals that mean "this model cannot be sharded this way" (src/model/model.cc).
 not_shardable_re='(tp=[0-9]+ does not divide|does not divide tp=[0-9]+|pp=[0-9]+ does not divide)'
 
-layout_name() {  # engine kv conv state -> the name EngineLayout::toString() prints
-  local e=$1 kv=$2 conv=$3 st=$4
+layout_name() {  # engine kv conv state shared -> the name EngineLayout::toString() prints
+  local e=$1 kv=$2 conv=$3 st=$4 sh=$5
   case "$e" in
     hxfer) echo "hxfer($st)" ;;
     trtllm-v2) echo "trtllm-v2(kv=$kv)" ;;
-    vllm) echo "vllm(kv=$kv,conv=$conv)" ;;
+    vllm) if [[ $sh == on ]]; then echo "vllm(kv=$kv,conv=$conv,shared)";
+          else echo "vllm(kv=$kv,conv=$conv)"; fi ;;
     *) echo "$e" ;;
   esac
 }
 
-add_side_args() {  # side engine kv conv state: append to args the --SIDE-* options it takes
-  local s=$1 e=$2 kv=$3 conv=$4 st=$5
+add_side_args() {  # side engine kv conv state shared: append the --SIDE-* options it takes
+  local s=$1 e=$2 kv=$3 conv=$4 st=$5 sh=$6
   args+=("--$s-engine" "$e")
   [[ $kv == - ]] || args+=("--$s-kv-layout" "$kv")
   [[ $conv == - ]] || args+=("--$s-conv-layout" "$conv")
   [[ $st == - ]] || args+=("--$s-layout" "$st")
+  [[ $sh == - ]] || args+=("--$s-shared-tensors" "$sh")
 }
 
 tmp=$(mktemp -d)
@@ -144,10 +152,11 @@ for m in "${presets[@]}"; do
   echo "== $m"
   for cl in "${layouts[@]}"; do
     for gl in "${layouts[@]}"; do
-      read -r ce ckv cconv cst <<<"$cl"
-      read -r ge gkv gconv gst <<<"$gl"
-      cname=$(layout_name $ce $ckv $cconv $cst)
-      gname=$(layout_name $ge $gkv $gconv $gst)
+      read -r ce ckv cconv cst csh <<<"$cl"
+      read -r ge gkv gconv gst gsh <<<"$gl"
+      [[ $shared_only == 0 || $csh == on || $gsh == on ]] || continue
+      cname=$(layout_name $ce $ckv $cconv $cst $csh)
+      gname=$(layout_name $ge $gkv $gconv $gst $gsh)
       for tpp in "${tp_pairs[@]}"; do
         for ppp in "${pp_pairs[@]}"; do
           [[ $stop == 0 ]] || break 4
@@ -155,8 +164,8 @@ for m in "${presets[@]}"; do
           read -r cpp gpp <<<"$ppp"
           args=(plan --verify --json --model "$m" --tokens-per-block "$base_tpb"
                 --ctx-tp "$ctp" --gen-tp "$gtp" --ctx-pp "$cpp" --gen-pp "$gpp")
-          add_side_args ctx $ce $ckv $cconv $cst
-          add_side_args gen $ge $gkv $gconv $gst
+          add_side_args ctx $ce $ckv $cconv $cst $csh
+          add_side_args gen $ge $gkv $gconv $gst $gsh
           ctpb=$base_tpb gtpb=$base_tpb tokens=$base_tokens
           if [[ $ce == vllm ]]; then
             vllm_min ctx "$m" "$ctp" "$cpp" "$ckv" "$cconv"
@@ -217,7 +226,9 @@ for m in "${presets[@]}"; do
     done
   done
   secs_since "$start_preset"; p_secs[$m]=$secs_out
-  expected=$(( ${#layouts[@]} * ${#layouts[@]} * ${#tp_pairs[@]} * ${#pp_pairs[@]} ))
+  pairs=$(( ${#layouts[@]} * ${#layouts[@]} ))
+  [[ $shared_only == 0 ]] || pairs=44  # 2 shared x 12 + 10 x 2 shared
+  expected=$(( pairs * ${#tp_pairs[@]} * ${#pp_pairs[@]} ))
   [[ ${p_cases[$m]} == "$expected" ]] && p_done[$m]=1
   echo "== $m: ${p_cases[$m]}/$expected cases, ${p_ok[$m]} verified, ${p_fail[$m]} failed," \
        "${p_ns[$m]} not shardable, ${p_secs[$m]}s"

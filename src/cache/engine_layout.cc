@@ -29,7 +29,8 @@ std::string EngineLayout::toString() const {
     case Engine::kTrtllmV2:
       return "trtllm-v2(kv=" + kv_text + ")";
     case Engine::kVllm:
-      return "vllm(kv=" + kv_text + ",conv=" + (conv == ConvOrder::kSd ? "sd" : "ds") + ")";
+      return "vllm(kv=" + kv_text + ",conv=" + (conv == ConvOrder::kSd ? "sd" : "ds") +
+             (shared ? ",shared)" : ")");
     default:
       return std::string(engineName(engine));
   }
@@ -51,8 +52,14 @@ std::vector<EngineLayout> allEngineLayouts() {
   return out;
 }
 
+std::vector<EngineLayout> sharedEngineLayouts() {
+  return {{Engine::kVllm, StateLayout::kPaged, KvOrder::kNhd, ConvOrder::kSd, true},
+          {Engine::kVllm, StateLayout::kPaged, KvOrder::kHnd, ConvOrder::kDs, true}};
+}
+
 StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_view kv,
-                                         std::string_view conv, std::string_view state) {
+                                         std::string_view conv, std::string_view state,
+                                         std::string_view shared) {
   EngineLayout out;
   if (engine == "hxfer") {
     out.engine = Engine::kHxfer;
@@ -103,6 +110,18 @@ StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_vi
                              " has one state layout (only hxfer takes paged|layer-major)");
     }
     ASSIGN_OR_RETURN(out.state, parseStateLayout(state));
+  }
+  if (!shared.empty()) {
+    if (out.engine != Engine::kVllm) {
+      return InvalidArgument("shared tensors '" + std::string(shared) + "': engine " + name +
+                             " has no shared tensors (only vllm takes on|off)");
+    }
+    if (shared == "on") {
+      out.shared = true;
+    } else if (shared != "off") {
+      return InvalidArgument("unknown shared tensors value '" + std::string(shared) +
+                             "' (expected on or off)");
+    }
   }
   return out;
 }
@@ -157,15 +176,16 @@ PoolView oneLayer(const PoolView& group, uint32_t layer, std::vector<Section> se
   return v;
 }
 
-StatusOr<RankLayout> buildVllm(const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank,
-                               uint32_t pp_rank, const EngineLayout& e, uint32_t num_blocks,
-                               uint32_t num_slots) {
-  ASSIGN_OR_RETURN(RankLayout base, buildRankLayout(model, pc, tp_rank, pp_rank,
-                                                    StateLayout::kPaged, num_blocks, num_slots));
-  RankLayout out = base;
-  out.regions.clear();
-  out.views.clear();
-  // One page size for every layer: the attention page, which the Mamba page must fit.
+// The hxfer paged view of `role` holding `layer`. REQUIRES: there is one.
+const PoolView& baseView(const RankLayout& base, Role role, uint32_t layer) {
+  for (const PoolView& v : base.views) {
+    if (v.role == role && std::binary_search(v.layers.begin(), v.layers.end(), layer)) return v;
+  }
+  return base.views.front();  // unreachable for layers the base layout holds
+}
+
+// vLLM's one page size: the attention page, which the Mamba page [conv | ssm] must fit.
+StatusOr<uint64_t> vllmPage(const RankLayout& base) {
   uint64_t attention_page = 0, mamba_page = 0, per_token = 0;
   for (const PoolView& v : base.views) {
     if (v.role == Role::kKv) {
@@ -188,51 +208,182 @@ StatusOr<RankLayout> buildVllm(const ModelSpec& model, const ParallelConfig& pc,
                            "); vLLM raises the block size until it holds it: use at least " +
                            std::to_string(need) + " tokens per block");
   }
-  const uint64_t page = attention_page > 0 ? attention_page : mamba_page;
-  std::vector<std::string> conv_order = e.conv == ConvOrder::kSd
-                                            ? std::vector<std::string>{"window", "channel"}
-                                            : std::vector<std::string>{"channel", "window"};
+  return attention_page > 0 ? attention_page : mamba_page;
+}
+
+// Appends `layer`'s attention page [K | V] in `region`, pages of `page` bytes.
+Status addVllmAttention(const ModelSpec& model, const RankLayout& base, uint32_t layer,
+                        uint64_t page, const EngineLayout& e, uint32_t region, RankLayout& out) {
+  const PoolView& g = baseView(base, Role::kKv, layer);
+  PoolView v = oneLayer(g, layer, g.sections, out);
+  v.index_stride = page;
+  v.region_id = region;
+  ASSIGN_OR_RETURN(v.record, recordIn(model, out, v, kvOrder(e.kv, true)));
+  out.views.push_back(std::move(v));
+  return OkStatus();
+}
+
+// Appends `layer`'s Mamba page [conv | ssm | padding] in `region`, indexed by state group
+// `group`.
+Status addVllmMamba(const ModelSpec& model, const RankLayout& base, uint32_t layer, uint64_t page,
+                    const EngineLayout& e, uint32_t region, uint32_t group, RankLayout& out) {
+  const PoolView& gc = baseView(base, Role::kConv, layer);
+  const PoolView& gs = baseView(base, Role::kSsm, layer);
+  PoolView conv = oneLayer(gc, layer, gc.sections, out);
+  conv.index_stride = page;
+  conv.region_id = region;
+  conv.state_group = group;
+  ASSIGN_OR_RETURN(conv.record, recordIn(model, out, conv,
+                                         e.conv == ConvOrder::kSd
+                                             ? std::vector<std::string>{"window", "channel"}
+                                             : std::vector<std::string>{"channel", "window"}));
+  PoolView ssm = oneLayer(gs, layer, gs.sections, out);
+  ssm.index_stride = page;
+  ssm.region_id = region;
+  ssm.state_group = group;
+  ssm.base = conv.record_bytes;
+  if (ssm.kind == LayerKind::kGdn) {
+    ASSIGN_OR_RETURN(ssm.record, recordIn(model, out, ssm, {"head", "value", "key"}));
+  }
+  out.views.push_back(std::move(conv));
+  out.views.push_back(std::move(ssm));
+  return OkStatus();
+}
+
+// vLLM's KV cache groups over the whole model (kv_cache_utils): the layers of one spec form
+// groups of equal size, the fewest layers of a spec (or the most, when within 1.25x of the
+// fewest); a spec with n groups gives group i its layers i, i + n, i + 2n, ...
+struct VllmGroups {
+  std::vector<std::vector<uint32_t>> attention, mamba;  // global layer ids of each group
+};
+
+VllmGroups vllmGroups(const ModelSpec& model) {
+  struct Spec {
+    LayerSpec part;  // the attention or the recurrent part of a layer
+    std::vector<uint32_t> layers;
+  };
+  std::vector<Spec> specs;  // in order of first appearance, as vLLM's dict
+  auto add = [&specs](LayerSpec part, uint32_t layer) {
+    for (Spec& s : specs) {
+      if (s.part == part) {
+        s.layers.push_back(layer);
+        return;
+      }
+    }
+    specs.push_back({std::move(part), {layer}});
+  };
+  for (uint32_t i = 0; i < model.numLayers(); ++i) {
+    const LayerSpec& l = model.layers[i];
+    if (l.hasAttention()) {
+      LayerSpec part;
+      part.attention = l.attention;
+      add(part, i);
+    }
+    if (l.hasRecurrent()) {
+      LayerSpec part = l;
+      part.attention.reset();
+      add(part, i);
+    }
+  }
+  VllmGroups out;
+  if (specs.empty()) return out;
+  size_t fewest = SIZE_MAX, most = 0;
+  for (const Spec& s : specs) {
+    fewest = std::min(fewest, s.layers.size());
+    most = std::max(most, s.layers.size());
+  }
+  const size_t size = most * 4 < fewest * 5 ? most : fewest;
+  for (const Spec& s : specs) {
+    const size_t n = (s.layers.size() + size - 1) / size;
+    for (size_t i = 0; i < n; ++i) {
+      std::vector<uint32_t> group;
+      for (size_t j = i; j < s.layers.size(); j += n) group.push_back(s.layers[j]);
+      (s.part.hasAttention() ? out.attention : out.mamba).push_back(std::move(group));
+    }
+  }
+  return out;
+}
+
+// vLLM's hybrid manager: tensor t is shared by the t-th layer on this stage of every group.
+StatusOr<RankLayout> buildVllmShared(const ModelSpec& model, const RankLayout& base,
+                                     const EngineLayout& e, uint64_t page, uint32_t num_blocks,
+                                     RankLayout out) {
+  const VllmGroups groups = vllmGroups(model);
+  if (groups.attention.size() > 1) {
+    return InvalidArgument(
+        "vllm layout with shared tensors: the attention layers form " +
+        std::to_string(groups.attention.size()) + " KV cache groups of " +
+        std::to_string(groups.attention.front().size()) +
+        " layers, each with a block table of its own; hxfer takes a request's blocks as one "
+        "list, so it describes one attention group (use shared tensors off)");
+  }
+  const LayerRange stage = base.stageLayers();
+  auto local = [&stage](const std::vector<uint32_t>& group) {
+    std::vector<uint32_t> out;
+    for (uint32_t layer : group) {
+      if (stage.contains(layer)) out.push_back(layer);
+    }
+    return out;
+  };
+  std::vector<uint32_t> attention;
+  if (!groups.attention.empty()) attention = local(groups.attention.front());
+  std::vector<std::vector<uint32_t>> mamba;
+  size_t tensors = attention.size();
+  for (const std::vector<uint32_t>& g : groups.mamba) {
+    mamba.push_back(local(g));
+    tensors = std::max(tensors, mamba.back().size());
+  }
+  out.num_slots = num_blocks;  // one pool of ids for pages and states
+  out.joint_ids = true;
+  out.state_groups = std::max<uint32_t>(1, static_cast<uint32_t>(mamba.size()));
+  ASSIGN_OR_RETURN(uint64_t length, times(page, num_blocks, "vllm shared tensor"));
+  for (size_t t = 0; t < tensors; ++t) {
+    const uint32_t region = addRegion(out, "shared." + std::to_string(t), length);
+    if (t < attention.size()) {
+      RETURN_IF_ERROR(addVllmAttention(model, base, attention[t], page, e, region, out));
+    }
+    for (size_t g = 0; g < mamba.size(); ++g) {
+      if (t >= mamba[g].size()) continue;
+      RETURN_IF_ERROR(
+          addVllmMamba(model, base, mamba[g][t], page, e, region, static_cast<uint32_t>(g), out));
+    }
+  }
+  for (PoolView& v : out.views) v.num_indices = num_blocks;
+  RETURN_IF_ERROR(out.validate());
+  return out;
+}
+
+StatusOr<RankLayout> buildVllm(const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank,
+                               uint32_t pp_rank, const EngineLayout& e, uint32_t num_blocks,
+                               uint32_t num_slots) {
+  ASSIGN_OR_RETURN(RankLayout base, buildRankLayout(model, pc, tp_rank, pp_rank,
+                                                    StateLayout::kPaged, num_blocks, num_slots));
+  RankLayout out = base;
+  out.regions.clear();
+  out.views.clear();
+  ASSIGN_OR_RETURN(const uint64_t page, vllmPage(base));
+  if (e.shared) return buildVllmShared(model, base, e, page, num_blocks, std::move(out));
   auto both = [&](uint32_t layer) {
     const LayerSpec& l = model.layers[layer];
     return l.hasAttention() && l.hasRecurrent();
   };
-  // Views in layer order: per layer its attention tensor, then its Mamba tensor.
+  // One tensor per layer in layer order: its attention tensor, then its Mamba tensor.
   std::vector<uint32_t> layers;
   for (const PoolView& v : base.views)
     layers.insert(layers.end(), v.layers.begin(), v.layers.end());
   std::sort(layers.begin(), layers.end());
   layers.erase(std::unique(layers.begin(), layers.end()), layers.end());
   for (uint32_t layer : layers) {
-    for (size_t vi = 0; vi < base.views.size(); ++vi) {
-      const PoolView& g = base.views[vi];
-      if (!std::binary_search(g.layers.begin(), g.layers.end(), layer)) continue;
-      if (g.role == Role::kKv) {
-        PoolView v = oneLayer(g, layer, g.sections, out);
-        v.index_stride = page;
-        ASSIGN_OR_RETURN(v.record, recordIn(model, out, v, kvOrder(e.kv, true)));
-        ASSIGN_OR_RETURN(uint64_t length, times(page, num_blocks, "vllm attention tensor"));
-        v.region_id =
-            addRegion(out, "layer." + std::to_string(layer) + (both(layer) ? ".attn" : ""), length);
-        out.views.push_back(std::move(v));
-      } else if (g.role == Role::kConv) {
-        const PoolView& gs = base.views[vi + 1];  // the group's ssm view follows its conv view
-        ASSIGN_OR_RETURN(uint64_t length, times(page, num_slots, "vllm mamba tensor"));
-        const uint32_t region = addRegion(
-            out, "layer." + std::to_string(layer) + (both(layer) ? ".mamba" : ""), length);
-        PoolView conv = oneLayer(g, layer, g.sections, out);
-        conv.index_stride = page;
-        conv.region_id = region;
-        ASSIGN_OR_RETURN(conv.record, recordIn(model, out, conv, conv_order));
-        PoolView ssm = oneLayer(gs, layer, gs.sections, out);
-        ssm.index_stride = page;
-        ssm.region_id = region;
-        ssm.base = conv.record_bytes;
-        if (ssm.kind == LayerKind::kGdn) {
-          ASSIGN_OR_RETURN(ssm.record, recordIn(model, out, ssm, {"head", "value", "key"}));
-        }
-        out.views.push_back(std::move(conv));
-        out.views.push_back(std::move(ssm));
-      }
+    const std::string name = "layer." + std::to_string(layer);
+    if (model.layers[layer].hasAttention()) {
+      ASSIGN_OR_RETURN(uint64_t length, times(page, num_blocks, "vllm attention tensor"));
+      const uint32_t region = addRegion(out, name + (both(layer) ? ".attn" : ""), length);
+      RETURN_IF_ERROR(addVllmAttention(model, base, layer, page, e, region, out));
+    }
+    if (model.layers[layer].hasRecurrent()) {
+      ASSIGN_OR_RETURN(uint64_t length, times(page, num_slots, "vllm mamba tensor"));
+      const uint32_t region = addRegion(out, name + (both(layer) ? ".mamba" : ""), length);
+      RETURN_IF_ERROR(addVllmMamba(model, base, layer, page, e, region, 0, out));
     }
   }
   RETURN_IF_ERROR(out.validate());

@@ -13,12 +13,19 @@
 //               (vLLM raises the attention block size until its page holds the Mamba page);
 //               conv SD (window, channel; default) or DS (channel, window); ssm (heads,
 //               head_dim, d_state) for mamba2, (v_heads, head_v, head_k) for gdn, (d_inner,
-//               d_state) for mamba1.
+//               d_state) for mamba1. With `shared` (vLLM V1's hybrid KV cache manager): the
+//               layers form vLLM's KV cache groups (one kind each, equal size), group g of a
+//               kind taking that kind's layers g, g + n, g + 2n, ... of the whole model; tensor
+//               t is shared by the t-th layer (on this pp stage) of every group, and a block id
+//               is an attention page of one layer or a Mamba state of another. Block and state
+//               ids come from one pool (RankLayout::joint_ids); each Mamba group has a state
+//               id of its own (RankLayout::state_groups).
 //   sglang      per attention layer k_buffer / v_buffer, token-major (token, head, dim), a page
 //               = tokens_per_block consecutive rows; a layer-major Mamba pool, conv
 //               (L, S, C, k-1), ssm (L, S, heads, head_dim, d_state).
 // Region (pool) names are stable: hxfer and trtllm-*: kv<g>, state<g> / conv<g>, ssm<g>;
-// vllm: layer.<id> (layer.<id>.attn / layer.<id>.mamba for a layer with both); sglang:
+// vllm: layer.<id> (layer.<id>.attn / layer.<id>.mamba for a layer with both), shared.<t> with
+// shared tensors; sglang:
 // k.<id>, v.<id>, conv<g>, ssm<g> (<id> the global layer id, <g> the layer group).
 //
 // Pure values and functions.
@@ -46,20 +53,25 @@ struct EngineLayout {
   StateLayout state = StateLayout::kPaged;  // hxfer only
   KvOrder kv = KvOrder::kHnd;               // vllm, trtllm-v2
   ConvOrder conv = ConvOrder::kDs;          // vllm
-  // "hxfer(paged)", "vllm(kv=nhd,conv=sd)", "sglang", ...
+  bool shared = false;                      // vllm: the hybrid manager's shared tensors
+  // "hxfer(paged)", "vllm(kv=nhd,conv=sd)", "vllm(kv=nhd,conv=sd,shared)", "sglang", ...
   std::string toString() const;
   bool operator==(const EngineLayout&) const = default;
 };
 
 // `engine` by name with its options; an empty option takes the engine's default (vllm: nhd,
-// sd; trtllm-v2: hnd; hxfer: paged). InvalidArgument naming the value and what is accepted,
-// also for an option the engine does not have.
+// sd, shared off; trtllm-v2: hnd; hxfer: paged). `shared` is "on" or "off". InvalidArgument
+// naming the value and what is accepted, also for an option the engine does not have.
 StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_view kv = "",
-                                         std::string_view conv = "", std::string_view state = "");
+                                         std::string_view conv = "", std::string_view state = "",
+                                         std::string_view shared = "");
 
 // Every engine layout with every option value, in a fixed order: hxfer(paged),
 // hxfer(layer-major), trtllm-v1, trtllm-v2 hnd and nhd, vllm nhd/hnd x sd/ds, sglang.
+// vLLM's shared tensors are in sharedEngineLayouts().
 std::vector<EngineLayout> allEngineLayouts();
+// vllm with shared tensors: (kv=nhd, conv=sd) and (kv=hnd, conv=ds).
+std::vector<EngineLayout> sharedEngineLayouts();
 
 // The layout of rank (tp_rank, pp_rank) in `layout` with the given capacities (blocks for kv,
 // slots for state). Errors: as buildRankLayout, and for vllm a Mamba page larger than the

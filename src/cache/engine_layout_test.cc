@@ -134,6 +134,122 @@ TEST(EngineLayout, VllmRefusesAMambaPageLargerThanTheAttentionPageNamingTheBlock
   EXPECT_NE(l.status().message().find("use at least"), std::string::npos) << l.status().toString();
 }
 
+// attention (4 kv heads, head_dim 8) at layers 0 and 3, mamba2 (8 heads x 4, 2 groups, d_state
+// 16, d_conv 4) at 1, 2 and 4..8; 32 tokens per block.
+ModelSpec sharedModel() {
+  ModelSpec m = model();
+  const LayerSpec attn = m.layers[0], mamba = m.layers[1];
+  m.layers = {attn, mamba, mamba, attn, mamba, mamba, mamba, mamba, mamba};
+  return m;
+}
+
+// vLLM's hybrid manager, written out from kv_cache_utils: specs attention (2 layers) and
+// mamba2 (7); group size 2 (the fewest); mamba2 in ceil(7 / 2) = 4 groups, group i its layers
+// i, i + 4: {1, 6}, {2, 7}, {4, 8}, {5}; attention {0, 3}. Tensor t (page * num_blocks bytes)
+// is shared by the t-th layer of each group: shared.0 by 0, 1, 2, 4, 5 and shared.1 by 3, 6,
+// 7, 8. A layer's attention view is (2, num_blocks, T, H, D) restrided so that a block is
+// [K | V] (num_blocks stride = the page); a Mamba view is per page [conv | ssm | padding].
+TEST(EngineLayout, VllmSharedTensorsHoldOneLayerOfEveryGroupWithOneIdPoolAndAStateIdPerGroup) {
+  const uint64_t T = 32, H = 4, D = 8, P = 4, N = 16, k1 = 3, C = 8 * P + 2 * 2 * N;
+  const uint64_t page = rowMajor({2, T, H, D}, 2)[0] * 2;
+  auto l = buildEngineLayout(sharedModel(), {1, 1, {}}, 0, 0,
+                             *parseEngineLayout("vllm", "", "", "", "on"), 10, 3);
+  ASSERT_TRUE(l.isOk()) << l.status().toString();
+  EXPECT_TRUE(l->joint_ids);
+  EXPECT_EQ(l->state_groups, 4u);
+  EXPECT_EQ(l->num_slots, 10u);  // states are blocks of the one pool
+  ASSERT_EQ(l->regions.size(), 2u);
+  for (const RegionSpec& r : l->regions) EXPECT_EQ(r.length, 10 * page);
+  const std::pair<uint32_t, std::string> tensor_of[] = {
+      {0, "shared.0"}, {1, "shared.0"}, {2, "shared.0"}, {4, "shared.0"}, {5, "shared.0"},
+      {3, "shared.1"}, {6, "shared.1"}, {7, "shared.1"}, {8, "shared.1"}};
+  for (const auto& [layer, name] : tensor_of) {
+    const bool attention = layer == 0 || layer == 3;
+    const PoolView* v = viewOf(*l, layer, attention ? Role::kKv : Role::kConv);
+    ASSERT_NE(v, nullptr) << layer;
+    EXPECT_EQ(regionName(*l, *v), name) << layer;
+    EXPECT_EQ(v->index_stride, page);
+    EXPECT_EQ(v->num_indices, 10u);
+  }
+  const std::pair<uint32_t, uint32_t> group_of[] = {{1, 0}, {6, 0}, {2, 1}, {7, 1},
+                                                    {4, 2}, {8, 2}, {5, 3}};
+  for (const auto& [layer, group] : group_of) {
+    EXPECT_EQ(viewOf(*l, layer, Role::kConv)->state_group, group) << layer;
+    EXPECT_EQ(viewOf(*l, layer, Role::kSsm)->state_group, group) << layer;
+  }
+  const PoolView* kv = viewOf(*l, 3, Role::kKv);
+  const auto s = rowMajor({2, T, H, D}, 2);
+  EXPECT_EQ(kv->base, 0u);
+  EXPECT_EQ(strides(*kv, {"kv", "token", "head", "dim"}),
+            (std::vector<uint64_t>{s[0], s[1], s[2], s[3]}));
+  const PoolView* conv = viewOf(*l, 6, Role::kConv);
+  const PoolView* ssm = viewOf(*l, 6, Role::kSsm);
+  const auto sd = rowMajor({k1, C}, 2);
+  EXPECT_EQ(conv->base, 0u);
+  EXPECT_EQ(strides(*conv, {"window", "channel"}), (std::vector<uint64_t>{sd[0], sd[1]}));
+  EXPECT_EQ(ssm->base, k1 * C * 2);
+  EXPECT_EQ(ssm->record_bytes, 8 * P * N * 4);
+  EXPECT_EQ(ssm->region_id, kv->region_id);  // layer 3's pages and layer 6's states
+
+  // pp 2 (layers 0..4 and 5..8): groups stay the model's; each stage keeps its layers of them.
+  auto s0 = buildEngineLayout(sharedModel(), {1, 2, {5, 4}}, 0, 0,
+                              *parseEngineLayout("vllm", "", "", "", "on"), 10, 3);
+  auto s1 = buildEngineLayout(sharedModel(), {1, 2, {5, 4}}, 0, 1,
+                              *parseEngineLayout("vllm", "", "", "", "on"), 10, 3);
+  ASSERT_TRUE(s0.isOk() && s1.isOk());
+  EXPECT_EQ(s0->regions.size(), 2u);  // {0, 1, 2, 4}, {3}
+  EXPECT_EQ(s1->regions.size(), 1u);  // {6, 7, 8, 5}
+  EXPECT_EQ(regionName(*s0, *viewOf(*s0, 3, Role::kKv)), "shared.1");
+  EXPECT_EQ(viewOf(*s1, 5, Role::kConv)->state_group, 3u);
+  EXPECT_EQ(s0->state_groups, 4u);
+  EXPECT_EQ(s1->state_groups, 4u);
+}
+
+// Records of different id groups may share a page only in a layout whose ids are one pool, and
+// two records of one group never.
+TEST(EngineLayout, VllmSharedTensorsOverlapOnlyAcrossIdGroupsOfOnePool) {
+  auto l = buildEngineLayout(sharedModel(), {1, 1, {}}, 0, 0,
+                             *parseEngineLayout("vllm", "", "", "", "on"), 10, 3);
+  ASSERT_TRUE(l.isOk());
+  RankLayout separate = *l;
+  separate.joint_ids = false;
+  EXPECT_NE(separate.validate().message().find("overlap in region"), std::string::npos);
+  RankLayout same_group = *l;
+  for (PoolView& v : same_group.views) {
+    if (v.layers[0] == 2) v.state_group = 0;  // layer 1's group, in the same tensor
+  }
+  EXPECT_NE(same_group.validate().message().find("overlap in region"), std::string::npos);
+  RankLayout past = *l;
+  past.views.back().state_group = 4;
+  EXPECT_NE(past.validate().message().find("state_group=4 >= state_groups=4"), std::string::npos)
+      << past.validate().toString();
+  RankLayout pools = *l;
+  pools.num_slots = 3;
+  for (PoolView& v : pools.views) {
+    if (v.role != Role::kKv) v.num_indices = 3;
+  }
+  EXPECT_NE(pools.validate().message().find("joint_ids: num_slots=3 but num_blocks=10"),
+            std::string::npos);
+}
+
+TEST(EngineLayout, VllmSharedTensorsRefuseSeveralAttentionGroupsAndOptionsElsewhere) {
+  ModelSpec m = sharedModel();
+  const LayerSpec attn = m.layers[0], mamba = m.layers[1];
+  m.layers = {attn, attn, attn, mamba, attn, mamba};  // 4 attention layers in groups of 2
+  auto l =
+      buildEngineLayout(m, {1, 1, {}}, 0, 0, *parseEngineLayout("vllm", "", "", "", "on"), 10, 3);
+  ASSERT_FALSE(l.isOk());
+  EXPECT_NE(l.status().message().find("form 2 KV cache groups of 2 layers"), std::string::npos)
+      << l.status().toString();
+  EXPECT_TRUE(buildEngineLayout(m, {1, 1, {}}, 0, 0, *parseEngineLayout("vllm"), 10, 3).isOk());
+  EXPECT_NE(parseEngineLayout("sglang", "", "", "", "on").status().message().find("only vllm"),
+            std::string::npos);
+  EXPECT_NE(parseEngineLayout("vllm", "", "", "", "yes").status().message().find("on or off"),
+            std::string::npos);
+  EXPECT_EQ(parseEngineLayout("vllm", "hnd", "", "", "on")->toString(),
+            "vllm(kv=hnd,conv=sd,shared)");
+}
+
 TEST(EngineLayout, SglangKeepsTokenMajorKAndVBuffersPerLayerAndALayerMajorMambaPool) {
   const uint64_t H = 2, T = 32, D = 8;
   auto l = buildEngineLayout(model(), {2, 1, {}}, 0, 0, *parseEngineLayout("sglang"), 10, 3);

@@ -126,6 +126,24 @@ bool mayOverlap(const Footprint& x, const Footprint& y) {
   return !(delta >= lo.record && delta + hi.record <= g);
 }
 
+// Views of different id groups that share an index space: every record of index i inside
+// [i * stride, (i + 1) * stride) in both, so only records of the same index meet (allowed
+// under joint ids: never live together).
+bool jointlyIndexed(const PoolView& x, const PoolView& y) {
+  auto group = [](const PoolView& v) { return v.role == Role::kKv ? 0 : 1 + v.state_group; };
+  auto inside = [](const PoolView& v) {
+    uint64_t extent = 0;  // base + (L-1) * layer_stride + span
+    if (__builtin_mul_overflow(v.layers.size() - 1, v.layer_stride, &extent) ||
+        __builtin_add_overflow(extent, v.span(), &extent) ||
+        __builtin_add_overflow(extent, v.base, &extent)) {
+      return false;
+    }
+    return extent <= v.index_stride;
+  };
+  return group(x) != group(y) && x.index_stride == y.index_stride &&
+         x.num_indices == y.num_indices && inside(x) && inside(y);
+}
+
 }  // namespace
 
 StatusOr<RankLayout> buildRankLayout(const ModelSpec& model, const ParallelConfig& pc,
@@ -315,6 +333,12 @@ Status RankLayout::validate() const {
       }
     }
   }
+  if (state_groups == 0) return InvalidArgument("state_groups=0 (at least 1)");
+  if (joint_ids && num_slots != num_blocks) {
+    return InvalidArgument("joint_ids: num_slots=" + std::to_string(num_slots) +
+                           " but num_blocks=" + std::to_string(num_blocks) +
+                           " (block and state ids are drawn from one pool)");
+  }
   std::vector<Footprint> footprints;
   // (role, layer, section): one place per section of a record (a layout may keep K and V in
   // views of their own, never one section twice).
@@ -346,6 +370,12 @@ Status RankLayout::validate() const {
     if ((v.role == Role::kKv) != (v.kind == LayerKind::kAttention) || v.kind == LayerKind::kNone) {
       return InvalidArgument(where + " role " + std::string(roleName(v.role)) +
                              " does not match kind " + std::string(layerKindName(v.kind)));
+    }
+    if (v.state_group >= (v.role == Role::kKv ? 1 : state_groups)) {
+      return InvalidArgument(where + " state_group=" + std::to_string(v.state_group) +
+                             (v.role == Role::kKv
+                                  ? " on a kv view (kv views have none)"
+                                  : " >= state_groups=" + std::to_string(state_groups)));
     }
     if (v.sections.empty()) return InvalidArgument(where + " has no sections");
     for (const Section& s : v.sections) {
@@ -395,6 +425,7 @@ Status RankLayout::validate() const {
       const Footprint& y = footprints[j];
       if (views[x.view].region_id != views[y.view].region_id) continue;
       if (!mayOverlap(x, y)) continue;
+      if (joint_ids && jointlyIndexed(views[x.view], views[y.view])) continue;
       return InvalidArgument("views " + std::to_string(y.view) + " and " + std::to_string(x.view) +
                              " overlap in region " + std::to_string(views[x.view].region_id));
     }

@@ -48,6 +48,10 @@ struct PoolView {
   // Where each element of a record lies (record_layout.h); absent for hxfer's own contiguous
   // order. record_bytes stays the bytes the record holds; span() its extent in memory.
   std::optional<RecordLayout> record;
+  // State views: which of a request's state ids indexes this view (RankIds::stateId): 0 its
+  // slot, g > 0 its g-th further id. vLLM's hybrid manager gives each group of Mamba layers a
+  // block table of its own, so one request holds one state id per group. 0 for kv views.
+  uint32_t state_group = 0;
 
   uint64_t offset(uint64_t index, uint64_t local_layer) const {
     return base + index * index_stride + local_layer * layer_stride;
@@ -76,6 +80,16 @@ struct RankLayout {
   uint32_t num_slots = 0;
   std::vector<RegionSpec> regions;
   std::vector<PoolView> views;
+  // State ids a request has on this rank when it holds recurrent layers: its slot and
+  // state_groups - 1 more (PoolView::state_group < state_groups). 1 unless the layout is vLLM's
+  // shared per-group tensors.
+  uint32_t state_groups = 1;
+  // Block ids and state ids are drawn from one pool (vLLM's hybrid manager): num_slots equals
+  // num_blocks, and no id is a block and a state of live requests at once. Views of different
+  // id groups (the kv views; the state views of each state group) may then share a region and
+  // its index space, each record of index i inside [i * index_stride, (i + 1) * index_stride):
+  // the record of one group at index i and another's at i are never live together.
+  bool joint_ids = false;
 
   // Structural check, also run on layouts decoded from a peer: ranks < sizes, every view's
   // region exists, record_bytes equals the sharded sections at (tp, tp_rank), every record of
@@ -84,7 +98,9 @@ struct RankLayout {
   // in at most one view, no two records overlap (within a view, and between views sharing a
   // region). The overlap test is sufficient, not exact: strides must nest (inner stride >=
   // record, outer stride >= the inner run) and views sharing a region must interleave on one
-  // common stride, as every layout buildRankLayout makes does. Errors name the view and field.
+  // common stride, as every layout buildRankLayout makes does. With joint_ids, views of
+  // different id groups may share bytes at the same index as said there, and nothing else.
+  // Errors name the view and field.
   Status validate() const;
 
   // Global layers of this rank's pp stage, cache or not. REQUIRES: validate() is ok.

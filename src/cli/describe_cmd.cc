@@ -27,7 +27,7 @@ struct DescribeOptions {
   uint32_t tp = 1;
   uint32_t pp = 1;
   std::string layout;  // empty: no pools (unless --engine)
-  std::string engine, kv_layout, conv_layout;
+  std::string engine, kv_layout, conv_layout, shared_tensors;
   uint32_t blocks = 16;
   uint32_t slots = 4;
   bool json = false;
@@ -58,6 +58,7 @@ StatusOr<Json> poolJson(const ModelSpec& m, const RankLayout& layout, const Pool
   p["record_bytes"] = v.record_bytes;
   p["num_indices"] = v.num_indices;
   p["indexed_by"] = v.indexedByBlock() ? "block" : "slot";
+  if (!v.indexedByBlock()) p["state_group"] = v.state_group;  // which of a request's state ids
   p["layers"] = v.layers;
   // One record: its extent and the byte stride of each dim, outermost first; `described` is
   // false for hxfer's own contiguous order. Records are `span` bytes at a pitch of
@@ -155,6 +156,8 @@ StatusOr<Json> describe(const ModelSpec& m, const ParallelConfig& pc,
           pools.push_back(std::move(pool));
         }
         rank["pools"] = std::move(pools);
+        rank["state_groups"] = rl.state_groups;  // state ids a request has on the rank
+        rank["joint_ids"] = rl.joint_ids;        // blocks and states from one id pool
       }
       ranks.push_back(std::move(rank));
     }
@@ -227,15 +230,26 @@ void printHuman(const ModelSpec& m, const Json& doc) {
       std::printf("  layers without cache: %s\n", formatIdList(cacheless).c_str());
     }
     if (rank.contains("pools")) {
-      std::printf("  pools (%s, %s blocks, %s slots):\n", str(doc["engine_layout"]).c_str(),
-                  str(doc["blocks"]).c_str(), str(doc["slots"]).c_str());
+      if (rank["joint_ids"].get<bool>()) {
+        std::printf(
+            "  pools (%s, %s blocks, states drawn from the blocks, state ids per "
+            "request: %s):\n",
+            str(doc["engine_layout"]).c_str(), str(doc["blocks"]).c_str(),
+            str(rank["state_groups"]).c_str());
+      } else {
+        std::printf("  pools (%s, %s blocks, %s slots):\n", str(doc["engine_layout"]).c_str(),
+                    str(doc["blocks"]).c_str(), str(doc["slots"]).c_str());
+      }
       Table p({"region", "region_bytes", "role", "kind", "base", "index_stride", "layer_stride",
-               "record_bytes", "layers"},
-              {false, true, false, false, true, true, true, true, false});
+               "record_bytes", "layers", "indexed_by"},
+              {false, true, false, false, true, true, true, true, false, false});
       for (const Json& v : rank["pools"]) {
+        const std::string by = v.contains("state_group") && rank["state_groups"].get<int>() > 1
+                                   ? "state " + str(v["state_group"])
+                                   : str(v["indexed_by"]);
         p.add({str(v["region_id"]) + " " + str(v["region"]), str(v["region_bytes"]), str(v["role"]),
                str(v["kind"]), str(v["base"]), str(v["index_stride"]), str(v["layer_stride"]),
-               str(v["record_bytes"]), formatIdList(v["layers"].get<std::vector<uint32_t>>())});
+               str(v["record_bytes"]), formatIdList(v["layers"].get<std::vector<uint32_t>>()), by});
       }
       p.print(stdout, 4);
       for (const Json& v : rank["pools"]) {
@@ -272,6 +286,9 @@ void addDescribeCommand(CLI::App& app) {
                   "With --engine: KV order inside a K or V half, nhd or hnd (vllm, trtllm-v2)");
   cmd->add_option("--conv-layout", opts->conv_layout,
                   "With --engine: conv state order, sd or ds (vllm)");
+  cmd->add_option("--shared-tensors", opts->shared_tensors,
+                  "With --engine vllm: on for the hybrid manager's shared per-group tensors, "
+                  "off (default) for one tensor per layer");
   cmd->add_option("--blocks", opts->blocks, "KV blocks per rank for --layout")->default_val(16);
   cmd->add_option("--slots", opts->slots, "State slots per rank for --layout")->default_val(4);
   cmd->add_flag("--json", opts->json, "Print JSON (top-level \"ranks\" array)");
@@ -280,14 +297,16 @@ void addDescribeCommand(CLI::App& app) {
     auto m = resolveModel(opts->model);
     if (!m.isOk()) fail(m.status());
     std::optional<EngineLayout> layout;
-    if (!opts->engine.empty() || !opts->kv_layout.empty() || !opts->conv_layout.empty()) {
+    if (!opts->engine.empty() || !opts->kv_layout.empty() || !opts->conv_layout.empty() ||
+        !opts->shared_tensors.empty()) {
       const std::string engine = opts->engine.empty() ? "hxfer" : opts->engine;
       if (engine != "hxfer" && !opts->layout.empty()) {
         fail(InvalidArgument("--layout " + opts->layout +
                              ": a state layout applies to --engine hxfer only (" + engine +
                              " lays its state out its own way)"));
       }
-      auto l = parseEngineLayout(engine, opts->kv_layout, opts->conv_layout, opts->layout);
+      auto l = parseEngineLayout(engine, opts->kv_layout, opts->conv_layout, opts->layout,
+                                 opts->shared_tensors);
       if (!l.isOk()) fail(l.status().withContext("--engine"));
       layout = *l;
     } else if (!opts->layout.empty()) {

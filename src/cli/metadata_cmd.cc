@@ -23,7 +23,7 @@ struct MetadataOptions {
   uint32_t pp = 1;
   uint32_t rank = 0;  // global: tp_rank = rank % tp, pp_rank = rank / tp
   std::string layout = "paged";
-  std::string engine = "hxfer", kv_layout, conv_layout;
+  std::string engine = "hxfer", kv_layout, conv_layout, shared_tensors;
   uint32_t blocks = 16;
   uint32_t slots = 4;
   std::string role = "context";
@@ -49,8 +49,8 @@ Status run(const MetadataOptions& o) {
     return InvalidArgument("--rank " + std::to_string(o.rank) +
                            " >= tp*pp=" + std::to_string(pc.worldSize()));
   }
-  auto layout =
-      parseEngineLayout(o.engine, o.kv_layout, o.conv_layout, o.engine == "hxfer" ? o.layout : "");
+  auto layout = parseEngineLayout(o.engine, o.kv_layout, o.conv_layout,
+                                  o.engine == "hxfer" ? o.layout : "", o.shared_tensors);
   if (!layout.isOk()) return layout.status().withContext("--engine");
   auto role = wire::parseInstanceRole(o.role);
   if (!role.isOk()) return role.status().withContext("--role");
@@ -97,6 +97,9 @@ void addMetadataCommand(CLI::App& app) {
   cmd->add_option("--kv-layout", o->kv_layout,
                   "KV order inside a K or V half: nhd or hnd (vllm, trtllm-v2)");
   cmd->add_option("--conv-layout", o->conv_layout, "Conv state order: sd or ds (vllm)");
+  cmd->add_option("--shared-tensors", o->shared_tensors,
+                  "vllm: on for the hybrid manager's shared per-group tensors (one id pool: "
+                  "--slots is ignored), off (default) for one tensor per layer");
   cmd->add_option("--blocks", o->blocks, "KV blocks to allocate")->default_val(16);
   cmd->add_option("--slots", o->slots, "Recurrent-state slots to allocate")->default_val(4);
   cmd->add_option("--role", o->role, "Instance role: context or generation")

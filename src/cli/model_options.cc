@@ -58,6 +58,11 @@ void addEngineOptions(CLI::App* cmd, EngineOptions* o, std::string_view side) {
                       "(default: vllm nhd, trtllm-v2 hnd)");
   cmd->add_option(prefix + "-conv-layout", o->conv,
                   who + " conv state order for vllm: sd (window, channel; default) or ds");
+  cmd->add_option(prefix + "-shared-tensors", o->shared,
+                  who +
+                      " vllm: on lays the cache out as vLLM's hybrid manager shares it (one "
+                      "tensor per layer of every KV cache group, one id pool), off (default) "
+                      "one tensor per layer");
   cmd->add_option(prefix + "-tokens-per-block", o->tokens_per_block,
                   who +
                       " tokens per KV block (default: --tokens-per-block); when the sides "
@@ -73,7 +78,8 @@ ModelSpec sideModel(const ModelSpec& model, const EngineOptions& options) {
 
 StatusOr<EngineLayout> resolveEngineLayout(const EngineOptions& o, std::string_view side,
                                            std::string_view hxfer_state) {
-  auto layout = parseEngineLayout(o.engine, o.kv, o.conv, o.engine == "hxfer" ? hxfer_state : "");
+  auto layout =
+      parseEngineLayout(o.engine, o.kv, o.conv, o.engine == "hxfer" ? hxfer_state : "", o.shared);
   if (!layout.isOk()) return layout.status().withContext("--" + std::string(side) + "-engine");
   return layout;
 }

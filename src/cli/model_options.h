@@ -31,6 +31,7 @@ StatusOr<ModelSpec> resolveModel(const ModelOptions& options);
 struct EngineOptions {
   std::string engine = "hxfer";
   std::string kv, conv;           // empty: the engine's default
+  std::string shared;             // vllm's shared tensors: on, off or empty (off)
   uint32_t tokens_per_block = 0;  // 0: the model's (--tokens-per-block)
 };
 

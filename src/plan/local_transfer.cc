@@ -41,7 +41,7 @@ class Coverage {
       const uint64_t lo = v.indexedByBlock() ? blocks.first_block : 0;
       const uint64_t hi = v.indexedByBlock() ? blocks.end() : 1;
       for (uint64_t pos = lo; pos < hi; ++pos) {
-        const uint64_t index = v.indexedByBlock() ? ids.blocks[pos] : ids.slot;
+        const uint64_t index = v.indexedByBlock() ? ids.blocks[pos] : ids.stateId(v.state_group);
         const uint64_t rows =
             v.indexedByBlock() ? std::min(t, token_end - std::min(token_end, pos * t)) : 0;
         for (uint32_t li = 0; li < v.layers.size(); ++li) {
@@ -152,8 +152,28 @@ StatusOr<std::vector<LocalRank>> makeLocalInstance(const ModelSpec& model, const
       ASSIGN_OR_RETURN(
           r.layout, build(model, pc, tp, pp, std::max(pool_blocks, 1u), std::max(o.num_slots, 1u)));
       const uint64_t k = uint64_t{pp} * pc.tp + tp;
-      r.ids.blocks = blockIds(request_blocks, std::max(pool_blocks, 1u), k, o, salt);
-      r.ids.slot = static_cast<uint32_t>((k + salt) % std::max(o.num_slots, 1u));
+      if (r.layout.joint_ids) {
+        // Blocks and states share one pool: room for the request's blocks and one state per
+        // group, the states on ids no block of the request has.
+        const uint32_t groups = r.layout.state_groups;
+        const uint32_t joint = std::max(pool_blocks, 1u) + groups;
+        ASSIGN_OR_RETURN(r.layout, build(model, pc, tp, pp, joint, joint));
+        r.ids.blocks = blockIds(request_blocks, joint, k, o, salt);
+        std::vector<bool> used(joint, false);
+        for (uint32_t b : r.ids.blocks) used[b] = true;
+        std::vector<uint32_t> states;
+        for (uint32_t i = 0; i < joint && states.size() < groups; ++i) {
+          const uint32_t id = static_cast<uint32_t>((i + k + salt) % joint);
+          if (used[id]) continue;
+          states.push_back(id);
+          used[id] = true;
+        }
+        r.ids.slot = states.front();
+        r.ids.group_slots.assign(states.begin() + 1, states.end());
+      } else {
+        r.ids.blocks = blockIds(request_blocks, std::max(pool_blocks, 1u), k, o, salt);
+        r.ids.slot = static_cast<uint32_t>((k + salt) % std::max(o.num_slots, 1u));
+      }
       if (allocate) {
         for (const RegionSpec& spec : r.layout.regions) {
           if (r.mem.size() <= spec.id) r.mem.resize(spec.id + 1);

@@ -134,8 +134,12 @@ Status forEachRecord(const RankLayout& layout, const RankMemory& mem, const Rank
                              " block ids given, positions up to " + std::to_string(end) +
                              " needed");
     }
+    if (v.state_group > ids.group_slots.size()) {
+      return InvalidArgument("state group " + std::to_string(v.state_group) + " has no id (" +
+                             std::to_string(ids.group_slots.size()) + " group slots given)");
+    }
     for (uint64_t pos = first; pos < end; ++pos) {
-      const uint32_t index = v.indexedByBlock() ? ids.blocks[pos] : ids.slot;
+      const uint32_t index = v.indexedByBlock() ? ids.blocks[pos] : ids.stateId(v.state_group);
       if (index >= v.num_indices) {
         return InvalidArgument(std::string(v.indexedByBlock() ? "block id " : "slot ") +
                                std::to_string(index) + " >= " + std::to_string(v.num_indices));

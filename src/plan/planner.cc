@@ -338,6 +338,8 @@ StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayou
         m.layer = layer;
         m.src_region = cv.region_id;
         m.dst_region = gv.region_id;
+        m.src_group = cv.state_group;
+        m.dst_group = gv.state_group;
         m.src_base = cv.offset(0, cl);
         m.src_stride = cv.index_stride;
         m.dst_base = gv.offset(0, gl);
@@ -564,6 +566,38 @@ uint64_t Planner::expectedBytes(BlockRange blocks) const {
          gen_.stateBytesPerSlot();
 }
 
+Status checkStateIds(const RankLayout& l, const RankIds& ids, std::string_view side) {
+  const std::string who(side);
+  if (ids.group_slots.size() + 1 != l.state_groups) {
+    return InvalidArgument(who + " state ids: " + std::to_string(ids.group_slots.size() + 1) +
+                           " given (slot and " + std::to_string(ids.group_slots.size()) +
+                           " group slots), the rank's layout has " +
+                           std::to_string(l.state_groups) + " state groups");
+  }
+  for (uint32_t g = 0; g < l.state_groups; ++g) {
+    const uint32_t id = ids.stateId(g);
+    const std::string what =
+        who + " state id " + std::to_string(id) + " of group " + std::to_string(g);
+    if (id >= l.num_slots) {
+      return InvalidArgument(what + " >= num_slots=" + std::to_string(l.num_slots));
+    }
+    if (!l.joint_ids) continue;
+    for (uint32_t h = 0; h < g; ++h) {
+      if (ids.stateId(h) == id) {
+        return InvalidArgument(what + " is also group " + std::to_string(h) +
+                               "'s (block and state ids share one pool)");
+      }
+    }
+    for (size_t i = 0; i < ids.blocks.size(); ++i) {
+      if (ids.blocks[i] == id) {
+        return InvalidArgument(what + " is also the request's block at position " +
+                               std::to_string(i) + " (block and state ids share one pool)");
+      }
+    }
+  }
+  return OkStatus();
+}
+
 Status Planner::checkDst(const RankIds& dst, BlockRange blocks) const {
   bool kv = false, state = false;
   for (const PoolView& v : gen_.views) (v.indexedByBlock() ? kv : state) = true;
@@ -592,10 +626,7 @@ Status Planner::checkDst(const RankIds& dst, BlockRange blocks) const {
       word |= bit;
     }
   }
-  if (state && dst.slot >= gen_.num_slots) {
-    return InvalidArgument("gen slot " + std::to_string(dst.slot) +
-                           " >= num_slots=" + std::to_string(gen_.num_slots));
-  }
+  if (state) return checkStateIds(gen_, dst, "gen");
   return OkStatus();
 }
 
@@ -633,9 +664,8 @@ Status Planner::checkSrc(uint32_t ctx_index, const RankIds& src, BlockRange bloc
       }
     }
   }
-  if (!m.slot_maps.empty() && src.slot >= c.num_slots) {
-    return InvalidArgument("ctx slot " + std::to_string(src.slot) +
-                           " >= num_slots=" + std::to_string(c.num_slots));
+  if (!m.slot_maps.empty()) {
+    return checkStateIds(c, src, "ctx");
   }
   return OkStatus();
 }
@@ -716,8 +746,8 @@ void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, B
   }
   for (const RecordMap& r : m.slot_maps) {
     if (!layers.contains(r.layer)) continue;
-    const uint64_t sb = r.src_base + uint64_t{src.slot} * r.src_stride;
-    const uint64_t db = r.dst_base + uint64_t{dst.slot} * r.dst_stride;
+    const uint64_t sb = r.src_base + uint64_t{src.stateId(r.src_group)} * r.src_stride;
+    const uint64_t db = r.dst_base + uint64_t{dst.stateId(r.dst_group)} * r.dst_stride;
     for (uint32_t j = r.seg_begin; j < r.seg_end; ++j) {
       appendOp(ops, r.src_region, sb + segs[j].src_off, r.dst_region, db + segs[j].dst_off,
                segs[j].bytes);

@@ -58,8 +58,18 @@ struct CopyOp {
 // A request's ids on one rank.
 struct RankIds {
   std::vector<uint32_t> blocks;  // the request's block ids in token order (position i = block i)
-  uint32_t slot = 0;             // its recurrent state slot
+  uint32_t slot = 0;             // its recurrent state slot (the id of state group 0)
+  // The ids of state groups 1.. (RankLayout::state_groups - 1 of them; vLLM's shared per-group
+  // tensors: one per group of Mamba layers).
+  std::vector<uint32_t> group_slots{};
+  // The id indexing state views of `group`. REQUIRES: group <= group_slots.size().
+  uint32_t stateId(uint32_t group) const { return group == 0 ? slot : group_slots[group - 1]; }
 };
+
+// Whether `ids` name the state ids `l` needs (state_groups of them), each < num_slots and,
+// with joint ids, none also one of the request's blocks or another group's state id.
+// InvalidArgument names `side` ("gen", "ctx"), the id and its place.
+Status checkStateIds(const RankLayout& l, const RankIds& ids, std::string_view side);
 
 // Which kv blocks move: the generation rank's positions [first_block, first_block + num_blocks)
 // of the request. Positions before first_block are a prefix the generation side already holds.
@@ -183,6 +193,7 @@ class Planner {
   struct RecordMap {     // one (source view, local layer) -> (destination view, local layer)
     uint32_t layer = 0;  // global
     uint32_t src_region = 0, dst_region = 0;
+    uint32_t src_group = 0, dst_group = 0;  // state views: the state groups indexing them
     uint64_t src_base = 0, src_stride = 0;  // offset(index, layer) = base + index * stride
     uint64_t dst_base = 0, dst_stride = 0;
     uint32_t seg_begin = 0, seg_end = 0;  // into SourceMap::segments

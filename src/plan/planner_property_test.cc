@@ -5,6 +5,8 @@
 // every byte holds what the oracle says.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <random>
 #include <string>
 
@@ -155,6 +157,31 @@ TEST(PlannerProperty, EveryKindWithReplicationEveryTpPairBothLayouts) {
   EXPECT_EQ(cases, 4 * 4 * 3 * 4);
 }
 
+// Runs every pair over the tp and pp pairs engines deploy (6 x 3), each case a 37-token
+// request (with a 16-token prefix in one case of three) that `vary(case, options)` may change,
+// and expects every byte verified. Returns the cases run before the first failure.
+int runOverTpAndPpPairs(const ModelSpec& model,
+                        const std::vector<std::pair<EngineLayout, EngineLayout>>& pairs,
+                        const std::function<void(int, LocalTransferOptions&)>& vary) {
+  const std::pair<uint32_t, uint32_t> tps[] = {{1, 1}, {2, 1}, {1, 2}, {4, 1}, {1, 4}, {2, 4}};
+  const std::pair<uint32_t, uint32_t> pps[] = {{1, 1}, {2, 1}, {1, 2}};
+  int cases = 0;
+  for (const auto& [ce, ge] : pairs) {
+    for (const auto& [ctp, gtp] : tps) {
+      for (const auto& [cpp, gpp] : pps) {
+        LocalTransferOptions o = enginePair(ce, ge, ctp, cpp, gtp, gpp);
+        o.tokens = 37;
+        o.prefix_tokens = cases % 3 == 0 ? 16 : 0;
+        o.seed = cases;
+        vary(cases, o);
+        if (!runVerified(model, o, pairName(o)) || ::testing::Test::HasFailure()) return cases;
+        ++cases;
+      }
+    }
+  }
+  return cases;
+}
+
 // Every engine layout pair (docs/layouts.md) over the tp and pp pairs engines deploy: attention,
 // mamba2 (groups replicated at tp 4) and mamba1 layers, every destination byte exactly once
 // from the right unit, nothing else written (padding and gaps included). vLLM's SD conv state
@@ -171,27 +198,36 @@ TEST(PlannerProperty, EveryEnginePairTpPairAndPpPairMovesEveryByteExactlyOnce) {
   for (const EngineLayout& a : allEngineLayouts()) {
     for (const EngineLayout& b : allEngineLayouts()) pairs.push_back({a, b});
   }
-  const std::pair<uint32_t, uint32_t> tps[] = {{1, 1}, {2, 1}, {1, 2}, {4, 1}, {1, 4}, {2, 4}};
-  const std::pair<uint32_t, uint32_t> pps[] = {{1, 1}, {2, 1}, {1, 2}};
-  int cases = 0;
-  for (const auto& [ce, ge] : pairs) {
-    for (const auto& [ctp, gtp] : tps) {
-      for (const auto& [cpp, gpp] : pps) {
-        LocalTransferOptions o = enginePair(ce, ge, ctp, cpp, gtp, gpp);
-        o.tokens = 37;
-        o.prefix_tokens = cases % 3 == 0 ? 16 : 0;
-        o.seed = cases;
-        const std::string what = pairName(o);
-        auto r = runLocalTransfer(model, o);
-        ASSERT_TRUE(r.isOk()) << what << ": " << r.status().toString();
-        ASSERT_TRUE(r->verified())
-            << what << ": " << r->oracle.toString() << " / " << r->first_coverage_error << " bytes "
-            << r->total_bytes << " expected " << r->expected_bytes;
-        ++cases;
-      }
-    }
-  }
+  const int cases = runOverTpAndPpPairs(model, pairs, [](int, LocalTransferOptions&) {});
   EXPECT_EQ(cases, static_cast<int>(allEngineLayouts().size() * allEngineLayouts().size()) * 6 * 3);
+}
+
+// vLLM's shared per-group tensors (a block id is an attention page of one layer and a Mamba
+// state of others; a request has a state id per group of Mamba layers, drawn from the block
+// pool) to and from every engine layout and itself, over every tp and pp pair, with token
+// ranges and layer ranges in some cases: every destination byte exactly once from the right
+// unit and nothing else, the records of other groups sharing the pages included.
+TEST(PlannerProperty, VllmSharedTensorsMoveEveryByteExactlyOnceToAndFromEveryEngineLayout) {
+  using namespace testing;
+  LayerSpec hybrid = mamba2Layer(8, 2, 2, 4, 4);
+  hybrid.attention = AttentionShape{4, 8};
+  const LayerSpec mamba = mamba2Layer(8, 2, 2, 4, 4);
+  // vLLM's groups: attention {0, 3}; Mamba {1, 5}, {2, 6}, {3, 7}, {4}: two shared tensors.
+  const ModelSpec model =
+      makeModel({attentionLayer(4, 8), mamba, mamba, hybrid, mamba, mamba, mamba, mamba}, 16);
+  std::vector<std::pair<EngineLayout, EngineLayout>> pairs;
+  for (const EngineLayout& s : sharedEngineLayouts()) {
+    for (const EngineLayout& e : allEngineLayouts()) {
+      pairs.push_back({s, e});
+      pairs.push_back({e, s});
+    }
+    for (const EngineLayout& e : sharedEngineLayouts()) pairs.push_back({s, e});
+  }
+  const int cases = runOverTpAndPpPairs(model, pairs, [](int i, LocalTransferOptions& o) {
+    if (i % 4 == 1) o.gen_tokens_per_block = 32;
+    if (i % 5 == 2) o.layer_cuts = {2, 4, 5};
+  });
+  EXPECT_EQ(cases, 44 * 6 * 3);
 }
 
 // Streaming (LayerRange): a request planned per range of layers, the ranges' plans run

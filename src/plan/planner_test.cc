@@ -442,7 +442,7 @@ TEST(PlannerCompat, BadRequestIdsAreRefusedBeforePlanning) {
             "gen block id 4 at position 2 >= num_blocks=4");
   EXPECT_EQ(p->planRank(0, src, {{0, 1}, 1}, {0, 3}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(p->planRank(0, src, {{0, 1, 2}, 2}, {0, 3}).status().message(),
-            "gen slot 2 >= num_slots=2");
+            "gen state id 2 of group 0 >= num_slots=2");
   // A repeated id inside the prefix is fine: those blocks are not written.
   EXPECT_TRUE(p->planRank(0, src, {{3, 3, 1}, 1}, {2, 1}).isOk());
 }
