@@ -60,9 +60,12 @@ int main(int argc, char** argv) {
       }
     }
   }
-  // Every engine layout (described records, rank_info.records) at tp 2, rank 1.
+  // Every engine layout (described records, rank_info.records; id groups for vllm shared
+  // tensors) at tp 2, rank 1.
+  std::vector<EngineLayout> layouts = allEngineLayouts();
+  for (const EngineLayout& e : sharedEngineLayouts()) layouts.push_back(e);
   for (const ModelSpec& model : examples::models()) {
-    for (const EngineLayout& e : allEngineLayouts()) {
+    for (const EngineLayout& e : layouts) {
       if (e.engine == Engine::kHxfer) continue;  // above
       auto info = examples::rankInfo(model, {2, 1, {}}, 1, e, InstanceRole::kGeneration);
       if (!info.isOk()) {

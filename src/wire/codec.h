@@ -27,8 +27,11 @@ inline constexpr uint16_t kWireVersionMajor = 1;
 // 1: transfer_done.aux. 2: hello.incarnation, epochs in transfer_request / transfer_done /
 // cancel, status code 11 (expired). 3: rank_info.records (engine layouts, record_layout.h).
 // 4: transfer_request.staging (a part gathered into one write, scattered by the generation rank).
-inline constexpr uint16_t kWireVersionMinor = 4;
+// 5: rank_info.id_groups and transfer_request.dst_group_slots (vLLM's shared per-group tensors:
+// one id pool, a state id per group).
+inline constexpr uint16_t kWireVersionMinor = 5;
 inline constexpr uint16_t kStagingMinor = 4;
+inline constexpr uint16_t kStateGroupsMinor = 5;
 
 // Limits (all inclusive). Changing one is a format change: document it.
 inline constexpr uint64_t kMaxFrameBodyBytes = 16u << 20;  // one message body
@@ -49,6 +52,7 @@ inline constexpr uint64_t kMaxSections = 64;      // per view
 inline constexpr uint64_t kMaxRecordDims = 16;    // dims of one described record
 inline constexpr uint64_t kMaxElementBytes = 16;  // element size of a described record
 inline constexpr uint64_t kMaxBlockIds = 1u << 20;
+inline constexpr uint64_t kMaxStateGroups = 1u << 16;  // state ids of a request on one rank
 // Region lengths, offsets, strides and unit sizes: 2^48 bytes (256 TiB) keeps every sum of two
 // of them far from overflowing 64 bits in the planner and the transports.
 inline constexpr uint64_t kMaxRegionBytes = uint64_t{1} << 48;

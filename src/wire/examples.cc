@@ -118,6 +118,9 @@ std::vector<std::pair<std::string, Message>> messages() {
   out.emplace_back("transfer_request_no_slot", plain);
   req.staging = Staging{0x7FFF0000u, 4096, 1u << 20};
   out.emplace_back("transfer_request_staged", req);
+  req.staging.reset();
+  req.dst_group_slots = {6, 7, 1};
+  out.emplace_back("transfer_request_group_slots", req);
 
   out.emplace_back("transfer_done", TransferDone{7, OkStatus(), 123456, 0x0123456789abcdefull,
                                                  Bytes{0x2a, 0, 0, 0}, 3});

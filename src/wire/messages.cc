@@ -60,6 +60,8 @@ void encodeBody(const TransferRequest& m, Bytes& out) {
     putVarint64(out, m.staging->offset);
     putVarint64(out, m.staging->bytes);
   }
+  putVarint64(out, m.dst_group_slots.size());
+  for (uint32_t id : m.dst_group_slots) putVarint64(out, id);
 }
 
 void encodeBody(const TransferDone& m, Bytes& out) {
@@ -126,6 +128,14 @@ Status check(const TransferRequest& m) {
     if (m.staging->bytes > kMaxRegionBytes)
       return over("transfer_request.staging.bytes", m.staging->bytes, kMaxRegionBytes);
   }
+  if (m.dst_group_slots.size() > kMaxStateGroups) {
+    return over("transfer_request.dst_group_slots.count", m.dst_group_slots.size(),
+                kMaxStateGroups);
+  }
+  if (!m.dst_group_slots.empty() && !m.dst_slot) {
+    return Corruption("transfer_request.dst_group_slots has " +
+                      std::to_string(m.dst_group_slots.size()) + " ids but dst_slot is absent");
+  }
   return OkStatus();
 }
 
@@ -173,7 +183,7 @@ Status readBody(WireReader& r, Hello* m, uint16_t minor) {
   return r.u64Fixed("incarnation", &m->incarnation);
 }
 
-// transfer_request.epoch was appended in minor 2, transfer_request.staging in minor 4.
+// transfer_request.epoch was appended in minor 2, staging in minor 4, dst_group_slots in 5.
 Status readBody(WireReader& r, TransferRequest* m, uint16_t minor) {
   RETURN_IF_ERROR(r.u64Fixed("request_id", &m->request_id));
   RETURN_IF_ERROR(r.varint32("gen_tp_rank", kMaxTp - 1, &m->gen_tp_rank));
@@ -199,12 +209,23 @@ Status readBody(WireReader& r, TransferRequest* m, uint16_t minor) {
   if (minor < kStagingMinor) return OkStatus();
   bool has_staging = false;
   RETURN_IF_ERROR(r.boolean("has_staging", &has_staging));
-  if (!has_staging) return OkStatus();
-  Staging st;
-  RETURN_IF_ERROR(r.varint32("staging.region", UINT32_MAX, &st.region));
-  RETURN_IF_ERROR(r.varint("staging.offset", kMaxRegionBytes, &st.offset));
-  RETURN_IF_ERROR(r.varint("staging.bytes", kMaxRegionBytes, &st.bytes));
-  m->staging = st;
+  if (has_staging) {
+    Staging st;
+    RETURN_IF_ERROR(r.varint32("staging.region", UINT32_MAX, &st.region));
+    RETURN_IF_ERROR(r.varint("staging.offset", kMaxRegionBytes, &st.offset));
+    RETURN_IF_ERROR(r.varint("staging.bytes", kMaxRegionBytes, &st.bytes));
+    m->staging = st;
+  }
+  if (minor < kStateGroupsMinor) return OkStatus();
+  RETURN_IF_ERROR(r.count("dst_group_slots.count", kMaxStateGroups, 1, &n));
+  if (n > 0 && !has_slot) {
+    return Corruption(r.name("dst_group_slots.count") + "=" + std::to_string(n) +
+                      " but dst_slot is absent");
+  }
+  m->dst_group_slots.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    RETURN_IF_ERROR(r.varint32("dst_group_slots", UINT32_MAX, &m->dst_group_slots[i]));
+  }
   return OkStatus();
 }
 
@@ -409,6 +430,34 @@ Status checkDestination(const TransferRequest& req, const RankLayout& dst) {
     return InvalidArgument("transfer_request.dst_slot=" + std::to_string(*req.dst_slot) +
                            " >= num_slots=" + std::to_string(dst.num_slots));
   }
+  const size_t groups = has_state ? dst.state_groups - 1 : 0;
+  if (req.dst_group_slots.size() != groups) {
+    return InvalidArgument("transfer_request.dst_group_slots has " +
+                           std::to_string(req.dst_group_slots.size()) + " ids but the rank has " +
+                           std::to_string(groups) + " state groups besides dst_slot's");
+  }
+  for (size_t g = 0; g < groups; ++g) {
+    const uint32_t id = req.dst_group_slots[g];
+    const std::string what =
+        "transfer_request.dst_group_slots[" + std::to_string(g) + "]=" + std::to_string(id);
+    if (id >= dst.num_slots) {
+      return InvalidArgument(what + " >= num_slots=" + std::to_string(dst.num_slots));
+    }
+  }
+  if (dst.joint_ids && req.dst_slot) {
+    // One pool: a state id that is also a block (or another group's state) of the request
+    // would be written twice.
+    std::vector<uint32_t> states = req.dst_group_slots;
+    states.push_back(*req.dst_slot);
+    std::sort(states.begin(), states.end());
+    for (size_t i = 0; i < states.size(); ++i) {
+      if ((i > 0 && states[i] == states[i - 1]) ||
+          std::binary_search(sorted.begin(), sorted.end(), states[i])) {
+        return InvalidArgument("transfer_request names id " + std::to_string(states[i]) +
+                               " twice among its blocks and state ids, which share one pool");
+      }
+    }
+  }
   if (req.first_block > req.dst_block_ids.size()) {
     return InvalidArgument("transfer_request.first_block=" + std::to_string(req.first_block) +
                            " is past the " + std::to_string(req.dst_block_ids.size()) + " blocks");
@@ -462,6 +511,8 @@ std::string summary(const TransferRequest& m) {
          ") blocks=" + std::to_string(m.dst_block_ids.size()) +
          " first=" + std::to_string(m.first_block) +
          " slot=" + (m.dst_slot ? std::to_string(*m.dst_slot) : std::string("none")) +
+         (m.dst_group_slots.empty() ? ""
+                                    : " group_slots=" + std::to_string(m.dst_group_slots.size())) +
          " tokens=" + std::to_string(m.num_tokens) + " aux=" + std::to_string(m.aux.size()) +
          "B epoch=" + std::to_string(m.epoch) +
          (m.staging ? " staging=" + std::to_string(m.staging->region) + "@" +

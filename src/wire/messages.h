@@ -90,6 +90,9 @@ struct TransferRequest {
   // Minor 4: write the part into this staging slot (above). A context rank of minor 4 or later
   // either does so or fails the part; the generation rank asks only such ranks.
   std::optional<Staging> staging;
+  // Minor 5: the state ids of groups 1.. when the rank's layout has several (vLLM's shared
+  // per-group tensors; RankLayout::state_groups - 1 of them), dst_slot being group 0's.
+  std::vector<uint32_t> dst_group_slots;  // <= kMaxStateGroups
   bool operator==(const TransferRequest&) const = default;
 };
 

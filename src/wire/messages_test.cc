@@ -34,7 +34,7 @@ TransferRequest sampleRequest() {
 
 TEST(Messages, EveryExampleMessageRoundTripsAndReencodesIdentically) {
   auto all = examples::messages();
-  ASSERT_EQ(all.size(), 10u);
+  ASSERT_EQ(all.size(), 11u);
   std::set<MessageType> types;
   for (const auto& [name, m] : all) {
     ASSERT_TRUE(checkMessage(m).isOk()) << name << ": " << checkMessage(m).toString();
@@ -278,9 +278,10 @@ TEST(Messages, StagingRoundTripsAndOlderFramesReadWithoutIt) {
   auto back = decodeMessage(encodeMessage(req));
   ASSERT_TRUE(back.isOk()) << back.status().toString();
   EXPECT_EQ(std::get<TransferRequest>(*back), req);
-  // A minor-3 frame: the same bytes without the staging field (1 flag + 1 + 2 + 3 varint bytes).
+  // A minor-3 frame: the same bytes without the staging field (1 flag + 1 + 2 + 3 varint bytes)
+  // and minor 5's dst_group_slots.count (1 byte).
   Bytes frame = encodeMessage(req);
-  frame.erase(frame.end() - kFrameTrailerBytes - 7, frame.end() - kFrameTrailerBytes);
+  frame.erase(frame.end() - kFrameTrailerBytes - 8, frame.end() - kFrameTrailerBytes);
   frame[6] = 3;
   reseal(frame);
   back = decodeMessage(frame);
@@ -318,6 +319,62 @@ TEST(Messages, CheckDestinationRefusesAStagingSlotOutsideAStagingRegion) {
   EXPECT_NE(s.message().find("is not a region of the rank"), std::string::npos) << s.toString();
 }
 
+// Minor 5: the state ids of groups 1.. (vLLM's shared tensors) travel in
+// transfer_request.dst_group_slots; a minor-4 frame reads without them.
+TEST(Messages, GroupSlotsRoundTripAndMinorFourFramesReadWithout) {
+  TransferRequest req;
+  req.request_id = 5;
+  req.dst_block_ids = {1, 2};
+  req.dst_slot = 3;
+  req.num_tokens = 3;
+  req.dst_group_slots = {4, 9, 300};
+  auto back = decodeMessage(encodeMessage(req));
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_EQ(std::get<TransferRequest>(*back), req);
+  Bytes frame = encodeMessage(req);  // count 3, then 1 + 1 + 2 varint bytes
+  frame.erase(frame.end() - kFrameTrailerBytes - 5, frame.end() - kFrameTrailerBytes);
+  frame[6] = 4;
+  reseal(frame);
+  back = decodeMessage(frame);
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_TRUE(std::get<TransferRequest>(*back).dst_group_slots.empty());
+  req.dst_slot.reset();
+  EXPECT_NE(checkMessage(req).message().find("dst_slot is absent"), std::string::npos)
+      << checkMessage(req).toString();
+}
+
+// The destination's state ids: as many as its layout's state groups, inside the pool, and
+// with one id pool none also a block or another group's state.
+TEST(Messages, CheckDestinationWantsOneStateIdPerGroupEachOnceInTheJointPool) {
+  auto info = examples::rankInfo(examples::models()[0], {1, 1, {}}, 0, sharedEngineLayouts()[0],
+                                 InstanceRole::kGeneration);
+  ASSERT_TRUE(info.isOk()) << info.status().toString();
+  const RankLayout& layout = info->layout;
+  ASSERT_GT(layout.state_groups, 1u);
+  ASSERT_GE(layout.num_blocks, 2 + layout.state_groups);
+  TransferRequest req;
+  req.dst_block_ids = {0, 1};
+  req.dst_slot = 2;
+  req.num_tokens = 3;
+  for (uint32_t g = 1; g < layout.state_groups; ++g) req.dst_group_slots.push_back(2 + g);
+  EXPECT_TRUE(checkDestination(req, layout).isOk()) << checkDestination(req, layout).toString();
+  TransferRequest fewer = req;
+  fewer.dst_group_slots.pop_back();
+  EXPECT_NE(checkDestination(fewer, layout).message().find("state groups besides dst_slot's"),
+            std::string::npos)
+      << checkDestination(fewer, layout).toString();
+  TransferRequest outside = req;
+  outside.dst_group_slots.back() = layout.num_slots;
+  EXPECT_NE(checkDestination(outside, layout).message().find(">= num_slots"), std::string::npos);
+  TransferRequest block = req;
+  block.dst_group_slots.front() = 1;
+  EXPECT_NE(checkDestination(block, layout).message().find("names id 1 twice"), std::string::npos)
+      << checkDestination(block, layout).toString();
+  TransferRequest twice = req;
+  twice.dst_group_slots.back() = 2;
+  EXPECT_NE(checkDestination(twice, layout).message().find("names id 2 twice"), std::string::npos);
+}
+
 // Minor 2 appended the epochs and hello.incarnation, and the Expired code (11). A minor-1
 // frame without them reads with zero epochs; Expired in a minor-1 frame is refused, since a
 // minor-1 reader would not know it.
@@ -332,8 +389,8 @@ TEST(Messages, MinorOneFramesReadWithoutEpochsAndCannotSayExpired) {
   req.request_id = 5;
   req.dst_block_ids = {1, 2};
   req.num_tokens = 3;
-  req.epoch = 7;  // one varint byte, then has_staging (minor 4): one byte
-  auto got = decodeMessage(asMinorOne(encodeMessage(req), 2));
+  req.epoch = 7;  // one varint byte, has_staging (minor 4) and dst_group_slots.count (minor 5)
+  auto got = decodeMessage(asMinorOne(encodeMessage(req), 3));
   ASSERT_TRUE(got.isOk()) << got.status().toString();
   EXPECT_EQ(std::get<TransferRequest>(*got).epoch, 0u);
   EXPECT_EQ(std::get<TransferRequest>(*got).dst_block_ids, req.dst_block_ids);

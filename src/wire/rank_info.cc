@@ -84,6 +84,9 @@ Status checkLayoutLimits(const RankLayout& l, const std::string& path) {
       return over(at + "name.length", r.name.size(), kMaxNameBytes);
   }
   if (l.views.size() > kMaxViews) return over(path + "views.count", l.views.size(), kMaxViews);
+  if (l.state_groups > kMaxStateGroups) {
+    return over(path + "state_groups", l.state_groups, kMaxStateGroups);
+  }
   for (size_t i = 0; i < l.views.size(); ++i) {
     const PoolView& v = l.views[i];
     const std::string at = path + "views[" + std::to_string(i) + "].";
@@ -238,6 +241,21 @@ Status readLayout(WireReader& r, RankLayout* l) {
   return OkStatus();
 }
 
+// One entry's view index of a list by ascending view (records, id groups): below the layout's
+// view count and above the previous entry's (`next_view` is one past it, and is advanced).
+Status readViewIndex(WireReader& r, const RankLayout& l, size_t* next_view, uint32_t* view) {
+  RETURN_IF_ERROR(r.varint32("view", kMaxViews, view));
+  if (*view < *next_view || *view >= l.views.size()) {
+    return Corruption(
+        r.name("view") + "=" + std::to_string(*view) +
+        (*view >= l.views.size()
+             ? " names no view (the layout has " + std::to_string(l.views.size()) + ")"
+             : " is not above the previous entry's view " + std::to_string(*next_view - 1)));
+  }
+  *next_view = size_t{*view} + 1;
+  return OkStatus();
+}
+
 // rank_info.records (minor 3): the described records of the views, by ascending view index.
 Status readRecords(WireReader& r, RankLayout* l) {
   size_t n = 0;
@@ -247,15 +265,7 @@ Status readRecords(WireReader& r, RankLayout* l) {
   for (size_t i = 0; i < n; ++i) {
     auto el = r.element("records", i);
     uint32_t view = 0;
-    RETURN_IF_ERROR(r.varint32("view", kMaxViews, &view));
-    if (view < next_view || view >= l->views.size()) {
-      return Corruption(
-          r.name("view") + "=" + std::to_string(view) +
-          (view >= l->views.size()
-               ? " names no view (the layout has " + std::to_string(l->views.size()) + ")"
-               : " is not above the previous entry's view " + std::to_string(next_view - 1)));
-    }
-    next_view = size_t{view} + 1;
+    RETURN_IF_ERROR(readViewIndex(r, *l, &next_view, &view));
     RecordLayout rec;
     RETURN_IF_ERROR(r.varint32("element_bytes", kMaxElementBytes, &rec.element_bytes));
     size_t dims = 0;
@@ -271,6 +281,34 @@ Status readRecords(WireReader& r, RankLayout* l) {
     l->views[view].record = std::move(rec);
   }
   return OkStatus();
+}
+
+// rank_info.id_groups (minor 5): joint ids, state groups, and the views of state group > 0 by
+// ascending view index.
+Status readIdGroups(WireReader& r, RankLayout* l) {
+  RETURN_IF_ERROR(r.boolean("joint_ids", &l->joint_ids));
+  RETURN_IF_ERROR(r.varint32("state_groups", kMaxStateGroups, &l->state_groups));
+  size_t n = 0;
+  // Smallest entry: view, group = 2 bytes.
+  RETURN_IF_ERROR(r.count("state_group_views.count", l->views.size(), 2, &n));
+  size_t next_view = 0;
+  for (size_t i = 0; i < n; ++i) {
+    auto el = r.element("state_group_views", i);
+    uint32_t view = 0;
+    RETURN_IF_ERROR(readViewIndex(r, *l, &next_view, &view));
+    uint32_t group = 0;
+    RETURN_IF_ERROR(r.varint32("state_group", kMaxStateGroups - 1, &group));
+    if (group == 0) return Corruption(r.name("state_group") + "=0 is the default, never listed");
+    l->views[view].state_group = group;
+  }
+  return OkStatus();
+}
+
+// Whether `l` uses what minor 5 added: one id pool, or state ids per group.
+bool usesIdGroups(const RankLayout& l) {
+  return l.joint_ids || l.state_groups != 1 ||
+         std::any_of(l.views.begin(), l.views.end(),
+                     [](const PoolView& v) { return v.state_group != 0; });
 }
 
 Status checkRankInfoAt(const RankInfo& info, const std::string& path) {
@@ -299,6 +337,11 @@ Status checkRankInfoAt(const RankInfo& info, const std::string& path) {
             " (this rank_info says " + std::to_string(info.version_minor) + ")");
       }
     }
+  }
+  if (info.version_minor < kStateGroupsMinor && usesIdGroups(info.layout)) {
+    return Corruption(path + "layout: one id pool or state ids per group need version_minor >= " +
+                      std::to_string(kStateGroupsMinor) + " (this rank_info says " +
+                      std::to_string(info.version_minor) + ")");
   }
   RETURN_IF_ERROR(checkLayoutLimits(info.layout, path + "layout."));
   Status valid = info.layout.validate();
@@ -329,6 +372,14 @@ Status checkRankInfoAt(const RankInfo& info, const std::string& path) {
 Status checkRankInfo(const RankInfo& info) { return checkRankInfoAt(info, "rank_info."); }
 
 Status checkPeerReadsLayout(const RankLayout& self, uint16_t peer_minor) {
+  if (peer_minor < kStateGroupsMinor && usesIdGroups(self)) {
+    return Incompatible("peer speaks " + versionText(kWireVersionMajor, peer_minor) +
+                        ", which knows one state id per request and separate block and state "
+                        "pools, but this rank's layout draws them from one pool with " +
+                        std::to_string(self.state_groups) +
+                        " state ids per request (vLLM's shared tensors); that needs " +
+                        versionText(kWireVersionMajor, kStateGroupsMinor) + " or later");
+  }
   if (peer_minor >= kRecordsMinor) return OkStatus();
   for (size_t i = 0; i < self.views.size(); ++i) {
     const PoolView& v = self.views[i];
@@ -371,6 +422,16 @@ void encodeRankInfo(const RankInfo& info, Bytes& out) {
       putVarint64(out, d.stride);
     }
   }
+  if (info.version_minor < kStateGroupsMinor) return;
+  putFixed8(out, info.layout.joint_ids ? 1 : 0);
+  putVarint64(out, info.layout.state_groups);
+  putVarint64(out, std::count_if(views.begin(), views.end(),
+                                 [](const PoolView& v) { return v.state_group != 0; }));
+  for (size_t i = 0; i < views.size(); ++i) {
+    if (views[i].state_group == 0) continue;
+    putVarint64(out, i);
+    putVarint64(out, views[i].state_group);
+  }
 }
 
 Bytes encodeRankInfo(const RankInfo& info) {
@@ -409,6 +470,7 @@ StatusOr<RankInfo> decodeRankInfo(std::span<const uint8_t> in, std::string path)
     RETURN_IF_ERROR(r.bytes("key", kMaxKeyBytes, &info.region_keys[i].key));
   }
   if (info.version_minor >= kRecordsMinor) RETURN_IF_ERROR(readRecords(r, &info.layout));
+  if (info.version_minor >= kStateGroupsMinor) RETURN_IF_ERROR(readIdGroups(r, &info.layout));
   // A newer minor may append fields this build does not know: skip them. Same or older minor:
   // the body must end exactly here.
   if (info.version_minor > kWireVersionMinor) {

@@ -254,9 +254,9 @@ TEST(RankInfo, CountWithinItsLimitButBeyondTheInputIsRefusedWithoutAllocating) {
   info.layout.views.clear();
   info.region_keys.clear();
   Bytes bytes = encodeRankInfo(info);
-  // Replace the trailing "views.count=0, region_keys.count=0, records.count=0" by
-  // views.count=4096 and nothing.
-  bytes.resize(bytes.size() - 3);
+  // Replace the trailing "views.count=0, region_keys.count=0, records.count=0, joint_ids=0,
+  // state_groups=1, state_group_views.count=0" by views.count=4096 and nothing.
+  bytes.resize(bytes.size() - 6);
   putVarint64(bytes, 4096);
   g_largest = 0;
   g_track = true;
@@ -369,8 +369,10 @@ size_t describedViews(const RankInfo& info) {
 
 TEST(RankInfo, EveryEngineLayoutOfEveryExampleModelRoundTripsWithItsRecords) {
   size_t infos = 0, described = 0;
+  std::vector<EngineLayout> layouts = allEngineLayouts();
+  for (const EngineLayout& e : sharedEngineLayouts()) layouts.push_back(e);
   for (const ModelSpec& m : examples::models()) {
-    for (const EngineLayout& e : allEngineLayouts()) {
+    for (const EngineLayout& e : layouts) {
       for (auto [tp, pp] : {std::pair{1u, 1u}, {2u, 1u}, {4u, 2u}}) {
         for (uint32_t rank = 0; rank < tp * pp; ++rank) {
           auto info = examples::rankInfo(m, {tp, pp, {}}, rank, e, InstanceRole::kContext);
@@ -387,7 +389,7 @@ TEST(RankInfo, EveryEngineLayoutOfEveryExampleModelRoundTripsWithItsRecords) {
       }
     }
   }
-  EXPECT_EQ(infos, examples::models().size() * allEngineLayouts().size() * (1 + 2 + 8));
+  EXPECT_EQ(infos, examples::models().size() * layouts.size() * (1 + 2 + 8));
   EXPECT_GT(described, infos);  // most engine layouts describe several views of each rank
 }
 
@@ -396,10 +398,11 @@ TEST(RankInfo, HxferLayoutsCarryNoRecordsAndAnEmptyRecordsList) {
   ASSERT_EQ(describedViews(info), 0u);
   RankInfo older = info;
   older.version_minor = kRecordsMinor - 1;
-  // The only difference at minor 3 is the trailing records.count = 0.
+  // The only difference at minor 5 is the trailing records.count = 0 and the id groups of a
+  // layout with one slot per request: joint_ids 0, state_groups 1, no views listed.
   const Bytes now = encodeRankInfo(info), before = encodeRankInfo(older);
-  ASSERT_EQ(now.size(), before.size() + 1);
-  EXPECT_EQ(now.back(), 0);
+  ASSERT_EQ(now.size(), before.size() + 4);
+  EXPECT_EQ(Bytes(now.end() - 4, now.end()), (Bytes{0, 0, 1, 0}));
   auto got = decodeRankInfo(before);
   ASSERT_TRUE(got.isOk()) << got.status().toString();
   EXPECT_EQ(*got, older);
@@ -483,8 +486,11 @@ Bytes withRecords(const RankInfo& info, const Bytes& records) {
   RankInfo plain = info;
   for (PoolView& v : plain.layout.views) v.record.reset();
   Bytes out = encodeRankInfo(plain);
-  out.pop_back();  // records.count = 0
+  // records.count = 0, then id_groups: joint_ids 0, state_groups 1, state_group_views.count 0.
+  const Bytes id_groups(out.end() - 3, out.end());
+  out.resize(out.size() - 4);
   out.insert(out.end(), records.begin(), records.end());
+  out.insert(out.end(), id_groups.begin(), id_groups.end());
   return out;
 }
 
@@ -576,6 +582,52 @@ TEST(RankInfo, InstanceRoleNamesParseBack) {
     EXPECT_EQ(*parsed, r);
   }
   EXPECT_EQ(parseInstanceRole("router").status().code(), StatusCode::kInvalidArgument);
+}
+
+// vLLM's shared tensors (minor 5): one id pool and a state id per group travel in
+// rank_info.id_groups; a peer older than minor 5 would read overlapping views of one group.
+TEST(RankInfo, IdGroupsTravelFromMinorFiveAndAnOlderPeerIsRefused) {
+  auto info = examples::rankInfo(examples::models()[0], {2, 1, {}}, 1, sharedEngineLayouts()[0],
+                                 InstanceRole::kGeneration);
+  ASSERT_TRUE(info.isOk()) << info.status().toString();
+  ASSERT_TRUE(info->layout.joint_ids);
+  ASSERT_GT(info->layout.state_groups, 1u);
+  auto got = decodeRankInfo(encodeRankInfo(*info));
+  ASSERT_TRUE(got.isOk()) << got.status().toString();
+  EXPECT_EQ(*got, *info);
+  Status older = checkPeerReadsLayout(info->layout, kStateGroupsMinor - 1);
+  EXPECT_EQ(older.code(), StatusCode::kIncompatible);
+  EXPECT_NE(older.message().find("needs 1.5 or later"), std::string::npos) << older.toString();
+  EXPECT_TRUE(checkPeerReadsLayout(sample().layout, kStateGroupsMinor - 1).isOk());
+  RankInfo at_four = *info;
+  at_four.version_minor = kStateGroupsMinor - 1;
+  EXPECT_NE(checkRankInfo(at_four).message().find("need version_minor >= 5"), std::string::npos)
+      << checkRankInfo(at_four).toString();
+}
+
+TEST(RankInfo, HostileIdGroupsAreRefusedNamingTheField) {
+  auto info = examples::rankInfo(examples::models()[0], {1, 1, {}}, 0, sharedEngineLayouts()[0],
+                                 InstanceRole::kGeneration);
+  ASSERT_TRUE(info.isOk());
+  const Bytes good = encodeRankInfo(*info);
+  // The id groups are the last bytes: joint_ids, state_groups, count, then (view, group) pairs.
+  size_t listed = 0;
+  for (const PoolView& v : info->layout.views) listed += v.state_group != 0;
+  ASSERT_GT(listed, 0u);
+  auto idGroups = [&](const Bytes& groups) {
+    Bytes out(good.begin(), good.end() - 3 - 2 * listed);
+    out.insert(out.end(), groups.begin(), groups.end());
+    return out;
+  };
+  ASSERT_EQ(idGroups(Bytes(good.end() - 3 - 2 * listed, good.end())), good);
+  const uint8_t groups = static_cast<uint8_t>(info->layout.state_groups);
+  expectCorruption(idGroups({1, groups, 1, 0, 0}), "state_group=0 is the default");
+  expectCorruption(idGroups({1, groups, 2, 5, 1, 4, 1}), "is not above the previous entry");
+  expectCorruption(idGroups({1, groups, 1, 0x7f, 1}), "names no view");
+  expectCorruption(idGroups({2, groups, 0}), "joint_ids");
+  // Without the groups, the views of one tensor overlap: refused by validate().
+  expectCorruption(idGroups({1, 1, 0}), "overlap in region");
+  expectCorruption(idGroups({0, groups, 0}), "overlap in region");
 }
 
 }  // namespace
