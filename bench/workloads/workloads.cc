@@ -505,8 +505,7 @@ Status prepareContext(LocalCluster& c, uint64_t id, uint32_t tokens, bool fill,
     }
     if (!a.isOk()) return a.status();
     if (fill) {
-      RETURN_IF_ERROR(fillRank(cache.layout(), engine::cacheMemory(cache),
-                               RankIds{a->blocks, a->slot.value_or(0)}, id));
+      RETURN_IF_ERROR(fillRank(cache.layout(), engine::cacheMemory(cache), idsOf(*a), id));
     }
     if (mark_ready) RETURN_IF_ERROR(c.senders()[i]->markReady(id));
   }
@@ -529,7 +528,7 @@ StatusOr<Shape> requestShape(LocalCluster& c, const std::vector<RankIds>& ctx_id
   for (auto& gen : c.genCaches()) {
     ASSIGN_OR_RETURN(Allocation a, gen->find(id));
     ASSIGN_OR_RETURN(Planner p, Planner::create(ctx, gen->layout()));
-    const RankIds dst{a.blocks, a.slot.value_or(0)};
+    const RankIds dst = idsOf(a);
     const BlockRange range{0, static_cast<uint32_t>(a.blocks.size())};
     RequestPlan plan;
     RETURN_IF_ERROR(p.planInto(ctx_ids, dst, range, &plan));  // warm
@@ -561,7 +560,7 @@ StatusOr<std::vector<RankIds>> contextIds(LocalCluster& c, uint64_t id) {
   std::vector<RankIds> ids;
   for (auto& cache : c.ctxCaches()) {
     ASSIGN_OR_RETURN(Allocation a, cache->find(id));
-    ids.push_back(RankIds{a.blocks, a.slot.value_or(0)});
+    ids.push_back(idsOf(a));
   }
   return ids;
 }

@@ -83,6 +83,14 @@ Status TransferLease::release() {
   return m->endTransfer(request_id_);
 }
 
+std::vector<uint32_t> Allocation::stateIds() const {
+  std::vector<uint32_t> out;
+  if (!slot) return out;
+  out.push_back(*slot);
+  out.insert(out.end(), group_slots.begin(), group_slots.end());
+  return out;
+}
+
 // ---- HybridCacheManager ----
 
 StatusOr<std::unique_ptr<HybridCacheManager>> HybridCacheManager::create(
@@ -99,6 +107,12 @@ StatusOr<std::unique_ptr<HybridCacheManager>> HybridCacheManager::create(
   ASSIGN_OR_RETURN(RankLayout probe, buildEngineLayout(model, pc, tp_rank, pp_rank, engine, 1, 1));
   uint32_t blocks = 0, slots = 0;
   RETURN_IF_ERROR(resolveCapacity(probe, capacity, &blocks, &slots));
+  if (probe.joint_ids) {
+    // One id pool: the states of `slots` requests are pages of it too.
+    uint64_t pages = blocks + uint64_t{slots} * probe.state_groups;
+    if (pages > UINT32_MAX) return ResourceExhausted(str(pages) + " pages overflow 32-bit ids");
+    blocks = slots = static_cast<uint32_t>(pages);
+  }
   ASSIGN_OR_RETURN(RankLayout layout,
                    buildEngineLayout(model, pc, tp_rank, pp_rank, engine, blocks, slots));
   std::vector<std::unique_ptr<Region>> regions;
@@ -140,7 +154,13 @@ HybridCacheManager::HybridCacheManager(RankLayout layout,
     : layout_(std::move(layout)),
       regions_(std::move(regions)),
       blocks_(layout_.num_blocks),
-      slots_(layout_.num_slots) {}
+      slots_(layout_.joint_ids ? 0 : layout_.num_slots) {}
+
+std::pair<uint32_t, uint32_t> HybridCacheManager::pageCounts(const Allocation& a) const {
+  const uint32_t b = static_cast<uint32_t>(a.blocks.size());
+  const uint32_t s = a.slot ? 1 + static_cast<uint32_t>(a.group_slots.size()) : 0;
+  return layout_.joint_ids ? std::pair{b + s, 0u} : std::pair{b, s};
+}
 
 const Region* HybridCacheManager::region(uint32_t region_id) const {
   for (const auto& r : regions_) {
@@ -177,41 +197,46 @@ StatusOr<std::span<uint8_t>> HybridCacheManager::record(size_t view, uint32_t in
 
 StatusOr<Allocation> HybridCacheManager::allocate(uint64_t request_id, uint32_t num_tokens) {
   const uint32_t need_blocks = blocksFor(num_tokens);
-  const uint32_t need_slots = hasState() ? 1 : 0;
+  const uint32_t need_slots = hasState() ? layout_.state_groups : 0;
+  const bool joint = layout_.joint_ids;
   std::lock_guard<std::mutex> lock(mu_);
   if (auto it = requests_.find(request_id); it != requests_.end()) {
     return InvalidArgument(
         "request " + str(request_id) + " is already allocated" +
         (it->second.freed ? " (freed, quarantined until its transfers end)" : ""));
   }
-  if (need_blocks > blocks_.freeCount()) {
+  if (need_blocks + (joint ? need_slots : 0) > blocks_.freeCount()) {
     ++stats_.exhausted;
     return ResourceExhausted("kv blocks exhausted: request " + str(request_id) + " needs " +
-                             str(need_blocks) + " blocks for " + str(num_tokens) + " tokens, " +
+                             str(need_blocks) + " blocks for " + str(num_tokens) + " tokens" +
+                             (joint ? " and " + str(need_slots) + " for its states" : "") + ", " +
                              str(blocks_.freeCount()) + " of " + str(blocks_.capacity()) +
                              " free (" + str(stats_.quarantined_blocks) + " quarantined)");
   }
-  if (need_slots > slots_.freeCount()) {
+  if (!joint && need_slots > slots_.freeCount()) {
     ++stats_.exhausted;
-    return ResourceExhausted("state slots exhausted: request " + str(request_id) +
-                             " needs 1 slot, 0 of " + str(slots_.capacity()) + " free (" +
-                             str(stats_.quarantined_slots) + " quarantined)");
+    return ResourceExhausted("state slots exhausted: request " + str(request_id) + " needs " +
+                             str(need_slots) + " slot, " + str(slots_.freeCount()) + " of " +
+                             str(slots_.capacity()) + " free (" + str(stats_.quarantined_slots) +
+                             " quarantined)");
   }
   Request req;
   req.alloc.request_id = request_id;
   req.alloc.num_tokens = num_tokens;
   ASSIGN_OR_RETURN(req.alloc.blocks, blocks_.take(need_blocks));
   if (need_slots) {
-    StatusOr<std::vector<uint32_t>> slot = slots_.take(1);
-    if (!slot.isOk()) {
+    StatusOr<std::vector<uint32_t>> states = statePool().take(need_slots);
+    if (!states.isOk()) {
       // Unreachable after the check above; keep the pools whole regardless.
       (void)blocks_.give(req.alloc.blocks);
-      return slot.status();
+      return states.status();
     }
-    req.alloc.slot = (*slot)[0];
+    req.alloc.slot = states->front();
+    req.alloc.group_slots.assign(states->begin() + 1, states->end());
   }
-  stats_.used_blocks += need_blocks;
-  stats_.used_slots += need_slots;
+  const auto [nb, ns] = pageCounts(req.alloc);
+  stats_.used_blocks += nb;
+  stats_.used_slots += ns;
   ++stats_.live_requests;
   ++stats_.allocations;
   Allocation out = req.alloc;
@@ -233,7 +258,8 @@ Status HybridCacheManager::setFenceMode(FenceMode mode) {
 StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num_tokens,
                                                std::span<const uint32_t> blocks,
                                                std::optional<uint32_t> slot, uint64_t owner,
-                                               uint32_t read_prefix) {
+                                               uint32_t read_prefix,
+                                               std::span<const uint32_t> group_slots) {
   Allocation alloc;
   alloc.request_id = request_id;
   alloc.num_tokens = num_tokens;
@@ -251,8 +277,15 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
       return InvalidArgument("request " + str(request_id) +
                              ": no slot given, and the rank has recurrent layers");
     }
+    if (group_slots.size() + 1 != layout_.state_groups) {
+      return InvalidArgument("request " + str(request_id) + ": " + str(group_slots.size()) +
+                             " group slots given besides the slot, the rank's layout has " +
+                             str(layout_.state_groups) + " state groups");
+    }
     alloc.slot = slot;
+    alloc.group_slots.assign(group_slots.begin(), group_slots.end());
   }
+  const bool joint = layout_.joint_ids;
   std::lock_guard<std::mutex> lock(mu_);
   if (auto it = requests_.find(request_id); it != requests_.end()) {
     return InvalidArgument("request " + str(request_id) + " is already known" +
@@ -261,9 +294,11 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
   // Name the holder of a page that is not free: the engine reused it too early.
   auto holder = [&](bool block, uint32_t page) -> std::string {
     for (const auto& [id, r] : requests_) {
-      const bool held = block ? std::find(r.alloc.blocks.begin(), r.alloc.blocks.end(), page) !=
-                                    r.alloc.blocks.end()
-                              : r.alloc.slot == page;
+      const std::vector<uint32_t> states = r.alloc.stateIds();
+      const bool in_blocks =
+          std::find(r.alloc.blocks.begin(), r.alloc.blocks.end(), page) != r.alloc.blocks.end();
+      const bool in_states = std::find(states.begin(), states.end(), page) != states.end();
+      const bool held = block ? in_blocks || (joint && in_states) : in_states;
       if (held) {
         return " is still held by request " + str(id) +
                (r.freed ? " (freed, fenced: a write into it may still run)" : "");
@@ -302,11 +337,18 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
     }
     return OkStatus();
   };
-  const std::span<const uint32_t> slot_ids =
-      alloc.slot ? std::span<const uint32_t>(&*alloc.slot, 1) : std::span<const uint32_t>();
+  const std::vector<uint32_t> states = alloc.stateIds();
+  const std::span<const uint32_t> slot_ids(states);
   const std::span<const uint32_t> all_blocks(alloc.blocks);
-  RETURN_IF_ERROR(check(blocks_, true, all_blocks, shared_blocks));
-  RETURN_IF_ERROR(check(slots_, false, slot_ids, shared ? slot_ids.size() : 0));
+  if (joint) {
+    // One pool: the states are pages like the blocks, and none may be one of them.
+    std::vector<uint32_t> pages = alloc.blocks;
+    pages.insert(pages.end(), states.begin(), states.end());
+    RETURN_IF_ERROR(check(blocks_, true, pages, shared ? pages.size() : shared_blocks));
+  } else {
+    RETURN_IF_ERROR(check(blocks_, true, all_blocks, shared_blocks));
+    RETURN_IF_ERROR(check(slots_, false, slot_ids, shared ? slot_ids.size() : 0));
+  }
   // The first reader of a page takes it from the free pool; later ones only count.
   auto share = [](IdPool& pool, std::unordered_map<uint32_t, uint32_t>& refs,
                   std::span<const uint32_t> ids) -> Status {
@@ -321,12 +363,13 @@ StatusOr<Allocation> HybridCacheManager::adopt(uint64_t request_id, uint32_t num
   if (Status s = blocks_.takeIds(all_blocks.subspan(shared_blocks)); !s.isOk()) {
     return Internal(s.message());
   }
-  if (Status s = shared ? share(slots_, slot_refs_, slot_ids) : slots_.takeIds(slot_ids);
+  if (Status s = shared ? share(statePool(), stateRefs(), slot_ids) : statePool().takeIds(slot_ids);
       !s.isOk()) {
     return Internal(s.message());
   }
-  stats_.used_blocks += static_cast<uint32_t>(alloc.blocks.size());
-  stats_.used_slots += static_cast<uint32_t>(slot_ids.size());
+  const auto [nb, ns] = pageCounts(alloc);
+  stats_.used_blocks += nb;
+  stats_.used_slots += ns;
   ++stats_.live_requests;
   ++stats_.allocations;
   Request req;
@@ -350,8 +393,7 @@ Status HybridCacheManager::free(uint64_t request_id) {
                            " was already freed; quarantined until its " + str(req.inflight) +
                            " in-flight transfers end");
   }
-  const uint32_t nb = static_cast<uint32_t>(req.alloc.blocks.size());
-  const uint32_t ns = req.alloc.slot ? 1 : 0;
+  const auto [nb, ns] = pageCounts(req.alloc);
   stats_.used_blocks -= nb;
   stats_.used_slots -= ns;
   --stats_.live_requests;
@@ -368,8 +410,8 @@ Status HybridCacheManager::free(uint64_t request_id) {
 
 Status HybridCacheManager::releaseLocked(uint64_t request_id, Request& req) {
   Status blocks = OkStatus(), slot = OkStatus();
-  const std::span<const uint32_t> slot_ids =
-      req.alloc.slot ? std::span<const uint32_t>(&*req.alloc.slot, 1) : std::span<const uint32_t>();
+  const std::vector<uint32_t> states = req.alloc.stateIds();
+  const std::span<const uint32_t> slot_ids(states);
   // The last reader of a shared page gives it back.
   auto unshare = [](IdPool& pool, std::unordered_map<uint32_t, uint32_t>& refs,
                     std::span<const uint32_t> ids) -> Status {
@@ -385,7 +427,7 @@ Status HybridCacheManager::releaseLocked(uint64_t request_id, Request& req) {
   const std::span<const uint32_t> all_blocks(req.alloc.blocks);
   blocks = unshare(blocks_, block_refs_, all_blocks.first(req.shared_blocks));
   if (blocks.isOk()) blocks = blocks_.give(all_blocks.subspan(req.shared_blocks));
-  slot = req.shared_slot ? unshare(slots_, slot_refs_, slot_ids) : slots_.give(slot_ids);
+  slot = req.shared_slot ? unshare(statePool(), stateRefs(), slot_ids) : statePool().give(slot_ids);
   const uint64_t owner = req.owner;
   requests_.erase(request_id);
   if (release_listener_) release_listener_(request_id, owner);
@@ -431,8 +473,9 @@ Status HybridCacheManager::endTransfer(uint64_t request_id) {
   if (--req.inflight > 0) return OkStatus();
   --stats_.inflight_requests;
   if (!req.freed) return OkStatus();
-  stats_.quarantined_blocks -= static_cast<uint32_t>(req.alloc.blocks.size());
-  stats_.quarantined_slots -= req.alloc.slot ? 1 : 0;
+  const auto [nb, ns] = pageCounts(req.alloc);
+  stats_.quarantined_blocks -= nb;
+  stats_.quarantined_slots -= ns;
   --stats_.quarantined_requests;
   ++stats_.quarantine_releases;
   return releaseLocked(request_id, req);
@@ -450,37 +493,30 @@ Status HybridCacheManager::selfCheck() const {
   uint64_t used_b = 0, used_s = 0, quar_b = 0, quar_s = 0, live = 0, quar = 0, inflight_req = 0,
            inflight = 0;
   std::unordered_map<uint32_t, uint32_t> block_refs, slot_refs;  // recounted (shared pages)
+  const bool joint = layout_.joint_ids;
+  // One page of a pool held by request `id`: by one of its readers (shared) or by it alone.
+  auto hold = [&](bool block, uint64_t id, uint32_t page, bool shared) -> Status {
+    const IdPool& pool = block ? blocks_ : slots_;
+    std::vector<uint64_t>& owner = block ? block_owner : slot_owner;
+    const std::string what = (block ? "block " : "slot ") + str(page);
+    if (page >= owner.size()) return fail("request " + str(id) + " holds " + what);
+    if (pool.isFree(page)) return fail(what + " of request " + str(id) + " is free");
+    if (shared) {
+      ++(block ? block_refs : slot_refs)[page];
+      return OkStatus();
+    }
+    if (owner[page] != 0 || (block ? block_refs_ : slot_refs_).count(page)) {
+      return fail(what + " held by requests " + str(owner[page] - 1) + " and " + str(id));
+    }
+    owner[page] = id + 1;
+    return OkStatus();
+  };
   for (const auto& [id, r] : requests_) {
     for (size_t i = 0; i < r.alloc.blocks.size(); ++i) {
-      const uint32_t b = r.alloc.blocks[i];
-      if (b >= block_owner.size()) return fail("request " + str(id) + " holds block " + str(b));
-      if (i < r.shared_blocks) {
-        if (blocks_.isFree(b))
-          return fail("block " + str(b) + " of request " + str(id) + " is free");
-        ++block_refs[b];
-        continue;
-      }
-      if (block_owner[b] != 0 || block_refs_.count(b)) {
-        return fail("block " + str(b) + " held by requests " + str(block_owner[b] - 1) + " and " +
-                    str(id));
-      }
-      if (blocks_.isFree(b)) return fail("block " + str(b) + " of request " + str(id) + " is free");
-      block_owner[b] = id + 1;
+      RETURN_IF_ERROR(hold(true, id, r.alloc.blocks[i], i < r.shared_blocks));
     }
-    if (r.alloc.slot && r.shared_slot) {
-      const uint32_t s = *r.alloc.slot;
-      if (s >= slot_owner.size() || slots_.isFree(s)) {
-        return fail("slot " + str(s) + " of request " + str(id) + " is free or outside");
-      }
-      ++slot_refs[s];
-    } else if (r.alloc.slot) {
-      const uint32_t s = *r.alloc.slot;
-      if (s >= slot_owner.size()) return fail("request " + str(id) + " holds slot " + str(s));
-      if (slot_owner[s] != 0 || slot_refs_.count(s)) return fail("slot " + str(s) + " held twice");
-      if (slots_.isFree(s)) return fail("slot " + str(s) + " of request " + str(id) + " is free");
-      slot_owner[s] = id + 1;
-    }
-    const uint64_t nb = r.alloc.blocks.size(), ns = r.alloc.slot ? 1 : 0;
+    for (uint32_t s : r.alloc.stateIds()) RETURN_IF_ERROR(hold(joint, id, s, r.shared_slot));
+    const auto [nb, ns] = pageCounts(r.alloc);
     (r.freed ? quar_b : used_b) += nb;
     (r.freed ? quar_s : used_s) += ns;
     ++(r.freed ? quar : live);

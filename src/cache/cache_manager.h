@@ -73,6 +73,11 @@ struct Allocation {
   uint32_t num_tokens = 0;
   std::vector<uint32_t> blocks;
   std::optional<uint32_t> slot;
+  // The state ids of state groups 1.. (RankLayout::state_groups - 1 of them; vLLM's shared
+  // tensors), set with `slot`.
+  std::vector<uint32_t> group_slots;
+  // slot, then group_slots: the request's state ids (none without recurrent layers).
+  std::vector<uint32_t> stateIds() const;
   bool operator==(const Allocation&) const = default;
 };
 
@@ -162,7 +167,9 @@ class HybridCacheManager {
   // any of the three is out of range.
   StatusOr<std::span<uint8_t>> record(size_t view, uint32_t index, uint32_t local_layer) const;
 
-  // Allocates blocksFor(num_tokens) blocks and, on a rank with recurrent layers, one slot.
+  // Allocates blocksFor(num_tokens) blocks and, on a rank with recurrent layers, one slot per
+  // state group (with one id pool, RankLayout::joint_ids, those are pages of the block pool
+  // and count as blocks; the pool then holds blocks + slots x state_groups pages).
   // All or nothing: ResourceExhausted (naming the pool, needed and free counts) leaves the
   // pools unchanged. InvalidArgument when request_id is already known (live or quarantined).
   StatusOr<Allocation> allocate(uint64_t request_id, uint32_t num_tokens);
@@ -176,7 +183,8 @@ class HybridCacheManager {
 
   // Takes the pages the engine chose for `request_id`: `blocks` (each at most once, ignored on
   // a rank without attention layers) and `slot` (required on a rank with recurrent layers,
-  // ignored otherwise), for `num_tokens` tokens; the request is then live as after allocate().
+  // ignored otherwise) and `group_slots` (the further state groups' ids: state_groups - 1 of
+  // them), for `num_tokens` tokens; the request is then live as after allocate().
   // All or nothing. InvalidArgument naming the page when one is outside its pool, listed
   // twice, or still held by a request (live, or freed while a write into it may still run:
   // the engine reused a page before hxfer released it), when blocks are fewer than
@@ -186,7 +194,8 @@ class HybridCacheManager {
   // they are fenced shared, so other requests may name them too, as on a kSharedReads manager.
   StatusOr<Allocation> adopt(uint64_t request_id, uint32_t num_tokens,
                              std::span<const uint32_t> blocks, std::optional<uint32_t> slot,
-                             uint64_t owner = 0, uint32_t read_prefix = 0);
+                             uint64_t owner = 0, uint32_t read_prefix = 0,
+                             std::span<const uint32_t> group_slots = {});
   // Frees a live request. NotFound for an unknown id; InvalidArgument when it was already
   // freed and waits in quarantine. Returns ok in both the immediate and the quarantined case.
   Status free(uint64_t request_id);
@@ -229,8 +238,15 @@ class HybridCacheManager {
     bool freed = false;          // quarantined: freed while in flight
     uint64_t owner = 0;          // adopt()'s tag
     uint32_t shared_blocks = 0;  // the leading blocks fenced shared (read only)
-    bool shared_slot = false;    // the slot fenced shared
+    bool shared_slot = false;    // the state ids fenced shared
   };
+  // Where state ids come from: the block pool when the layout draws both from one pool.
+  IdPool& statePool() { return layout_.joint_ids ? blocks_ : slots_; }
+  std::unordered_map<uint32_t, uint32_t>& stateRefs() {
+    return layout_.joint_ids ? block_refs_ : slot_refs_;
+  }
+  // The pages `a` holds as (blocks, slots) counts: states count as blocks with one id pool.
+  std::pair<uint32_t, uint32_t> pageCounts(const Allocation& a) const;
 
   HybridCacheManager(RankLayout layout, std::vector<std::unique_ptr<Region>> regions);
   // Returns the request's pages to the pools and forgets it. REQUIRES: mu_ held.

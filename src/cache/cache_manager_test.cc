@@ -9,9 +9,11 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <numeric>
 #include <random>
 #include <thread>
 
+#include "cache/engine_layout.h"
 #include "model/presets.h"
 
 namespace hxfer {
@@ -581,6 +583,57 @@ TEST(CacheManagerEngine, AdoptFencesTheEnginesPagesAndReportsTheirRelease) {
   EXPECT_EQ(released, (std::vector<uint64_t>{1, 3, 4}));
   ASSERT_TRUE(m->selfCheck().isOk());
   expectAllFree(m->counters());
+}
+
+// vLLM's shared tensors: blocks and states are pages of one pool, a request holds one state
+// per group, and no page is a block of one request and a state of another (or of the same).
+TEST(CacheManagerEngine, OneIdPoolHandsOutBlocksAndAStatePerGroupNeverTwice) {
+  const ModelSpec model = *loadPreset("nemotron-h-8b");
+  auto shared = parseEngineLayout("vllm", "", "", "", "on");
+  ModelSpec big_pages = model;
+  big_pages.tokens_per_block = 1056;  // vLLM's block size for the Mamba page
+  auto made = HybridCacheManager::create(big_pages, {1, 1, {}}, 0, 0, *shared,
+                                         Capacity::counts(8, 2), Region::Backing::kAnonymous);
+  ASSERT_TRUE(made.isOk()) << made.status().toString();
+  HybridCacheManager& m = **made;
+  const uint32_t groups = m.layout().state_groups;
+  ASSERT_EQ(groups, 6u);
+  EXPECT_EQ(m.counters().total_blocks, 8 + 2 * groups);  // the states of 2 requests on top
+  EXPECT_EQ(m.counters().total_slots, 0u);
+  auto a = m.allocate(1, 3000);  // 3 blocks and 6 states
+  ASSERT_TRUE(a.isOk()) << a.status().toString();
+  ASSERT_EQ(a->group_slots.size(), groups - 1);
+  std::vector<uint32_t> pages = a->blocks;
+  for (uint32_t id : a->stateIds()) pages.push_back(id);
+  std::sort(pages.begin(), pages.end());
+  EXPECT_EQ(std::adjacent_find(pages.begin(), pages.end()), pages.end());
+  EXPECT_EQ(m.counters().used_blocks, 3 + groups);
+  ASSERT_TRUE(m.selfCheck().isOk()) << m.selfCheck().toString();
+  // adopt(): a state that is a block of its own request or of another, or missing groups.
+  std::vector<uint32_t> states(groups - 1);
+  std::iota(states.begin(), states.end(), 15u);
+  Status s = m.adopt(2, 10, std::vector<uint32_t>{14}, 14, 0, 0, states).status();
+  EXPECT_NE(s.message().find("block 14 listed twice"), std::string::npos) << s.toString();
+  s = m.adopt(2, 10, std::vector<uint32_t>{14}, a->blocks[0], 0, 0, states).status();
+  EXPECT_NE(s.message().find("is still held by request 1"), std::string::npos) << s.toString();
+  s = m.adopt(2, 10, std::vector<uint32_t>{14}, 13, 0, 0, std::vector<uint32_t>{15}).status();
+  EXPECT_NE(s.message().find("1 group slots given besides the slot"), std::string::npos)
+      << s.toString();
+  auto b = m.adopt(2, 10, std::vector<uint32_t>{14}, 13, 0, 0, states);
+  ASSERT_TRUE(b.isOk()) << b.status().toString();
+  EXPECT_EQ(b->group_slots, states);
+  // Exhausted counting the states: 20 pages, 9 + 7 held.
+  s = m.allocate(3, 2000).status();
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("and 6 for its states"), std::string::npos) << s.toString();
+  ASSERT_TRUE(m.beginTransfer(1).isOk());
+  ASSERT_TRUE(m.free(1).isOk());
+  EXPECT_EQ(m.counters().quarantined_blocks, 3 + groups);
+  ASSERT_TRUE(m.selfCheck().isOk()) << m.selfCheck().toString();
+  ASSERT_TRUE(m.endTransfer(1).isOk());
+  ASSERT_TRUE(m.free(2).isOk());
+  ASSERT_TRUE(m.selfCheck().isOk()) << m.selfCheck().toString();
+  expectAllFree(m.counters());
 }
 
 TEST(CacheManagerEngine, WrapRefusesMissingOrShortRegions) {

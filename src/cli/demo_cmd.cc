@@ -310,8 +310,7 @@ int contextChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, uint
       const CancelPoint cp = cancelPointFor(o, next);
       auto a = pool.allocate(next, o.tokens);
       if (!a.isOk()) break;  // pages come back as requests complete
-      if (Status s = fillRank(pool.layout(), mem, RankIds{a->blocks, a->slot.value_or(0)}, next);
-          !s.isOk()) {
+      if (Status s = fillRank(pool.layout(), mem, idsOf(*a), next); !s.isOk()) {
         return ch.send("fail " + s.toString()), 1;
       }
       if (cp == CancelPoint::kCtxBeforeReady) (void)(*sender)->cancel(next);
@@ -413,10 +412,9 @@ int generationChild(const DemoOptions& o, const Resolved& r, uint32_t tp_rank, u
       if (res->status.isOk()) {
         // With different tokens per block, kv moves the request's tokens only.
         const bool by_token = r.ctx_model.tokens_per_block != r.gen_model.tokens_per_block;
-        auto check =
-            checkRank(pool.layout(), mem, RankIds{it->alloc.blocks, it->alloc.slot.value_or(0)},
-                      it->id, BlockRange{0, static_cast<uint32_t>(it->alloc.blocks.size())},
-                      by_token ? o.tokens : UINT64_MAX);
+        auto check = checkRank(pool.layout(), mem, idsOf(it->alloc), it->id,
+                               BlockRange{0, static_cast<uint32_t>(it->alloc.blocks.size())},
+                               by_token ? o.tokens : UINT64_MAX);
         verified = check.isOk() && check->ok();
         if (!verified) msg = check.isOk() ? check->toString() : check.status().toString();
         if (verified && res->aux != firstTokenFor(it->id)) {

@@ -256,7 +256,7 @@ int runServe(const ServeOptions& o) {
       // Stands in for prefill: the state is the oracle's.
       auto a = pool.allocate(id, static_cast<uint32_t>(tokens));
       if (!a.isOk()) return;  // the generation side times out; a real server would queue
-      (void)fillRank(pool.layout(), mem, RankIds{a->blocks, a->slot.value_or(0)}, id);
+      (void)fillRank(pool.layout(), mem, idsOf(*a), id);
       (void)sender_ptr->markReady(id);
     };
     auto sender = engine::ContextSender::create(so, &pool, std::move(*agent));
@@ -396,7 +396,7 @@ int runServe(const ServeOptions& o) {
         latencies_us.push_back(static_cast<double>(res->latency.count()) / 1e3);
         // The request's tokens: a context side with another block size moves exactly those
         // (with the same size, whole blocks move and the tokens checked are a part of them).
-        auto check = checkRank(pool.layout(), mem, RankIds{a->blocks, a->slot.value_or(0)}, id,
+        auto check = checkRank(pool.layout(), mem, idsOf(*a), id,
                                BlockRange{0, static_cast<uint32_t>(a->blocks.size())}, o.tokens);
         if (check.isOk() && check->ok()) {
           ++ok;

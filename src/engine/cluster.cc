@@ -89,8 +89,7 @@ Status LocalCluster::prepareContext(uint64_t request_id, uint32_t tokens, bool m
   for (size_t i = 0; i < ctx_caches_.size(); ++i) {
     HybridCacheManager& cache = *ctx_caches_[i];
     ASSIGN_OR_RETURN(Allocation a, cache.allocate(request_id, tokens));
-    RETURN_IF_ERROR(fillRank(cache.layout(), cacheMemory(cache),
-                             RankIds{a.blocks, a.slot.value_or(0)}, request_id));
+    RETURN_IF_ERROR(fillRank(cache.layout(), cacheMemory(cache), idsOf(a), request_id));
     if (mark_ready) RETURN_IF_ERROR(senders_[i]->markReady(request_id));
   }
   return OkStatus();
@@ -138,10 +137,9 @@ StatusOr<OracleReport> LocalCluster::check(uint64_t request_id, uint32_t prefix_
     const uint32_t n = static_cast<uint32_t>(a.blocks.size());
     const uint32_t first = std::min(n, prefix_tokens / cache->layout().tokens_per_block);
     // By token ranges the last block holds the request's tokens only.
-    ASSIGN_OR_RETURN(
-        OracleReport r,
-        checkRank(cache->layout(), cacheMemory(*cache), RankIds{a.blocks, a.slot.value_or(0)},
-                  request_id, BlockRange{first, n - first}, by_token ? a.num_tokens : UINT64_MAX));
+    ASSIGN_OR_RETURN(OracleReport r,
+                     checkRank(cache->layout(), cacheMemory(*cache), idsOf(a), request_id,
+                               BlockRange{first, n - first}, by_token ? a.num_tokens : UINT64_MAX));
     total.merge(r);
   }
   return total;

@@ -576,8 +576,8 @@ StatusOr<RankPlan> ContextSender::planAskLocked(const Source& src, const Ask& as
   }
   ASSIGN_OR_RETURN(Allocation alloc, cache_->find(src.id));
   const wire::TransferRequest& req = ask.req;
-  RankIds src_ids{alloc.blocks, alloc.slot.value_or(0)};
-  RankIds dst_ids{req.dst_block_ids, req.dst_slot.value_or(0)};
+  RankIds src_ids = idsOf(alloc);
+  RankIds dst_ids{req.dst_block_ids, req.dst_slot.value_or(0), req.dst_group_slots};
   const uint32_t n = static_cast<uint32_t>(req.dst_block_ids.size());
   BlockRange range{req.first_block, n - req.first_block, req.num_tokens};
   return pit->second->planner->planRank(0, src_ids, dst_ids, range, layers);

@@ -289,7 +289,7 @@ StatusOr<Allocation> GenerationReceiver::startRequest(uint64_t request_id, uint3
         std::min<size_t>(prefix_tokens / self_.layout.tokens_per_block, used));
     return cache_->adopt(request_id, num_tokens,
                          std::span<const uint32_t>(pages->blocks.data(), used), pages->slot,
-                         pages->owner, prefix_blocks);
+                         pages->owner, prefix_blocks, pages->group_slots);
   };
   StatusOr<Allocation> alloc = take_pages();
   if (!alloc.isOk()) {
@@ -339,6 +339,7 @@ void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
   req.gen_pp_rank = self_.layout.pp_rank;
   req.dst_block_ids = sink.alloc.blocks;
   req.dst_slot = sink.alloc.slot;
+  req.dst_group_slots = sink.alloc.group_slots;
   req.first_block = sink.first_block;
   req.num_tokens = sink.alloc.num_tokens;
   req.aux = sink.aux;
@@ -473,11 +474,8 @@ StatusOr<RankPlan> GenerationReceiver::destinationPlanLocked(const Sink& sink,
       peer.planner->byToken()
           ? (peer.planner->kvTokens(range).second + ctx.tokens_per_block - 1) / ctx.tokens_per_block
           : sink.alloc.blocks.size();
-  RankIds src;
-  for (uint64_t i = 0; i < src_blocks; ++i) {
-    src.blocks.push_back(ctx.num_blocks ? static_cast<uint32_t>(i % ctx.num_blocks) : 0);
-  }
-  RankIds dst{sink.alloc.blocks, sink.alloc.slot.value_or(0)};
+  const RankIds src = placeholderIds(ctx, src_blocks);
+  RankIds dst = idsOf(sink.alloc);
   return peer.planner->planRank(0, src, dst, range);
 }
 

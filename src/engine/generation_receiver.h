@@ -61,11 +61,13 @@ struct RequestResult {
   bool terminal() const { return state != State::kInProgress; }
 };
 
-// The pages an engine chose for one request on this rank: block ids in order, and the slot.
+// The pages an engine chose for one request on this rank: block ids in order, the slot, and
+// the further state groups' ids (vLLM's shared tensors).
 struct EnginePages {
   std::vector<uint32_t> blocks;
   std::optional<uint32_t> slot;
   uint64_t owner = 0;  // HybridCacheManager::adopt's tag for the release listener
+  std::vector<uint32_t> group_slots{};
 };
 
 class GenerationReceiver {

@@ -177,6 +177,36 @@ TEST_P(Transceiver, EngineLayoutsOnBothSidesMoveEveryByte) {
   }
 }
 
+// vLLM's shared tensors on one side or both: block ids and a state id per Mamba group come
+// from one pool on that side, the generation rank's group slots travel in the request (wire
+// 1.5), and every byte verifies with checksums on, several requests in flight at once.
+TEST_P(Transceiver, VllmSharedTensorsMoveEveryByteWithAStatePerGroupFromOnePool) {
+  struct Case {
+    const char *ctx_kv, *ctx_conv, *ctx_shared, *gen_engine, *gen_kv, *gen_conv, *gen_shared;
+    ParallelConfig ctx, gen;
+  };
+  const Case cases[] = {
+      {"nhd", "sd", "on", "hxfer", "", "", "", {2, 1, {}}, {1, 1, {}}},
+      {"nhd", "sd", "off", "vllm", "hnd", "ds", "on", {1, 1, {}}, {2, 1, {}}},
+      {"hnd", "ds", "on", "vllm", "nhd", "sd", "on", {1, 2, {}}, {2, 1, {}}},
+  };
+  for (const Case& k : cases) {
+    auto o = baseOptions(GetParam(), k.ctx, k.gen);
+    o.ctx_engine = *parseEngineLayout("vllm", k.ctx_kv, k.ctx_conv, "", k.ctx_shared);
+    o.gen_engine = *parseEngineLayout(k.gen_engine, k.gen_kv, k.gen_conv, "", k.gen_shared);
+    o.checksum = true;
+    SCOPED_TRACE(o.ctx_engine->toString() + " -> " + o.gen_engine->toString());
+    auto c = make(o);
+    ASSERT_NE(c, nullptr);
+    const RankLayout& shared =
+        (o.gen_engine->shared ? c->genCaches() : c->ctxCaches())[0]->layout();
+    ASSERT_TRUE(shared.joint_ids);
+    ASSERT_GT(shared.state_groups, 1u);
+    transferAndVerify(*c, 1, 3, 70);
+    expectPagesFree(*c);
+  }
+}
+
 // Different tokens per block on the two sides (a vLLM context with large pages, an SGLang or
 // TensorRT-LLM generation side with small ones, and the reverse): kv moves by token ranges,
 // the generation rank expects exactly the request's tokens, checksums cover them, and every

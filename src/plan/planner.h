@@ -36,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "cache/cache_manager.h"
 #include "cache/layout.h"
 #include "common/status.h"
 
@@ -65,6 +66,16 @@ struct RankIds {
   // The id indexing state views of `group`. REQUIRES: group <= group_slots.size().
   uint32_t stateId(uint32_t group) const { return group == 0 ? slot : group_slots[group - 1]; }
 };
+
+// The ids of an allocation: its blocks, slot (0 when none) and group slots.
+inline RankIds idsOf(const Allocation& a) {
+  return RankIds{a.blocks, a.slot.value_or(0), a.group_slots};
+}
+
+// Ids of `blocks` blocks and of every state group that planning on `l` accepts, for plans whose
+// source addresses go unused (the generation rank hashing its destination): the states on ids
+// 0.. and, with one id pool, the blocks on the ids after them.
+RankIds placeholderIds(const RankLayout& l, uint64_t blocks);
 
 // Whether `ids` name the state ids `l` needs (state_groups of them), each < num_slots and,
 // with joint ids, none also one of the request's blocks or another group's state id.
