@@ -156,18 +156,21 @@ std::optional<uint32_t> toSlot(const py::object& obj) {
   return one[0];
 }
 
-// (blocks, slot) as RankPages; slot None where the rank holds no recurrent state.
+// (blocks, slot) or (blocks, slot, group_slots) as RankPages; slot None where the rank holds no
+// recurrent state.
 hxfer::RankPages toRankPages(py::handle obj, const std::string& what) {
   py::tuple t;
   if (py::isinstance<py::tuple>(obj) || py::isinstance<py::list>(obj)) {
     t = py::reinterpret_borrow<py::sequence>(obj).cast<py::tuple>();
   }
-  if (t.size() != 2) {
-    throw py::type_error(what + " must be a (blocks, slot) pair, got " + typeName(obj));
+  if (t.size() != 2 && t.size() != 3) {
+    throw py::type_error(what + " must be (blocks, slot) or (blocks, slot, group_slots), got " +
+                         typeName(obj));
   }
   hxfer::RankPages pages;
   pages.blocks = toPages(t[0], (what + " blocks").c_str());
   pages.slot = toSlot(py::reinterpret_borrow<py::object>(t[1]));
+  if (t.size() == 3) pages.group_slots = toPages(t[2], (what + " group_slots").c_str());
   return pages;
 }
 
@@ -232,6 +235,7 @@ py::dict recordDict(const hxfer::RecordPart& r) {
   d["offset"] = r.offset;
   d["index_stride"] = r.index_stride;
   d["num_indices"] = r.num_indices;
+  d["state_group"] = r.state_group;
   d["dtype"] = r.dtype;
   d["element_bytes"] = r.element_bytes;
   py::list dims;
@@ -720,7 +724,7 @@ PYBIND11_MODULE(hxfer, m) {
              uint32_t num_slots, uint32_t tokens_per_block, std::optional<std::string> kv_dtype,
              std::optional<std::string> conv_dtype, std::optional<std::string> ssm_dtype,
              std::optional<std::string> kv_layout, std::optional<std::string> conv_layout,
-             std::optional<std::string> state_layout) {
+             std::optional<std::string> state_layout, std::optional<std::string> shared_tensors) {
             hxfer::LayoutOptions o;
             o.engine = engine;
             o.model = model.value_or("");
@@ -737,6 +741,7 @@ PYBIND11_MODULE(hxfer, m) {
             o.kv_layout = kv_layout.value_or("");
             o.conv_layout = conv_layout.value_or("");
             o.state_layout = state_layout.value_or("");
+            o.shared_tensors = shared_tensors.value_or("");
             return makeLayout(o);
           },
           py::arg("engine"), py::kw_only(), py::arg("model") = py::none(), py::arg("tp") = 1,
@@ -745,10 +750,13 @@ PYBIND11_MODULE(hxfer, m) {
           py::arg("kv_dtype") = py::none(), py::arg("conv_dtype") = py::none(),
           py::arg("ssm_dtype") = py::none(), py::arg("kv_layout") = py::none(),
           py::arg("conv_layout") = py::none(), py::arg("state_layout") = py::none(),
+          py::arg("shared_tensors") = py::none(),
           "The layout of rank (tp_rank, pp_rank) of `engine` (\"hxfer\", \"trtllm-v1\", "
           "\"trtllm-v2\", \"vllm\", \"sglang\") for `model` (a preset name or a config.json "
           "path; None: the default preset) with num_blocks kv blocks and num_slots state "
-          "slots. dtypes: \"fp32\", \"fp16\", \"bf16\", \"fp8\" (None: the config's).")
+          "slots. dtypes: \"fp32\", \"fp16\", \"bf16\", \"fp8\" (None: the config's). "
+          "shared_tensors=\"on\" (vllm): vLLM's hybrid manager, blocks and a state per Mamba "
+          "group from one pool of num_blocks ids (num_slots is not used).")
       .def(
           "pools",
           [](const hxfer::Layout& l) {
@@ -776,7 +784,8 @@ PYBIND11_MODULE(hxfer, m) {
           },
           py::arg("layer"), py::arg("role"),
           "Where global layer `layer`'s records of `role` (\"kv\", \"conv\", \"ssm\") lie: "
-          "dicts with pool, offset, index_stride, num_indices, dtype, element_bytes, dims "
+          "dicts with pool, offset, index_stride, num_indices, state_group, dtype, element_bytes, "
+          "dims "
           "[{name, size, stride}] and sections [{name, first_unit, units, unit_len, base, "
           "unit_stride, within_stride}] (docs/api.md).")
       .def("layers", &hxfer::Layout::layers, "Global layer ids this rank holds records of.")
@@ -793,6 +802,10 @@ PYBIND11_MODULE(hxfer, m) {
            "Blocks that num_tokens tokens occupy on this rank (0 without attention layers).")
       .def_property_readonly("has_kv", &hxfer::Layout::hasKv)
       .def_property_readonly("has_state", &hxfer::Layout::hasState)
+      .def_property_readonly("state_groups", &hxfer::Layout::stateGroups,
+                             "State ids a request has on this rank: slot and group_slots.")
+      .def_property_readonly("joint_ids", &hxfer::Layout::jointIds,
+                             "Whether block and state ids share one pool (vllm shared tensors).")
       .def_property_readonly("engine_name",
                              [](const hxfer::Layout& l) { return l.options().engine; })
       .def_property_readonly("model", [](const hxfer::Layout& l) { return l.options().model; })
@@ -825,6 +838,7 @@ PYBIND11_MODULE(hxfer, m) {
             d["kv_layout"] = o.kv_layout;
             d["conv_layout"] = o.conv_layout;
             d["state_layout"] = o.state_layout;
+            d["shared_tensors"] = o.shared_tensors;
             d["model"] = o.model;
             d["tp"] = o.tp;
             d["tp_rank"] = o.tp_rank;
@@ -844,6 +858,8 @@ PYBIND11_MODULE(hxfer, m) {
             o.kv_layout = d["kv_layout"].cast<std::string>();
             o.conv_layout = d["conv_layout"].cast<std::string>();
             o.state_layout = d["state_layout"].cast<std::string>();
+            if (d.contains("shared_tensors"))
+              o.shared_tensors = d["shared_tensors"].cast<std::string>();
             o.model = d["model"].cast<std::string>();
             o.tp = d["tp"].cast<uint32_t>();
             o.tp_rank = d["tp_rank"].cast<uint32_t>();
@@ -946,9 +962,9 @@ PYBIND11_MODULE(hxfer, m) {
       .def(
           "mark_ready",
           [](PySender& s, uint64_t id, py::object blocks, py::object slot, py::object aux,
-             py::object layers) {
-            std::vector<uint32_t> pages = toPages(blocks, "blocks");
-            std::optional<uint32_t> slot_index = toSlot(slot);
+             py::object layers, py::object group_slots) {
+            hxfer::RankPages pages{toPages(blocks, "blocks"), toSlot(slot)};
+            if (!group_slots.is_none()) pages.group_slots = toPages(group_slots, "group_slots");
             std::string aux_bytes = toBytes(aux, "aux");
             std::optional<hxfer::LayerSpan> span;
             if (!layers.is_none()) {
@@ -968,13 +984,14 @@ PYBIND11_MODULE(hxfer, m) {
             hxfer::Status st;
             {
               py::gil_scoped_release nogil;
-              st = span ? s.impl->markReady(id, pages, slot_index, *span, aux_bytes)
-                        : s.impl->markReady(id, pages, slot_index, aux_bytes);
+              st = span ? s.impl->markReady(id, pages, *span, aux_bytes)
+                        : s.impl->markReady(id, pages, aux_bytes);
             }
             throwIfError(st);
           },
           py::arg("request_id"), py::arg("blocks"), py::arg("slot") = py::none(),
-          py::arg("aux") = py::bytes(""), py::arg("layers") = py::none())
+          py::arg("aux") = py::bytes(""), py::arg("layers") = py::none(),
+          py::arg("group_slots") = py::none())
       .def(
           "cancel",
           [](PySender& s, uint64_t id) {
@@ -1050,20 +1067,20 @@ PYBIND11_MODULE(hxfer, m) {
       .def(
           "start",
           [](PyReceiver& r, uint64_t id, uint32_t num_tokens, py::object blocks, py::object slot,
-             uint32_t prefix_tokens, py::object aux) {
-            std::vector<uint32_t> pages = toPages(blocks, "blocks");
-            std::optional<uint32_t> slot_index = toSlot(slot);
+             uint32_t prefix_tokens, py::object aux, py::object group_slots) {
+            hxfer::RankPages pages{toPages(blocks, "blocks"), toSlot(slot)};
+            if (!group_slots.is_none()) pages.group_slots = toPages(group_slots, "group_slots");
             std::string aux_bytes = toBytes(aux, "aux");
             hxfer::Status st;
             {
               py::gil_scoped_release nogil;
-              st = r.impl->start(id, num_tokens, pages, slot_index, prefix_tokens, aux_bytes);
+              st = r.impl->start(id, num_tokens, pages, prefix_tokens, aux_bytes);
             }
             throwIfError(st);
           },
           py::arg("request_id"), py::arg("num_tokens"), py::arg("blocks"),
           py::arg("slot") = py::none(), py::arg("prefix_tokens") = 0,
-          py::arg("aux") = py::bytes(""))
+          py::arg("aux") = py::bytes(""), py::arg("group_slots") = py::none())
       .def(
           "poll",
           [](const PyReceiver& r, uint64_t id) {

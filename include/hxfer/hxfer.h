@@ -52,9 +52,11 @@ inline constexpr int kApiVersion = 1;
 struct LayoutOptions {
   // How the engine lays its cache out (docs/layouts.md): "hxfer", "trtllm-v1", "trtllm-v2",
   // "vllm", "sglang"; kv_layout "nhd" | "hnd" (vllm, trtllm-v2), conv_layout "sd" | "ds"
-  // (vllm), state_layout "paged" | "layer-major" (hxfer). Empty: the engine's default.
+  // (vllm), state_layout "paged" | "layer-major" (hxfer), shared_tensors "on" | "off" (vllm:
+  // the hybrid manager's tensors shared by one layer of every KV cache group, blocks and
+  // states from one pool of num_blocks ids, a state id per group). Empty: the default.
   std::string engine = "hxfer";
-  std::string kv_layout, conv_layout, state_layout;
+  std::string kv_layout, conv_layout, state_layout, shared_tensors;
   // A preset name (`hxfer models`) or the path of a Hugging Face config.json; empty: the
   // default preset.
   std::string model;
@@ -98,6 +100,9 @@ struct RecordPart {
   uint64_t offset = 0;
   uint64_t index_stride = 0;
   uint32_t num_indices = 0;
+  // conv/ssm: which of a request's state ids indexes the record (0: RankPages::slot, g > 0:
+  // group_slots[g - 1]); 0 for kv.
+  uint32_t state_group = 0;
   std::string dtype;  // "fp32", "fp16", "bf16", "fp8"
   uint32_t element_bytes = 0;
   std::vector<RecordDim> dims;
@@ -124,6 +129,10 @@ class Layout {
   const PoolInfo* pool(std::string_view name) const;
   bool hasKv() const;     // the rank holds attention layers (blocks are used)
   bool hasState() const;  // the rank holds recurrent layers (a slot is used)
+  // State ids a request has on this rank (RankPages::slot and group_slots): 1, or with vllm's
+  // shared tensors one per group of Mamba layers, drawn from the block pool (jointIds()).
+  uint32_t stateGroups() const;
+  bool jointIds() const;  // block and state ids share one pool of num_blocks ids
   // Blocks that num_tokens tokens occupy on this rank (0 without attention layers).
   uint32_t blocksFor(uint32_t num_tokens) const;
   // The records of global layer `layer` for `role` ("kv", "conv" or "ssm") on this rank: one
@@ -149,10 +158,13 @@ class Layout {
 // ---- Plans: hxfer's planner for an engine (or a benchmark) that moves the bytes itself ----
 
 // One rank's pages of one request: its kv blocks in token order and its state slot (needed
-// where the rank holds recurrent layers).
+// where the rank holds recurrent layers), and the state ids of groups 1.. where the layout has
+// several (Layout::stateGroups() - 1 of them; vllm shared tensors: one per Mamba group, in
+// vLLM's KV cache group order, `slot` being the first Mamba group's).
 struct RankPages {
   std::vector<uint32_t> blocks;
   std::optional<uint32_t> slot;
+  std::vector<uint32_t> group_slots{};
 };
 
 // One copy: `bytes` from pool `src_pool` of source rank `source` at `src_offset` into pool
@@ -328,6 +340,13 @@ class Sender {
   // between ranges (timed out) is reported, and released, at the next call.
   Status markReady(uint64_t request_id, std::span<const uint32_t> blocks,
                    std::optional<uint32_t> slot, LayerSpan layers, std::string_view aux = {});
+  // Both forms with the pages as one value, the form for layouts whose requests have several
+  // state ids (Layout::stateGroups() > 1: `pages.group_slots`); the forms above give none.
+  // InvalidArgument also for the wrong number of group slots, or a state id that is also a
+  // block (jointIds()), naming it.
+  Status markReady(uint64_t request_id, const RankPages& pages, std::string_view aux = {});
+  Status markReady(uint64_t request_id, const RankPages& pages, LayerSpan layers,
+                   std::string_view aux = {});
   // Cancels at any point; always ok; idempotent.
   Status cancel(uint64_t request_id);
   // Whether hxfer still fences the pages of `request_id`.
@@ -399,6 +418,10 @@ class Receiver {
   // fenced).
   Status start(uint64_t request_id, uint32_t num_tokens, std::span<const uint32_t> blocks,
                std::optional<uint32_t> slot, uint32_t prefix_tokens = 0, std::string_view aux = {});
+  // start() with the pages as one value (with `pages.group_slots` where the layout has several
+  // state groups; errors as Sender::markReady's form of the same).
+  Status start(uint64_t request_id, uint32_t num_tokens, const RankPages& pages,
+               uint32_t prefix_tokens = 0, std::string_view aux = {});
   // The request's state now; NotFound for an unknown or released id.
   StatusOr<Result> poll(uint64_t request_id) const;
   // Waits for a terminal state; the in-progress result when `timeout` passes first.

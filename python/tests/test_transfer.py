@@ -363,3 +363,58 @@ def test_streamed_layers_land_before_the_last_is_ready_and_the_request_ends_with
         expect_arrived(gather(lay, gen_pools, *gen_pages), sent, res.bytes, "streamed request")
         rx.release(17)
         assert wait_until(lambda: not tx.holds(17))
+
+
+def _record_bytes(layout, buffers, pages):
+    """The bytes of every record of the request's pages, found through Layout.records(): kv by
+    block, state by the id of the record's state_group (pages = (blocks, slot, group_slots))."""
+    blocks, slot, group_slots = pages
+    state_ids = [slot] + list(group_slots)
+    out = []
+    for layer in layout.layers():
+        for role in ("kv", "conv", "ssm"):
+            try:
+                parts = layout.records(layer, role)
+            except hxfer.Error as e:
+                assert e.code == "NotFound", str(e)
+                continue
+            for part in parts:
+                mem = buffers[part["pool"]]
+                span = part["element_bytes"] + sum((d["size"] - 1) * d["stride"]
+                                                   for d in part["dims"])
+                indices = blocks if role == "kv" else [state_ids[part["state_group"]]]
+                for i in indices:
+                    at = part["offset"] + i * part["index_stride"]
+                    out.append(mem[at:at + span].copy())
+    return np.concatenate(out)
+
+
+def test_vllm_shared_tensors_move_a_request_with_a_state_id_per_group_byte_exact():
+    # vLLM's hybrid manager: one tensor per layer of every KV cache group, blocks and states
+    # from one pool, one state id per group of Mamba layers (tiny-hybrid: two groups).
+    lay = tiny_layout("vllm", shared_tensors="on")
+    assert lay.joint_ids and lay.state_groups == 2
+    assert [p["name"] for p in lay.pools()] == ["shared.0", "shared.1"]
+    ctx_bufs = numpy_pools(lay)
+    for b in ctx_bufs.values():
+        b[:] = np.random.default_rng(5).integers(0, 256, b.size, dtype=np.uint8)
+    gen_bufs = numpy_pools(lay)
+    ctx_pages, gen_pages = ([4, 9], 2, [11]), ([0, 7], 12, [3])
+    with hxfer.Sender(lay, hxfer.Memory(lay, ctx_bufs), backend="inproc") as tx:
+        with hxfer.Receiver(lay, hxfer.Memory(lay, gen_bufs), peers=[tx.address],
+                            backend="inproc") as rx:
+            with pytest.raises(hxfer.Error, match="0 group slots given besides the slot"):
+                tx.mark_ready(1, blocks=[4, 9], slot=2)
+            tx.mark_ready(1, blocks=ctx_pages[0], slot=ctx_pages[1], group_slots=ctx_pages[2])
+            rx.start(1, 64, blocks=gen_pages[0], slot=gen_pages[1], group_slots=gen_pages[2])
+            res = rx.wait(1, timeout=30.0)
+            assert res.ok, res.error
+            # Two whole blocks: every byte of every record arrived, each state in its group's
+            # page, and nothing else was written (the rest of the pools is still zero).
+            sent = _record_bytes(lay, ctx_bufs, ctx_pages)
+            got = _record_bytes(lay, gen_bufs, gen_pages)
+            assert res.bytes == got.size
+            assert np.array_equal(got, sent)
+            assert sum(int(np.count_nonzero(b)) for b in gen_bufs.values()) == \
+                np.count_nonzero(sent)
+            rx.release(1)

@@ -344,8 +344,17 @@ void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std:
       o.kv_layout = e.kv == KvOrder::kNhd ? "nhd" : "hnd";
     }
     if (e.engine == Engine::kVllm) o.conv_layout = e.conv == ConvOrder::kSd ? "sd" : "ds";
+    if (e.shared) o.shared_tensors = "on";
     return o;
   };
+  // A side's pages of the request: its blocks, its slot and, with several state groups (vllm
+  // shared tensors), the further groups' ids from `first` on, pages the blocks do not use.
+  auto pagesOf = [](const Layout& l, std::vector<uint32_t> blocks, uint32_t slot, uint32_t first) {
+    RankPages p{std::move(blocks), slot};
+    for (uint32_t g = 1; g < l.stateGroups(); ++g) p.group_slots.push_back(first + g - 1);
+    return p;
+  };
+  auto idsOfPages = [](const RankPages& p) { return RankIds{p.blocks, *p.slot, p.group_slots}; };
   Released ctx_released, gen_released;
   std::vector<EngineRank> ctx_ranks;
   std::vector<std::unique_ptr<Sender>> senders;
@@ -377,21 +386,22 @@ void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std:
 
   const uint64_t id = 7;
   const uint32_t tokens = 60;  // 2 blocks of 32, the last one partial
-  const std::vector<uint32_t> ctx_blocks = {11, 3}, gen_blocks = {9, 0};
+  const RankPages gen_pages = pagesOf(g.layout, {9, 0}, 2, 12);
   for (uint32_t r = 0; r < 2; ++r) {
+    const RankPages ctx_pages = pagesOf(ctx_ranks[r].layout, {11, 3}, 1, 4);
     ASSERT_TRUE(
-        fillRank(ctx_ranks[r].rankLayout(), ctx_ranks[r].rankMemory(), RankIds{ctx_blocks, 1}, id)
+        fillRank(ctx_ranks[r].rankLayout(), ctx_ranks[r].rankMemory(), idsOfPages(ctx_pages), id)
             .isOk());
-    ASSERT_TRUE(senders[r]->markReady(id, ctx_blocks, 1, r == 0 ? "tok" : "").isOk());
+    ASSERT_TRUE(senders[r]->markReady(id, ctx_pages, r == 0 ? "tok" : "").isOk());
     EXPECT_TRUE(senders[r]->holds(id));
   }
-  ASSERT_TRUE((*rx)->start(id, tokens, gen_blocks, 2).isOk());
+  ASSERT_TRUE((*rx)->start(id, tokens, gen_pages).isOk());
   auto res = (*rx)->wait(id, 30s);
   ASSERT_TRUE(res.isOk()) << res.status().toString();
   ASSERT_TRUE(res->ok()) << res->status.toString();
   EXPECT_EQ(res->aux, "tok");
   EXPECT_GT(res->bytes, 0u);
-  auto report = checkRank(g.rankLayout(), g.rankMemory(), RankIds{gen_blocks, 2}, id,
+  auto report = checkRank(g.rankLayout(), g.rankMemory(), idsOfPages(gen_pages), id,
                           BlockRange{0, 2, tokens}, tokens);
   ASSERT_TRUE(report.isOk()) << report.status().toString();
   EXPECT_TRUE(report->ok()) << report->toString();
@@ -419,6 +429,40 @@ TEST(ApiTransfer, EngineMemoryInEveryEngineLayoutMovesEveryByte) {
   for (size_t i = 0; i < all.size(); ++i) {
     moveOneRequest(all[i], all[(i + 3) % all.size()], "inproc", false);
   }
+}
+
+// vLLM's shared tensors through the public API: RankPages carry the group slots, both ways and
+// between two such layouts, in memory and over shm.
+TEST(ApiTransfer, VllmSharedTensorsMoveEveryByteWithTheirGroupSlots) {
+  const std::vector<EngineLayout> shared = sharedEngineLayouts();
+  const std::vector<EngineLayout> all = allEngineLayouts();
+  moveOneRequest(shared[0], all[3], "inproc", false);
+  moveOneRequest(all.back(), shared[1], "inproc", false);
+  moveOneRequest(shared[1], shared[0], "shm", true);
+}
+
+// The pages of a request with several state groups must name each group's id once, none a
+// block: refused naming the count or the page, nothing fenced.
+TEST(ApiTransfer, VllmSharedTensorsRefuseMissingOrCollidingGroupSlots) {
+  LayoutOptions o = options("vllm", 1, 0);
+  o.shared_tensors = "on";
+  EngineRank c = EngineRank::make(o);
+  ASSERT_GT(c.layout.stateGroups(), 1u);
+  EXPECT_TRUE(c.layout.jointIds());
+  SenderOptions so;
+  so.backend = "inproc";
+  auto s = Sender::create(c.layout, *c.memory, so);
+  ASSERT_TRUE(s.isOk()) << s.status().toString();
+  Status st = (*s)->markReady(1, std::vector<uint32_t>{0, 1}, 2);
+  EXPECT_NE(st.message().find("0 group slots given besides the slot"), std::string::npos)
+      << st.toString();
+  RankPages colliding{{0, 1}, 2};
+  colliding.group_slots.assign(c.layout.stateGroups() - 1, 3);
+  colliding.group_slots.back() = 1;
+  st = (*s)->markReady(1, colliding);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("listed twice"), std::string::npos) << st.toString();
+  EXPECT_FALSE((*s)->holds(1));
 }
 
 TEST(ApiTransfer, SharedBuffersMoveOverShm) {

@@ -273,7 +273,8 @@ StatusOr<Layout> Layout::engine(const LayoutOptions& o) {
   if (o.tokens_per_block == 0) return InvalidArgument("tokens_per_block=0; it must be >= 1");
   m.tokens_per_block = o.tokens_per_block;
   RETURN_IF_ERROR(m.validate());
-  auto el = parseEngineLayout(o.engine, o.kv_layout, o.conv_layout, o.state_layout);
+  auto el =
+      parseEngineLayout(o.engine, o.kv_layout, o.conv_layout, o.state_layout, o.shared_tensors);
   if (!el.isOk()) return el.status();
   if (o.tp_rank >= o.tp) {
     return InvalidArgument("tp_rank=" + str(o.tp_rank) + " is not below tp=" + str(o.tp));
@@ -311,6 +312,8 @@ const PoolInfo* Layout::pool(std::string_view name) const {
 
 bool Layout::hasKv() const { return impl_->layout.num_blocks > 0; }
 bool Layout::hasState() const { return impl_->layout.num_slots > 0; }
+uint32_t Layout::stateGroups() const { return impl_->layout.state_groups; }
+bool Layout::jointIds() const { return impl_->layout.joint_ids; }
 
 uint32_t Layout::blocksFor(uint32_t num_tokens) const {
   if (!hasKv()) return 0;
@@ -350,6 +353,7 @@ StatusOr<std::vector<RecordPart>> Layout::records(uint32_t layer, std::string_vi
     part.offset = v.base + local_layer * v.layer_stride;
     part.index_stride = v.index_stride;
     part.num_indices = v.num_indices;
+    part.state_group = v.state_group;
     part.dtype = std::string(dtypeName(l.dtypeOf(*r)));
     part.element_bytes = element_bytes;
     for (const auto& d : rec->dims) part.dims.push_back({d.name, d.size, d.stride});
@@ -390,7 +394,8 @@ std::string Layout::describe() const {
   return impl_->engine.toString() + " " + impl_->model.name + " tp=" + str(l.tp) + " rank " +
          str(l.tp_rank) + " pp=" + str(l.pp) + " rank " + str(l.pp_rank) + ", " +
          str(l.num_blocks) + " blocks x " + str(l.tokens_per_block) + " tokens, " +
-         str(l.num_slots) + " slots";
+         (l.joint_ids ? "states from the blocks, " + str(l.state_groups) + " per request"
+                      : str(l.num_slots) + " slots");
 }
 
 bool Layout::operator==(const Layout& other) const {
@@ -406,7 +411,7 @@ StatusOr<RankIds> rankIds(const Layout& l, const RankPages& pages, const std::st
     return InvalidArgument(who + " (" + l.describe() +
                            ") holds recurrent state: its pages need a slot");
   }
-  return RankIds{pages.blocks, pages.slot.value_or(0)};
+  return RankIds{pages.blocks, pages.slot.value_or(0), pages.group_slots};
 }
 
 // Region id -> index into Layout::pools() (the layout's regions, in order).
@@ -589,7 +594,8 @@ struct Sender::Impl : Endpoint<engine::ContextSender> {
   ~Impl() { shutdown(); }
   // Both markReady forms; kAllLayers: the whole request at once.
   Status markReady(uint64_t request_id, std::span<const uint32_t> blocks,
-                   std::optional<uint32_t> slot, LayerRange layers, std::string_view aux);
+                   std::optional<uint32_t> slot, std::span<const uint32_t> group_slots,
+                   LayerRange layers, std::string_view aux);
 };
 
 Sender::Sender(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -642,17 +648,28 @@ std::string Sender::routing() const { return impl_->routing; }
 
 Status Sender::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
                          std::optional<uint32_t> slot, std::string_view aux) {
-  return impl_->markReady(request_id, blocks, slot, kAllLayers, aux);
+  return impl_->markReady(request_id, blocks, slot, {}, kAllLayers, aux);
 }
 
 Status Sender::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
                          std::optional<uint32_t> slot, LayerSpan layers, std::string_view aux) {
-  return impl_->markReady(request_id, blocks, slot, LayerRange{layers.first, layers.count}, aux);
+  return impl_->markReady(request_id, blocks, slot, {}, LayerRange{layers.first, layers.count},
+                          aux);
+}
+
+Status Sender::markReady(uint64_t request_id, const RankPages& pages, std::string_view aux) {
+  return impl_->markReady(request_id, pages.blocks, pages.slot, pages.group_slots, kAllLayers, aux);
+}
+
+Status Sender::markReady(uint64_t request_id, const RankPages& pages, LayerSpan layers,
+                         std::string_view aux) {
+  return impl_->markReady(request_id, pages.blocks, pages.slot, pages.group_slots,
+                          LayerRange{layers.first, layers.count}, aux);
 }
 
 Status Sender::Impl::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
-                               std::optional<uint32_t> slot, LayerRange layers,
-                               std::string_view aux) {
+                               std::optional<uint32_t> slot, std::span<const uint32_t> group_slots,
+                               LayerRange layers, std::string_view aux) {
   std::shared_lock lock(mu);
   if (stopped) return Unavailable("sender is shut down");
   if (aux.size() > wire::kMaxAuxBytes) {
@@ -666,18 +683,23 @@ Status Sender::Impl::markReady(uint64_t request_id, std::span<const uint32_t> bl
     if (auto held = pages.find(request_id); held.isOk()) {
       const bool same_blocks =
           std::equal(blocks.begin(), blocks.end(), held->blocks.begin(), held->blocks.end());
-      if (!same_blocks || (slot.has_value() && held->slot != slot)) {
+      const bool same_groups = std::equal(group_slots.begin(), group_slots.end(),
+                                          held->group_slots.begin(), held->group_slots.end());
+      if (!same_blocks || (slot.has_value() && held->slot != slot) ||
+          (slot.has_value() && !same_groups)) {
         return InvalidArgument("request " + str(request_id) + ": layers [" + str(layers.first) +
                                ", " + str(layers.end()) + ") name other pages than its first " +
                                "range (" + str(held->blocks.size()) + " blocks, slot " +
-                               (held->slot ? str(*held->slot) : std::string("none")) + ")");
+                               (held->slot ? str(*held->slot) : std::string("none")) + ", " +
+                               str(held->group_slots.size()) + " group slots)");
       }
       return transceiver->markReady(request_id, layers, aux_bytes);
     }
   }
   const uint64_t tokens = uint64_t{blocks.size()} * pages.layout().tokens_per_block;
   if (tokens > UINT32_MAX) return InvalidArgument("too many blocks: " + str(blocks.size()));
-  auto alloc = pages.adopt(request_id, static_cast<uint32_t>(tokens), blocks, slot, owner);
+  auto alloc =
+      pages.adopt(request_id, static_cast<uint32_t>(tokens), blocks, slot, owner, 0, group_slots);
   if (!alloc.isOk()) return alloc.status();
   Status s = transceiver->markReady(request_id, layers, aux_bytes);
   // InvalidArgument / Unavailable leave the pages with the caller: hand them back (released
@@ -777,10 +799,17 @@ Status Receiver::waitForPeers(std::chrono::milliseconds timeout) {
 
 Status Receiver::start(uint64_t request_id, uint32_t num_tokens, std::span<const uint32_t> blocks,
                        std::optional<uint32_t> slot, uint32_t prefix_tokens, std::string_view aux) {
+  return start(request_id, num_tokens,
+               RankPages{std::vector<uint32_t>(blocks.begin(), blocks.end()), slot}, prefix_tokens,
+               aux);
+}
+
+Status Receiver::start(uint64_t request_id, uint32_t num_tokens, const RankPages& rank_pages,
+                       uint32_t prefix_tokens, std::string_view aux) {
   std::shared_lock lock(impl_->mu);
   if (impl_->stopped) return Unavailable("receiver is shut down");
-  engine::EnginePages pages{std::vector<uint32_t>(blocks.begin(), blocks.end()), slot,
-                            impl_->owner};
+  engine::EnginePages pages{rank_pages.blocks, rank_pages.slot, impl_->owner,
+                            rank_pages.group_slots};
   auto alloc = impl_->transceiver->startRequest(request_id, num_tokens, prefix_tokens,
                                                 Bytes(aux.begin(), aux.end()), &pages);
   if (alloc.isOk()) {
