@@ -138,6 +138,19 @@ const EnginePair kEnginePairs[] = {
      "--ctx-engine vllm --ctx-conv-layout ds --ctx-tokens-per-block 48 --gen-engine sglang "
      "--gen-tokens-per-block 1 --checksum",
      "vllm(kv=nhd,conv=ds)", "sglang"},
+    // vLLM's shared tensors: blocks and a state per Mamba group from one pool; the generation
+    // rank's group slots travel in its requests.
+    {"VllmSharedToTrtllmV2Staged",
+     "--ctx-engine vllm --ctx-shared-tensors on --gen-engine trtllm-v2 --checksum",
+     "vllm(kv=nhd,conv=sd,shared)", "trtllm-v2(kv=hnd)"},
+    {"SglangToVllmSharedHndDs",
+     "--ctx-engine sglang --gen-engine vllm --gen-kv-layout hnd --gen-conv-layout ds "
+     "--gen-shared-tensors on --checksum",
+     "sglang", "vllm(kv=hnd,conv=ds,shared)"},
+    {"VllmSharedToVllmSharedHndDsStaged",
+     "--ctx-engine vllm --ctx-shared-tensors on --gen-engine vllm --gen-kv-layout hnd "
+     "--gen-conv-layout ds --gen-shared-tensors on --checksum",
+     "vllm(kv=nhd,conv=sd,shared)", "vllm(kv=hnd,conv=ds,shared)"},
     {"TrtllmV2Block16ToVllmHndBlock40",
      "--ctx-engine trtllm-v2 --ctx-tokens-per-block 16 --gen-engine vllm --gen-kv-layout hnd "
      "--gen-conv-layout ds --gen-tokens-per-block 40 --checksum",

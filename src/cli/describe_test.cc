@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -204,6 +205,34 @@ TEST(CliDescribe, EngineListsEveryPoolWithItsRecordShapeAndStrides) {
     EXPECT_EQ(r.exit_code, 1) << args;
     EXPECT_EQ(r.out.find('\n'), r.out.size() - 1) << args << ": " << r.out;
   }
+}
+
+// vLLM's shared tensors: pools shared.<t>, each holding one layer of every KV cache group;
+// state pools say which state id indexes them, and the rank how many ids a request has.
+TEST(CliDescribe, VllmSharedTensorsListSharedPoolsWithTheirStateGroups) {
+  Json j = describeJson("--model tiny-hybrid --engine vllm --shared-tensors on");
+  ASSERT_EQ(j["ranks"].size(), 1u);
+  const Json& rank = j["ranks"][0];
+  EXPECT_EQ(j["engine_layout"], "vllm(kv=nhd,conv=sd,shared)");
+  EXPECT_EQ(rank["state_groups"], 2);
+  EXPECT_EQ(rank["joint_ids"], true);
+  std::set<std::string> regions;
+  std::set<int> groups;
+  for (const Json& p : rank["pools"]) {
+    regions.insert(p["region"].get<std::string>());
+    if (p["role"] != "kv") groups.insert(p["state_group"].get<int>());
+    EXPECT_EQ(p["num_indices"], 16) << p.dump();  // one pool of block ids
+  }
+  EXPECT_EQ(regions, (std::set<std::string>{"shared.0", "shared.1"}));
+  EXPECT_EQ(groups, (std::set<int>{0, 1}));
+  CmdResult human = runHxfer("describe --model tiny-hybrid --engine vllm --shared-tensors on");
+  EXPECT_NE(human.out.find("states drawn from the blocks, state ids per request: 2"),
+            std::string::npos)
+      << human.out;
+  CmdResult bad =
+      runHxfer("describe --model tiny-hybrid --engine sglang --shared-tensors on", Stderr::kMerge);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.out.find("only vllm takes on|off"), std::string::npos) << bad.out;
 }
 
 TEST(CliDescribe, EveryPresetAtTp124PrintsHandComputedBytes) {

@@ -59,6 +59,8 @@ Json layoutJson(const wire::RankInfo& info) {
   j["model_fingerprint"] = hex64(l.model_fingerprint);
   j["num_blocks"] = l.num_blocks;
   j["num_slots"] = l.num_slots;
+  j["state_groups"] = l.state_groups;
+  j["joint_ids"] = l.joint_ids;
   Json regions = Json::array();
   for (const RegionSpec& r : l.regions) {
     Json rj;
@@ -87,6 +89,7 @@ Json layoutJson(const wire::RankInfo& info) {
     vj["index_stride"] = v.index_stride;
     vj["layer_stride"] = v.layer_stride;
     vj["num_indices"] = v.num_indices;
+    if (v.role != Role::kKv) vj["state_group"] = v.state_group;
     if (v.record) {
       Json dims = Json::array();
       for (const RecordDim& d : v.record->dims) {
@@ -190,6 +193,11 @@ void printHello(const Json& j) {
               str(l["conv_dtype"]).c_str(), str(l["ssm_dtype"]).c_str());
   std::printf("  model fingerprint %s, %s blocks, %s slots\n", str(l["model_fingerprint"]).c_str(),
               str(l["num_blocks"]).c_str(), str(l["num_slots"]).c_str());
+  if (l["joint_ids"].get<bool>() || l["state_groups"].get<int>() != 1) {
+    std::printf("  ids: %s, %s state ids per request (a view's state group picks one)\n",
+                l["joint_ids"].get<bool>() ? "blocks and states from one pool" : "separate pools",
+                str(l["state_groups"]).c_str());
+  }
   Table regions({"region", "name", "length", "key"}, {true, false, true, false});
   for (const Json& g : l["regions"]) {
     regions.add(
@@ -197,8 +205,8 @@ void printHello(const Json& j) {
   }
   regions.print(stdout, 2);
   Table views({"view", "role", "kind", "region", "base", "index_stride", "layer_stride",
-               "record_bytes", "indices", "layers", "sections"},
-              {true, false, false, true, true, true, true, true, true, false, false});
+               "record_bytes", "indices", "layers", "group", "sections"},
+              {true, false, false, true, true, true, true, true, true, false, true, false});
   size_t i = 0;
   for (const Json& v : l["views"]) {
     std::string secs;
@@ -209,7 +217,8 @@ void printHello(const Json& j) {
     views.add({std::to_string(i++), str(v["role"]), str(v["kind"]), str(v["region_id"]),
                str(v["base"]), str(v["index_stride"]), str(v["layer_stride"]),
                str(v["record_bytes"]), str(v["num_indices"]),
-               formatIdList(v["layers"].get<std::vector<uint32_t>>()), secs});
+               formatIdList(v["layers"].get<std::vector<uint32_t>>()),
+               v.contains("state_group") ? str(v["state_group"]) : "-", secs});
   }
   views.print(stdout, 2);
   // Engine layouts: where each element of a described record lies (docs/layouts.md).

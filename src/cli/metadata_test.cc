@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -107,12 +108,35 @@ TEST(CliMetadata, ModelOptionsReachTheLayout) {
 }
 
 // An engine layout travels with its described records (wire 1.3 and later) and inspect shows them.
+// vLLM's shared tensors: the id groups travel in the rank_info (wire 1.5) and inspect shows
+// them, per rank and per state view.
+TEST(CliMetadata, SharedTensorsIdGroupsTravelAndInspectShowsThem) {
+  const std::string f = tempFile("vllm_shared.bin");
+  CmdResult w = runHxfer(
+      "metadata --model tiny-hybrid --engine vllm --shared-tensors on --out " + f, Stderr::kMerge);
+  ASSERT_EQ(w.exit_code, 0) << w.out;
+  Json j = inspectJson(f);
+  const Json& layout = j["rank_info"]["layout"];
+  EXPECT_EQ(layout["joint_ids"], true);
+  EXPECT_EQ(layout["state_groups"], 2);
+  std::set<int> groups;
+  for (const Json& v : layout["views"]) {
+    if (v["role"] != "kv") groups.insert(v["state_group"].get<int>());
+  }
+  EXPECT_EQ(groups, (std::set<int>{0, 1}));
+  CmdResult human = runHxfer("inspect " + f);
+  EXPECT_NE(human.out.find("ids: blocks and states from one pool, 2 state ids per request"),
+            std::string::npos)
+      << human.out;
+  std::remove(f.c_str());
+}
+
 TEST(CliMetadata, EngineLayoutRecordsTravelAndInspectShowsThem) {
   const std::string f = tempFile("vllm_hnd.bin");
   CmdResult w = runHxfer("metadata --model tiny-hybrid --engine vllm --kv-layout hnd --out " + f,
                          Stderr::kMerge);
   ASSERT_EQ(w.exit_code, 0) << w.out;
-  EXPECT_NE(w.out.find("version=1.4"), std::string::npos) << w.out;
+  EXPECT_NE(w.out.find("version=1.5"), std::string::npos) << w.out;
   Json j = inspectJson(f);
   bool kv_hnd = false, conv_sd = false;
   for (const Json& v : j["rank_info"]["layout"]["views"]) {
