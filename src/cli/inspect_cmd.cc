@@ -130,6 +130,11 @@ Json bodyJson(const wire::TransferRequest& m) {
   j["num_tokens"] = m.num_tokens;
   j["aux"] = hex(m.aux);
   j["epoch"] = m.epoch;
+  j["staging"] = m.staging ? Json{{"region", m.staging->region},
+                                  {"offset", m.staging->offset},
+                                  {"bytes", m.staging->bytes}}
+                           : Json(nullptr);
+  j["dst_group_slots"] = m.dst_group_slots;
   return j;
 }
 

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/cli_test_util.h"
+#include "wire/messages.h"
 
 namespace {
 
@@ -107,7 +108,6 @@ TEST(CliMetadata, ModelOptionsReachTheLayout) {
   std::remove(f.c_str());
 }
 
-// An engine layout travels with its described records (wire 1.3 and later) and inspect shows them.
 // vLLM's shared tensors: the id groups travel in the rank_info (wire 1.5) and inspect shows
 // them, per rank and per state view.
 TEST(CliMetadata, SharedTensorsIdGroupsTravelAndInspectShowsThem) {
@@ -131,6 +131,26 @@ TEST(CliMetadata, SharedTensorsIdGroupsTravelAndInspectShowsThem) {
   std::remove(f.c_str());
 }
 
+// A transfer_request's staging slot and group slots (wires 1.4 and 1.5) show in inspect.
+TEST(CliMetadata, InspectShowsATransferRequestsStagingAndGroupSlots) {
+  const std::string f = tempFile("request.bin");
+  hxfer::wire::TransferRequest req;
+  req.request_id = 7;
+  req.dst_block_ids = {5, 2};
+  req.dst_slot = 1;
+  req.num_tokens = 50;
+  req.staging = hxfer::wire::Staging{9, 4096, 65536};
+  req.dst_group_slots = {6, 3};
+  const hxfer::Bytes frame = hxfer::wire::encodeMessage(req);
+  std::ofstream(f, std::ios::binary)
+      .write(reinterpret_cast<const char*>(frame.data()), static_cast<std::streamsize>(frame.size()));
+  Json j = inspectJson(f);
+  EXPECT_EQ(j["dst_group_slots"], (std::vector<uint32_t>{6, 3})) << j.dump();
+  EXPECT_EQ(j["staging"]["offset"], 4096) << j.dump();
+  std::remove(f.c_str());
+}
+
+// An engine layout travels with its described records (wire 1.3 and later) and inspect shows them.
 TEST(CliMetadata, EngineLayoutRecordsTravelAndInspectShowsThem) {
   const std::string f = tempFile("vllm_hnd.bin");
   CmdResult w = runHxfer("metadata --model tiny-hybrid --engine vllm --kv-layout hnd --out " + f,
