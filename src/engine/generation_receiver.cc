@@ -54,7 +54,7 @@ struct GenerationReceiver::Part {
   transport::PeerId fenced_by = 0;
   uint64_t bytes = 0;
   // The slot this part was asked to write into (storm control); freed when its fence ends.
-  std::optional<wire::Staging> staging;
+  std::optional<wire::Staging> staging{};
 };
 
 struct GenerationReceiver::Sink {
