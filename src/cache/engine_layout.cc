@@ -356,8 +356,10 @@ StatusOr<RankLayout> buildVllmShared(const ModelSpec& model, const RankLayout& b
 StatusOr<RankLayout> buildVllm(const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank,
                                uint32_t pp_rank, const EngineLayout& e, uint32_t num_blocks,
                                uint32_t num_slots) {
-  ASSIGN_OR_RETURN(RankLayout base, buildRankLayout(model, pc, tp_rank, pp_rank,
-                                                    StateLayout::kPaged, num_blocks, num_slots));
+  // Shared tensors draw states from the block pool: num_slots is not used there.
+  ASSIGN_OR_RETURN(RankLayout base,
+                   buildRankLayout(model, pc, tp_rank, pp_rank, StateLayout::kPaged, num_blocks,
+                                   e.shared ? num_blocks : num_slots));
   RankLayout out = base;
   out.regions.clear();
   out.views.clear();

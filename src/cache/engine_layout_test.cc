@@ -158,6 +158,10 @@ TEST(EngineLayout, VllmSharedTensorsHoldOneLayerOfEveryGroupWithOneIdPoolAndASta
   EXPECT_TRUE(l->joint_ids);
   EXPECT_EQ(l->state_groups, 4u);
   EXPECT_EQ(l->num_slots, 10u);  // states are blocks of the one pool
+  auto no_slots = buildEngineLayout(sharedModel(), {1, 1, {}}, 0, 0,
+                                    *parseEngineLayout("vllm", "", "", "", "on"), 10, 0);
+  ASSERT_TRUE(no_slots.isOk()) << no_slots.status().toString();  // num_slots is not used
+  EXPECT_EQ(*no_slots, *l);
   ASSERT_EQ(l->regions.size(), 2u);
   for (const RegionSpec& r : l->regions) EXPECT_EQ(r.length, 10 * page);
   const std::pair<uint32_t, std::string> tensor_of[] = {

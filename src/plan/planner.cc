@@ -567,12 +567,11 @@ uint64_t Planner::expectedBytes(BlockRange blocks) const {
 }
 
 RankIds placeholderIds(const RankLayout& l, uint64_t blocks) {
-  RankIds out;
-  const uint32_t first = l.joint_ids ? l.state_groups : 0;
-  const uint32_t span = l.num_blocks > first ? l.num_blocks - first : std::max(l.num_blocks, 1u);
+  RankIds out;  // states on ids 0.., the blocks after them where both share a pool
+  const uint32_t first = l.joint_ids && l.num_blocks > l.state_groups ? l.state_groups : 0;
+  const uint32_t span = std::max(l.num_blocks - first, 1u);
   for (uint64_t i = 0; i < blocks; ++i) {
-    out.blocks.push_back(l.num_blocks > first ? first + static_cast<uint32_t>(i % span)
-                                              : static_cast<uint32_t>(i % span));
+    out.blocks.push_back(first + static_cast<uint32_t>(i % span));
   }
   for (uint32_t g = 1; g < l.state_groups; ++g) out.group_slots.push_back(g);
   return out;
