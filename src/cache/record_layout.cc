@@ -247,21 +247,45 @@ SectionPlacement placeSection(const RecordLayout& r, const LogicalDims& dims,
   return p;
 }
 
-uint64_t forEachRun(std::vector<BoxDim> dims, uint64_t element_bytes, uint64_t a_base,
-                    uint64_t b_base, const std::function<void(uint64_t, uint64_t, uint64_t)>& fn) {
-  for (const BoxDim& d : dims) {
-    if (d.size == 0) return 0;
-  }
+std::vector<BoxDim> inBOrder(std::vector<BoxDim> dims) {
   std::erase_if(dims, [](const BoxDim& d) { return d.size == 1; });
   // b's memory order: outermost (largest b stride) first.
   std::stable_sort(dims.begin(), dims.end(), [](const BoxDim& x, const BoxDim& y) {
     return x.b_stride != y.b_stride ? x.b_stride > y.b_stride : x.a_stride > y.a_stride;
   });
+  return dims;
+}
+
+namespace {
+
+// Merges the innermost dims contiguous on both sides into the run; returns its length (0 for
+// an empty box) and leaves the dims to walk. REQUIRES: dims in b's order (inBOrder).
+uint64_t mergeRun(std::vector<BoxDim>& dims, uint64_t element_bytes) {
   uint64_t run = element_bytes;
   while (!dims.empty() && dims.back().a_stride == run && dims.back().b_stride == run) {
     run *= dims.back().size;
     dims.pop_back();
   }
+  return run;
+}
+
+bool emptyBox(const std::vector<BoxDim>& dims) {
+  return std::any_of(dims.begin(), dims.end(), [](const BoxDim& d) { return d.size == 0; });
+}
+
+}  // namespace
+
+uint64_t runBytes(std::vector<BoxDim> dims, uint64_t element_bytes) {
+  if (emptyBox(dims)) return 0;
+  dims = inBOrder(std::move(dims));
+  return mergeRun(dims, element_bytes);
+}
+
+uint64_t forEachRun(std::vector<BoxDim> dims, uint64_t element_bytes, uint64_t a_base,
+                    uint64_t b_base, const std::function<void(uint64_t, uint64_t, uint64_t)>& fn) {
+  if (emptyBox(dims)) return 0;
+  dims = inBOrder(std::move(dims));
+  const uint64_t run = mergeRun(dims, element_bytes);
   std::vector<uint64_t> at(dims.size(), 0);
   while (true) {
     uint64_t a = a_base, b = b_base;

@@ -128,5 +128,10 @@ struct BoxDim {
 // merge into it). Returns the run length in bytes (the same for every call).
 uint64_t forEachRun(std::vector<BoxDim> dims, uint64_t element_bytes, uint64_t a_base,
                     uint64_t b_base, const std::function<void(uint64_t, uint64_t, uint64_t)>& fn);
+// The run length forEachRun would report, without walking the box.
+uint64_t runBytes(std::vector<BoxDim> dims, uint64_t element_bytes);
+// The box's dims in b's memory order (outermost first), dims of size 1 dropped. Its elements in
+// that order are b's in ascending address when b's strides nest.
+std::vector<BoxDim> inBOrder(std::vector<BoxDim> dims);
 
 }  // namespace hxfer

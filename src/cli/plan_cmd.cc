@@ -112,7 +112,7 @@ int run(const PlanOptions& o) {
     std::printf("total: %llu ops, %llu bytes (%s)", static_cast<unsigned long long>(r->total_ops),
                 static_cast<unsigned long long>(r->total_bytes), mib(r->total_bytes).c_str());
     if (r->total_pack_ops != 0) {
-      std::printf("; %llu staging copies on the context ranks (element order differs)",
+      std::printf("; %llu staging gathers on the context ranks (element order differs)",
                   static_cast<unsigned long long>(r->total_pack_ops));
     }
     std::printf("\n");

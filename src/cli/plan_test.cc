@@ -54,7 +54,7 @@ TEST(CliPlan, EngineLayoutPairsVerifyAtTpMismatchBothWays) {
 TEST(CliPlan, ElementOrderMismatchIsStagedAndUnknownEngineIsRefusedNamingTheField) {
   auto r = runHxfer("plan --ctx-engine vllm --gen-engine hxfer --verify", Stderr::kMerge);
   EXPECT_EQ(r.exit_code, 0) << r.out;
-  EXPECT_NE(r.out.find("staging copies on the context ranks (element order differs)"),
+  EXPECT_NE(r.out.find("staging gathers on the context ranks (element order differs)"),
             std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("verified: "), std::string::npos) << r.out;

@@ -186,8 +186,7 @@ struct SegmentSink {
   std::vector<Planner::Segment>* segs;
   size_t seg_begin;
   std::vector<Planner::TokenBox>* boxes = nullptr;
-  std::vector<Planner::Segment>* packs = nullptr;
-  size_t pack_begin = 0;
+  std::vector<PackOp>* packs = nullptr;
   std::vector<Planner::Segment>* staged = nullptr;
   size_t staged_begin = 0;
   uint64_t* scratch = nullptr;
@@ -255,11 +254,7 @@ Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const
     sink.boxes->push_back({std::move(box), token_dim, c_base, g_base, e});
     return OkStatus();
   }
-  std::vector<Planner::Segment> runs;
-  const uint64_t run = forEachRun(box, e, c_base, g_base, [&](uint64_t a, uint64_t b, uint64_t n) {
-    appendSegment(runs, 0, a, b, n);
-  });
-  if (run == e && unit_elements > 1) {
+  if (runBytes(box, e) == e && unit_elements > 1) {
     if (sink.packs == nullptr) {
       return Incompatible("layer " + std::to_string(layer) + " " + std::string(roleName(gv.role)) +
                           " section " + s.name + ": the element order inside a unit differs (ctx " +
@@ -267,15 +262,30 @@ Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const
                           "), so every op would move one " + std::to_string(e) +
                           "-byte element; staging is built for state records only");
     }
-    for (const Planner::Segment& r : runs) {
-      appendSegment(*sink.packs, sink.pack_begin, r.src_off, *sink.scratch, r.bytes);
-      appendSegment(*sink.staged, sink.staged_begin, *sink.scratch, r.dst_off, r.bytes);
-      *sink.scratch += r.bytes;
+    // One gather into the staging area, the elements in the destination's order there (so
+    // contiguous, row-major over the dims in that order), then the destination's runs.
+    PackOp pack;
+    pack.src_offset = c_base;
+    pack.scratch_offset = *sink.scratch;
+    pack.element_bytes = static_cast<uint32_t>(e);
+    pack.dims = inBOrder(std::move(box));
+    std::vector<BoxDim> to_dest = pack.dims;
+    uint64_t stride = e;
+    for (size_t i = pack.dims.size(); i-- > 0;) {
+      to_dest[i] = {pack.dims[i].size, stride, pack.dims[i].b_stride};
+      pack.dims[i].b_stride = stride;
+      stride *= pack.dims[i].size;
     }
+    forEachRun(std::move(to_dest), e, *sink.scratch, g_base,
+               [&](uint64_t a, uint64_t b, uint64_t n) {
+                 appendSegment(*sink.staged, sink.staged_begin, a, b, n);
+               });
+    *sink.scratch += stride;
+    sink.packs->push_back(std::move(pack));
     return OkStatus();
   }
-  for (const Planner::Segment& r : runs)
-    appendSegment(*segs, seg_begin, r.src_off, r.dst_off, r.bytes);
+  forEachRun(box, e, c_base, g_base,
+             [&](uint64_t a, uint64_t b, uint64_t n) { appendSegment(*segs, seg_begin, a, b, n); });
   return OkStatus();
 }
 
@@ -322,7 +332,6 @@ StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayou
         if (gv.indexedByBlock() && out.by_token) sink.boxes = &out.token_boxes;
         if (!gv.indexedByBlock()) {
           sink.packs = &out.packs;
-          sink.pack_begin = pack_begin;
           sink.staged = &out.staged;
           sink.staged_begin = staged_begin;
           sink.scratch = &out.scratch_bytes;
@@ -566,6 +575,12 @@ uint64_t Planner::expectedBytes(BlockRange blocks) const {
          gen_.stateBytesPerSlot();
 }
 
+uint64_t PackOp::elements() const {
+  uint64_t n = 1;
+  for (const BoxDim& d : dims) n *= d.size;
+  return n;
+}
+
 RankIds placeholderIds(const RankLayout& l, uint64_t blocks) {
   RankIds out;  // states on ids 0.., the blocks after them where both share a pool
   const uint32_t first = l.joint_ids && l.num_blocks > l.state_groups ? l.state_groups : 0;
@@ -764,8 +779,10 @@ void Planner::emit(uint32_t ctx_index, const RankIds& src, const RankIds& dst, B
                segs[j].bytes);
     }
     for (uint32_t j = r.pack_begin; j < r.pack_end; ++j) {
-      appendOp(out->pack_ops, r.src_region, sb + m.packs[j].src_off, kScratchRegion,
-               m.packs[j].dst_off, m.packs[j].bytes);
+      PackOp pack = m.packs[j];
+      pack.src_region = r.src_region;
+      pack.src_offset += sb;
+      out->pack_ops.push_back(std::move(pack));
     }
     for (uint32_t j = r.staged_begin; j < r.staged_end; ++j) {
       appendOp(ops, kScratchRegion, m.staged[j].src_off, r.dst_region, db + m.staged[j].dst_off,

@@ -56,6 +56,21 @@ struct CopyOp {
   bool operator==(const CopyOp&) const = default;
 };
 
+// One staged section gathered into the staging area: the elements of a box (`dims`, outermost
+// first: size, byte stride in the source as `a_stride`, in the staging area as `b_stride`), each
+// `element_bytes`, from region `src_region` at `src_offset` on into the staging area at
+// `scratch_offset` on, laid out there in the destination's element order (contiguous).
+struct PackOp {
+  uint32_t src_region = 0;
+  uint64_t src_offset = 0;
+  uint64_t scratch_offset = 0;
+  uint32_t element_bytes = 0;
+  std::vector<BoxDim> dims;
+  uint64_t elements() const;
+  uint64_t bytes() const { return elements() * element_bytes; }
+  bool operator==(const PackOp&) const = default;
+};
+
 // A request's ids on one rank.
 struct RankIds {
   std::vector<uint32_t> blocks;  // the request's block ids in token order (position i = block i)
@@ -100,15 +115,15 @@ struct BlockRange {
 // Staging: where the element order inside a unit differs between the two sides (vLLM's SD
 // conv state against DS, gdn ssm (head_v, head_k) against (key, value)), a run contiguous on
 // both sides would be one element. Those state records go in two phases: `pack_ops` (local
-// copies on the context rank, from its pools into a staging area of `scratch_bytes`, laid out
-// in the destination's element order) and then ordinary ops whose source is kScratchRegion,
-// each a run contiguous in the destination. Runs of pack_ops may be one element; transfer ops
-// never are.
+// strided gathers on the context rank, one per staged section, from its pools into a staging
+// area of `scratch_bytes`, laid out in the destination's element order) and then ordinary ops
+// whose source is kScratchRegion, each a run contiguous in the destination. Transfer ops are
+// never element-sized.
 struct RankPlan {
   uint32_t ctx_index = 0;  // index into the planner's context layouts
   std::vector<CopyOp> ops;
   uint64_t bytes = 0;            // sum of ops' bytes
-  std::vector<CopyOp> pack_ops;  // src: the context rank's pools; dst_region: kScratchRegion
+  std::vector<PackOp> pack_ops;  // src: the context rank's pools
   uint64_t scratch_bytes = 0;    // 0: no staging
 };
 
@@ -116,7 +131,7 @@ struct RequestPlan {
   std::vector<RankPlan> ranks;  // one per context layout, same order (empty when no overlap)
   uint64_t total_bytes = 0;
   uint64_t total_ops = 0;       // transfer ops (pack_ops not counted)
-  uint64_t total_pack_ops = 0;  // local staging copies
+  uint64_t total_pack_ops = 0;  // local staging gathers (one per staged section)
 };
 
 // What one context rank sends to the generation rank per request.
@@ -211,7 +226,7 @@ class Planner {
     uint32_t box_begin = 0, box_end = 0;  // into SourceMap::token_boxes (kv, by token)
     // Staged sections (slot maps only): source record -> staging offset, then staging offset
     // -> destination record.
-    uint32_t pack_begin = 0, pack_end = 0;      // into SourceMap::packs
+    uint32_t pack_begin = 0, pack_end = 0;      // into SourceMap::packs (src record-relative)
     uint32_t staged_begin = 0, staged_end = 0;  // into SourceMap::staged
   };
   struct BlockGroup {  // record maps of one (ctx kv view, gen kv view) pair, in layer order
@@ -222,7 +237,7 @@ class Planner {
     std::vector<BlockGroup> block_groups;
     std::vector<RecordMap> slot_maps;  // in source address order
     std::vector<Segment> segments;
-    std::vector<Segment> packs;   // src_off in the source record, dst_off in the staging area
+    std::vector<PackOp> packs;    // src_offset in the source record; src_region unused
     std::vector<Segment> staged;  // src_off in the staging area, dst_off in the destination record
     uint64_t kv_bytes_per_block = 0, state_bytes = 0;
     uint64_t scratch_bytes = 0;  // staging area per request

@@ -472,10 +472,7 @@ TEST(PlannerProperty, ElementOrderThatDiffersInsideUnitsIsStagedOnTheContextRank
             if (op.src_region == kScratchRegion) from_scratch += op.bytes;
           }
           uint64_t packed = 0;
-          for (const CopyOp& op : plan->pack_ops) {
-            EXPECT_EQ(op.dst_region, kScratchRegion);
-            packed += op.bytes;
-          }
+          for (const PackOp& op : plan->pack_ops) packed += op.bytes();
           EXPECT_EQ(packed, plan->scratch_bytes) << what;
           EXPECT_EQ(from_scratch, plan->scratch_bytes) << what;
           staged += plan->scratch_bytes != 0;
