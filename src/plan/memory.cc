@@ -116,6 +116,7 @@ Status packScratch(const RankPlan& plan, const RankMemory& src, std::span<uint8_
     }
   }
   for (const PackOp& op : plan.pack_ops) {
+    if (op.elements() == 0) continue;  // an empty box (the planner makes none)
     const uint8_t* from = src[op.src_region].data + op.src_offset;
     uint8_t* to = scratch.data() + op.scratch_offset;
     switch (op.element_bytes) {
