@@ -143,7 +143,8 @@ TEST(CliMetadata, InspectShowsATransferRequestsStagingAndGroupSlots) {
   req.dst_group_slots = {6, 3};
   const hxfer::Bytes frame = hxfer::wire::encodeMessage(req);
   std::ofstream(f, std::ios::binary)
-      .write(reinterpret_cast<const char*>(frame.data()), static_cast<std::streamsize>(frame.size()));
+      .write(reinterpret_cast<const char*>(frame.data()),
+             static_cast<std::streamsize>(frame.size()));
   Json j = inspectJson(f);
   EXPECT_EQ(j["dst_group_slots"], (std::vector<uint32_t>{6, 3})) << j.dump();
   EXPECT_EQ(j["staging"]["offset"], 4096) << j.dump();
