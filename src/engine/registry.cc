@@ -115,6 +115,14 @@ StatusOr<RankRecord> RankRecord::fromJson(std::string_view text, std::string_vie
     }
     *field = it->get<uint32_t>();
   }
+  // Each count fits its field; their product is what readers walk, so it is bounded too (a
+  // value of tp=65535 pp=65535 passes each field and names 4.3e9 ranks).
+  if (uint64_t{r.tp} * r.pp > kMaxInstanceRanks) {
+    return Corruption(where + ": tp=" + std::to_string(r.tp) + " pp=" + std::to_string(r.pp) +
+                      " make " + std::to_string(uint64_t{r.tp} * r.pp) +
+                      " ranks, more than an instance may have (" +
+                      std::to_string(kMaxInstanceRanks) + ")");
+  }
   if (r.tp == 0 || r.pp == 0 || r.rank >= r.tp * r.pp) {
     return Corruption(where + ": rank " + std::to_string(r.rank) +
                       " does not fit tp=" + std::to_string(r.tp) + " pp=" + std::to_string(r.pp));
@@ -320,15 +328,20 @@ StatusOr<std::vector<RankRecord>> findInstance(EtcdClient& client, const std::st
   const uint32_t want = records[0].tp * records[0].pp;
   std::sort(records.begin(), records.end(),
             [](const RankRecord& a, const RankRecord& b) { return a.rank < b.rank; });
-  std::string missing;
-  for (uint32_t rank = 0, i = 0; rank < want; ++rank) {
-    if (i < records.size() && records[i].rank == rank) {
-      ++i;
-    } else {
-      missing += (missing.empty() ? "" : ", ") + std::to_string(rank);
+  if (records.size() != want) {
+    // Name the first few missing ranks only: `want` is bounded, the message need not grow with it.
+    constexpr uint32_t kNamed = 8;
+    std::string missing;
+    uint32_t named = 0;
+    for (uint32_t rank = 0, i = 0; rank < want && named <= kNamed; ++rank) {
+      if (i < records.size() && records[i].rank == rank) {
+        ++i;
+      } else if (named++ < kNamed) {
+        missing += (missing.empty() ? "" : ", ") + std::to_string(rank);
+      }
     }
-  }
-  if (!missing.empty()) {
+    const size_t absent = want - records.size();
+    if (absent > kNamed) missing += ", and " + std::to_string(absent - kNamed) + " more";
     return Unavailable("instance '" + instance + "': " + std::to_string(records.size()) + " of " +
                        std::to_string(want) + " " + role + " ranks registered (missing " + missing +
                        ")");

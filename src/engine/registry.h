@@ -28,6 +28,9 @@
 
 namespace hxfer::engine {
 
+// The most ranks (tp * pp) an instance in the registry may have.
+inline constexpr uint64_t kMaxInstanceRanks = 1u << 16;
+
 struct RankRecord {
   std::string instance, role;  // role: "context" or "generation"
   uint32_t rank = 0, tp = 1, pp = 1;

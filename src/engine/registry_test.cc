@@ -146,6 +146,11 @@ TEST(RegistryRecord, RoundTripsAndRefusesBrokenValuesNamingTheField) {
        "does not fit"},
       {R"({"instance":"other","role":"context","address":"a","incarnation":"x","rank":1,"tp":2,"pp":1})",
        "not the key"},
+      // Each count in range, their product 4.3e9 ranks (a reader once walked them all).
+      {R"({"instance":"ctx","role":"context","address":"a","incarnation":"x","rank":1,"tp":65535,"pp":65535})",
+       "tp=65535 pp=65535 make 4294836225 ranks, more than an instance may have (65536)"},
+      {R"({"instance":"ctx","role":"context","address":"a","incarnation":"x","rank":1,"tp":65536,"pp":65536})",
+       "make 4294967296 ranks"},
   };
   for (const Case& c : bad) {
     auto got = RankRecord::fromJson(c.json, "hxfer/ctx/context/1");
@@ -234,6 +239,22 @@ TEST_F(RegistryLive, AnInstanceIsFoundOnceEveryRankRegisteredAndLeavesWithItsRan
   ASSERT_TRUE(all.isOk());
   EXPECT_NE((*all)[1].incarnation, one.incarnation);
   EXPECT_EQ((*all)[1].address, "ucx:10.0.0.1:7002");
+}
+
+TEST_F(RegistryLive, AHugeInstanceIsReportedIncompleteWithABoundedMessage) {
+  // The largest instance a value may claim, one rank of it registered: the lookup answers at
+  // once, naming a few missing ranks and counting the rest.
+  RankRecord r = record("big", 3, 4096, "ucx:10.0.0.1:7000");
+  r.pp = 16;
+  auto reg = Registration::start(client_, r, 3);
+  ASSERT_TRUE(reg.isOk()) << reg.status().toString();
+  auto got = findInstance(*client_, "big", "context");
+  ASSERT_EQ(got.status().code(), StatusCode::kUnavailable) << got.status().toString();
+  EXPECT_NE(got.status().message().find("1 of 65536 context ranks registered (missing 0, 1, 2, "
+                                        "4, 5, 6, 7, 8, and 65527 more)"),
+            std::string::npos)
+      << got.status().toString();
+  EXPECT_LT(got.status().message().size(), 200u);
 }
 
 TEST_F(RegistryLive, ALostEtcdIsReportedAndTheRankIsRegisteredWhenItReturns) {

@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 
 namespace hxfer {
@@ -600,25 +601,29 @@ Status checkStateIds(const RankLayout& l, const RankIds& ids, std::string_view s
                            " group slots), the rank's layout has " +
                            std::to_string(l.state_groups) + " state groups");
   }
+  auto what = [&](uint32_t id, uint32_t g) {
+    return who + " state id " + std::to_string(id) + " of group " + std::to_string(g);
+  };
+  // Linear in groups + blocks: a peer may claim 65536 state groups and a million blocks.
+  std::unordered_map<uint32_t, uint32_t> group_of;  // state id -> its (first) group
+  if (l.joint_ids) group_of.reserve(l.state_groups);
   for (uint32_t g = 0; g < l.state_groups; ++g) {
     const uint32_t id = ids.stateId(g);
-    const std::string what =
-        who + " state id " + std::to_string(id) + " of group " + std::to_string(g);
     if (id >= l.num_slots) {
-      return InvalidArgument(what + " >= num_slots=" + std::to_string(l.num_slots));
+      return InvalidArgument(what(id, g) + " >= num_slots=" + std::to_string(l.num_slots));
     }
     if (!l.joint_ids) continue;
-    for (uint32_t h = 0; h < g; ++h) {
-      if (ids.stateId(h) == id) {
-        return InvalidArgument(what + " is also group " + std::to_string(h) +
-                               "'s (block and state ids share one pool)");
-      }
+    if (auto [it, fresh] = group_of.emplace(id, g); !fresh) {
+      return InvalidArgument(what(id, g) + " is also group " + std::to_string(it->second) +
+                             "'s (block and state ids share one pool)");
     }
-    for (size_t i = 0; i < ids.blocks.size(); ++i) {
-      if (ids.blocks[i] == id) {
-        return InvalidArgument(what + " is also the request's block at position " +
-                               std::to_string(i) + " (block and state ids share one pool)");
-      }
+  }
+  if (!l.joint_ids) return OkStatus();
+  for (size_t i = 0; i < ids.blocks.size(); ++i) {
+    if (auto it = group_of.find(ids.blocks[i]); it != group_of.end()) {
+      return InvalidArgument(what(it->first, it->second) +
+                             " is also the request's block at position " + std::to_string(i) +
+                             " (block and state ids share one pool)");
     }
   }
   return OkStatus();
@@ -633,8 +638,6 @@ Status Planner::checkDst(const RankIds& dst, BlockRange blocks) const {
                              " given, blocks up to position " + std::to_string(blocks.end()) +
                              " are sent");
     }
-    // Each destination block is written by this request once: no id twice in the range.
-    std::vector<uint64_t> seen((uint64_t{gen_.num_blocks} + 63) / 64, 0);
     for (uint64_t i = blocks.first_block; i < blocks.end(); ++i) {
       const uint32_t d = dst.blocks[i];
       if (d >= gen_.num_blocks) {
@@ -642,14 +645,16 @@ Status Planner::checkDst(const RankIds& dst, BlockRange blocks) const {
                                std::to_string(i) +
                                " >= num_blocks=" + std::to_string(gen_.num_blocks));
       }
-      uint64_t& word = seen[d / 64];
-      const uint64_t bit = uint64_t{1} << (d % 64);
-      if (word & bit) {
-        return InvalidArgument(
-            "gen block id " + std::to_string(d) + " appears twice in positions [" +
-            std::to_string(blocks.first_block) + ", " + std::to_string(blocks.end()) + ")");
-      }
-      word |= bit;
+    }
+    // Each destination block is written by this request once: no id twice in the range. Sorted
+    // rather than a bitmap of the pool, whose size is the peer's claim (up to 2^32 blocks).
+    std::vector<uint32_t> sorted(dst.blocks.begin() + blocks.first_block,
+                                 dst.blocks.begin() + blocks.end());
+    std::sort(sorted.begin(), sorted.end());
+    if (auto twice = std::adjacent_find(sorted.begin(), sorted.end()); twice != sorted.end()) {
+      return InvalidArgument("gen block id " + std::to_string(*twice) +
+                             " appears twice in positions [" + std::to_string(blocks.first_block) +
+                             ", " + std::to_string(blocks.end()) + ")");
     }
   }
   if (state) return checkStateIds(gen_, dst, "gen");

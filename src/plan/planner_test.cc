@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <set>
 #include <string>
 
@@ -445,6 +446,34 @@ TEST(PlannerCompat, BadRequestIdsAreRefusedBeforePlanning) {
             "gen state id 2 of group 0 >= num_slots=2");
   // A repeated id inside the prefix is fine: those blocks are not written.
   EXPECT_TRUE(p->planRank(0, src, {{3, 3, 1}, 1}, {2, 1}).isOk());
+}
+
+// A peer's wire 1.5 claim of 65536 state groups with one id pool, and a request of a million
+// blocks: the id check once took groups x (groups + blocks) comparisons (26 s on a context rank's
+// progress thread). Linear now; the generous bound only catches the quadratic walk (~7e10 steps).
+TEST(StateIds, CheckIsLinearInGroupsAndBlocksForAHostileClaim) {
+  RankLayout l;
+  l.joint_ids = true;
+  l.state_groups = 1u << 16;
+  l.num_slots = l.num_blocks = 1u << 22;
+  RankIds ids;
+  ids.slot = 0;
+  for (uint32_t g = 1; g < l.state_groups; ++g) ids.group_slots.push_back(g);
+  for (uint32_t b = 0; b < (1u << 20); ++b) ids.blocks.push_back(l.state_groups + b);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(checkStateIds(l, ids, "gen").isOk());
+  ids.blocks.back() = 4242;  // group 4242's state, named again as the last block
+  Status s = checkStateIds(l, ids, "gen");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("gen state id 4242 of group 4242 is also the request's block at "
+                             "position 1048575"),
+            std::string::npos)
+      << s.toString();
+  ids.group_slots.back() = 7;
+  s = checkStateIds(l, ids, "gen");
+  EXPECT_NE(s.message().find("gen state id 7 of group 65535 is also group 7's"), std::string::npos)
+      << s.toString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
 }  // namespace
