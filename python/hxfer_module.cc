@@ -950,7 +950,7 @@ PYBIND11_MODULE(hxfer, m) {
                        "[begin, end). A context manager.")
       .def(py::init(&makeSender), py::arg("layout"), py::arg("memory"), py::kw_only(),
            py::arg("listen") = "", py::arg("backend") = "auto", py::arg("token") = "",
-           py::arg("instance") = "hxfer", py::arg("checksum") = false,
+           py::arg("instance") = "", py::arg("checksum") = false,
            py::arg("lease_timeout") = 30.0, py::arg("ucx_options") = py::none(),
            py::arg("on_released") = py::none(), py::arg("on_request") = py::none(),
            py::arg("stream_min_tokens") = 512)
@@ -1044,7 +1044,7 @@ PYBIND11_MODULE(hxfer, m) {
                          "wait()/poll(), then release(id). A context manager.")
       .def(py::init(&makeReceiver), py::arg("layout"), py::arg("memory"), py::kw_only(),
            py::arg("peers"), py::arg("peer_tp") = 0, py::arg("peer_pp") = 1,
-           py::arg("backend") = "auto", py::arg("token") = "", py::arg("instance") = "hxfer",
+           py::arg("backend") = "auto", py::arg("token") = "", py::arg("instance") = "",
            py::arg("checksum") = false, py::arg("request_timeout") = 30.0,
            py::arg("handshake_timeout") = 10.0, py::arg("ucx_options") = py::none(),
            py::arg("on_released") = py::none(), py::arg("staging_bytes") = 64ull << 20)

@@ -257,12 +257,12 @@ class Worker:
             mem = hxfer.Memory(layout, self.side.shared[r])
             if self.role == "ctx":
                 ends.append(hxfer.Sender(layout, mem, listen=f"{self.bind}:0", backend=backend, token=TOKEN,
-                                         ucx_options=ucx, on_released=released,
+                                         ucx_options=ucx, on_released=released, instance="ctx",
                                          lease_timeout=TIMEOUT))
             else:
                 ends.append(hxfer.Receiver(layout, mem, peers=cmd["addresses"],
                                            peer_tp=self.spec["ctx_tp"], backend=backend, token=TOKEN,
-                                           ucx_options=ucx, on_released=released,
+                                           ucx_options=ucx, on_released=released, instance="gen",
                                            request_timeout=TIMEOUT))
         for e in ends:
             if self.role == "gen":

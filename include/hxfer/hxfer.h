@@ -280,7 +280,11 @@ struct TransportOptions {
   // Both sides prove they hold it before any memory or message crosses; empty: no token
   // (anyone who can reach the address may connect; a warning is logged).
   std::string token;
-  std::string instance = "hxfer";  // names this serving instance in logs and the handshake
+  // Names this serving instance in logs and the handshake; every rank of an instance gives the
+  // same name. Empty (the default): a name unique to this process, for an instance of one rank
+  // only (a context rank holds each request id for one generation instance, so two instances
+  // must never share a name; an instance of several ranks must name itself).
+  std::string instance;
   // Hash every request's bytes on the sender, verify on the receiver.
   bool checksum = false;
   // UCX settings applied on top of UCX_* environment variables, e.g. {"TLS", "tcp"}.

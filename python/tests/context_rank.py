@@ -36,7 +36,7 @@ def main():
     released = Released()
     ucx = {"TLS": "tcp"} if args.backend == "ucx" else None
     tx = hxfer.Sender(lay, hxfer.Memory(lay, bufs), listen="127.0.0.1:0", backend=args.backend,
-                      ucx_options=ucx, on_released=released)
+                      ucx_options=ucx, on_released=released, instance="ctx")
 
     def say(obj):
         sys.stdout.write(json.dumps(obj) + "\n")

@@ -52,7 +52,7 @@ def test_fragments_write_what_a_sender_writes(ctx_engine, gen_engine):
 
     by_hxfer = numpy_pools(B)
     released = Released()
-    senders = [hxfer.Sender(a, hxfer.Memory(a, ctx_pools[r]), backend="inproc",
+    senders = [hxfer.Sender(a, hxfer.Memory(a, ctx_pools[r]), backend="inproc", instance="ctx",
                             on_released=released) for r, a in enumerate(A)]
     with hxfer.Receiver(B, hxfer.Memory(B, by_hxfer), peers=[s.address for s in senders],
                         peer_tp=2, backend="inproc") as rx:

@@ -26,7 +26,8 @@ def return_trip(A, P, B, gen_mem, request_id, num_tokens, gen_pages, back_pages,
     moved = 0
     with hxfer.Sender(B, gen_mem, **transport) as back:
         receivers = [hxfer.Receiver(a, hxfer.Memory(a, check[r]), peers=[back.address],
-                                    peer_tp=1, **transport) for r, a in enumerate(A)]
+                                    peer_tp=1, instance="back", **transport)
+                     for r, a in enumerate(A)]
         back.mark_ready(request_id, gen_pages[0], gen_pages[1], aux=b"back")
         for r, rx in enumerate(receivers):
             rx.start(request_id, num_tokens, *back_pages)
@@ -50,7 +51,7 @@ def test_documented_snippet_moves_sglang_tp2_state_into_a_trtllm_v2_rank_and_bac
         pools = lay.pools()
         bufs = {p["name"]: np.zeros(p["bytes"], np.uint8) for p in pools}
         mem = hxfer.Memory(lay, bufs)
-        tx = hxfer.Sender(lay, mem, listen="127.0.0.1:0", backend="auto")
+        tx = hxfer.Sender(lay, mem, listen="127.0.0.1:0", backend="auto", instance="ctx")
         ctx_layouts.append(lay)
         ctx_pools.append(bufs)
         senders.append(tx)
@@ -105,7 +106,7 @@ def test_round_trip_between_engine_layouts_at_tp2_and_tp1_returns_every_byte(ctx
     src = [numpy_pools(a) for a in A]
     P = [fill(a, src[r], *ctx_pages, 11, r) for r, a in enumerate(A)]
     ctx_released, gen_released = Released(), Released()
-    senders = [hxfer.Sender(a, hxfer.Memory(a, src[r]), backend="inproc",
+    senders = [hxfer.Sender(a, hxfer.Memory(a, src[r]), backend="inproc", instance="ctx",
                             on_released=ctx_released) for r, a in enumerate(A)]
     for tx in senders:
         tx.mark_ready(1, *ctx_pages)

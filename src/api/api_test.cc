@@ -108,6 +108,7 @@ struct Released {
 // it cannot be had.
 std::unique_ptr<Receiver> connectedReceiver(EngineRank& gen, const Sender& tx, Released* released) {
   ReceiverOptions ro;
+  ro.instance = "gen";
   ro.peers = {tx.address()};
   if (released != nullptr) ro.on_released = released->callback();
   auto rx = Receiver::create(gen.layout, *gen.memory, ro);
@@ -364,6 +365,7 @@ void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std:
   }
   for (uint32_t r = 0; r < 2; ++r) {
     SenderOptions so;
+    so.instance = "ctx";
     so.backend = backend;
     so.token = "secret";
     so.ucx_options = {{"TLS", "tcp"}};
@@ -376,6 +378,7 @@ void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std:
   }
   EngineRank g = EngineRank::make(side(gen, 1, 0), shareable);
   ReceiverOptions ro;
+  ro.instance = "gen";
   ro.peers = addresses;
   ro.token = "secret";
   ro.ucx_options = {{"TLS", "tcp"}};
@@ -450,6 +453,7 @@ TEST(ApiTransfer, VllmSharedTensorsRefuseMissingOrCollidingGroupSlots) {
   ASSERT_GT(c.layout.stateGroups(), 1u);
   EXPECT_TRUE(c.layout.jointIds());
   SenderOptions so;
+  so.instance = "ctx";
   so.backend = "inproc";
   auto s = Sender::create(c.layout, *c.memory, so);
   ASSERT_TRUE(s.isOk()) << s.status().toString();
@@ -463,6 +467,27 @@ TEST(ApiTransfer, VllmSharedTensorsRefuseMissingOrCollidingGroupSlots) {
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("listed twice"), std::string::npos) << st.toString();
   EXPECT_FALSE((*s)->holds(1));
+}
+
+// Round 3, finding 8: without a name a transceiver takes one unique to its process, which only
+// an instance of one rank may do; the ranks of a larger instance must share a name.
+TEST(ApiTransfer, AnUnnamedInstanceOfSeveralRanksIsRefusedNamingTheOption) {
+  EngineRank two = EngineRank::make(options("vllm", 2, 1));
+  SenderOptions so;
+  so.backend = "inproc";
+  auto s = Sender::create(two.layout, *two.memory, so);
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("instance is empty, and the instance has 2 ranks"),
+            std::string::npos)
+      << s.status().toString();
+  ReceiverOptions ro;
+  ro.backend = "inproc";
+  ro.peers = {"inproc:nowhere"};
+  auto r = Receiver::create(two.layout, *two.memory, ro);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().toString();
+  EngineRank one = EngineRank::make(options("vllm", 1, 0));
+  s = Sender::create(one.layout, *one.memory, so);
+  EXPECT_TRUE(s.isOk()) << s.status().toString();
 }
 
 TEST(ApiTransfer, SharedBuffersMoveOverShm) {
@@ -481,6 +506,7 @@ TEST(ApiRouting, AutoPicksShmForSharedBuffersAndUcxForPrivateMemorySayingWhy) {
   EXPECT_TRUE(shared.memory->shareable());
   EXPECT_FALSE(priv.memory->shareable());
   SenderOptions so;
+  so.instance = "ctx";
   so.listen = "127.0.0.1:0";
   auto s1 = Sender::create(shared.layout, *shared.memory, so);
   ASSERT_TRUE(s1.isOk()) << s1.status().toString();
@@ -496,6 +522,7 @@ TEST(ApiRouting, AutoPicksShmForSharedBuffersAndUcxForPrivateMemorySayingWhy) {
   // memory is refused, naming both.
   EngineRank gen = EngineRank::make(options("hxfer", 1, 0), false);
   ReceiverOptions ro;
+  ro.instance = "gen";
   ro.peers = {(*s1)->address()};
   auto rx = Receiver::create(gen.layout, *gen.memory, ro);
   ASSERT_FALSE(rx.isOk());
@@ -634,6 +661,7 @@ TEST(ApiPages, UnaskedPagesAreReleasedWhenTheLeaseExpires) {
   EngineRank ctx = EngineRank::make(options("vllm", 1, 0));
   Released released;
   SenderOptions so;
+  so.instance = "ctx";
   so.lease_timeout = 200ms;
   auto tx = inprocSender(ctx, released, so);
   ASSERT_NE(tx, nullptr);
@@ -653,6 +681,7 @@ TEST(ApiPages, CancelledRequestStaysFencedUntilTheContextRankAnswered) {
   std::condition_variable cv;
   bool asked = false, go = false;
   SenderOptions so;
+  so.instance = "ctx";
   so.backend = "inproc";
   so.on_request = [&](uint64_t, uint64_t, const std::string&) {
     std::unique_lock lock(mu);
@@ -724,6 +753,7 @@ TEST(ApiPages, CallsRacingShutdownReturnUnavailableAndShutdownMayComeFromOnRelea
   std::atomic<int> from_callback{0};
   constexpr uint64_t kTrigger = uint64_t{1} << 40;
   SenderOptions so;
+  so.instance = "ctx";
   so.backend = "inproc";
   so.on_released = [&](uint64_t id) {
     if (id == kTrigger) {
@@ -770,6 +800,7 @@ TEST(ApiPages, CallsRacingShutdownReturnUnavailableAndShutdownMayComeFromOnRelea
 TEST(ApiPages, OneMemoryServesOneTransceiverAtATime) {
   EngineRank ctx = EngineRank::make(options("hxfer", 1, 0));
   SenderOptions so;
+  so.instance = "ctx";
   so.backend = "inproc";
   auto a = Sender::create(ctx.layout, *ctx.memory, so);
   ASSERT_TRUE(a.isOk()) << a.status().toString();

@@ -23,6 +23,7 @@
 #include "common/status.h"
 #include "engine/context_sender.h"
 #include "engine/generation_receiver.h"
+#include "engine/handshake.h"
 #include "engine/model_source.h"
 #include "engine/routing.h"
 #include "model/presets.h"
@@ -614,6 +615,8 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
   }
   if (routed.backend == engine::BackendKind::kUcx && listen.empty()) listen = "127.0.0.1:0";
   const RankLayout& l = layout.impl().layout;
+  ASSIGN_OR_RETURN(o.instance,
+                   engine::instanceName(o.instance, "ctx", uint64_t{l.tp} * l.pp, "instance"));
   auto agent =
       makeAgent(o, routed.backend, listen, o.instance + "-ctx" + str(l.pp_rank * l.tp + l.tp_rank));
   if (!agent.isOk()) return agent.status();
@@ -761,6 +764,8 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
   impl->backend = routed.backend;
   impl->routing = routed.reason;
   const RankLayout& l = layout.impl().layout;
+  ASSIGN_OR_RETURN(o.instance,
+                   engine::instanceName(o.instance, "gen", uint64_t{l.tp} * l.pp, "instance"));
   auto agent =
       makeAgent(o, routed.backend, routed.backend == engine::BackendKind::kUcx ? "127.0.0.1:0" : "",
                 o.instance + "-gen" + str(l.pp_rank * l.tp + l.tp_rank));

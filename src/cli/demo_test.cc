@@ -400,6 +400,32 @@ std::vector<std::string> longGenerationArgs(const std::string& address) {
           "10",      "--requests", "1000000",    "--peers",  address};
 }
 
+// Round 3, finding 8: two generation instances started without --instance each get a name of
+// their own, so one context rank serves both side by side (both were "serve-gen" rank 0, and
+// each new connection evicted the other's). An instance of several ranks must name itself.
+TEST(Serve, TwoUnnamedGenerationInstancesAreServedSideBySide) {
+  Background ctx(contextArgs({}));
+  const std::string address = startContext(ctx);
+  ASSERT_FALSE(address.empty());
+  std::vector<std::string> args = longGenerationArgs(address);
+  args[std::find(args.begin(), args.end(), "--requests") - args.begin() + 1] = "40";
+  args[std::find(args.begin(), args.end(), "--tokens") - args.begin() + 1] = "300";
+  Background a(args), b(args);
+  EXPECT_EQ(a.wait(kStart), 0) << a.output();
+  EXPECT_EQ(b.wait(kStart), 0) << b.output();
+  for (Background* g : {&a, &b}) {
+    EXPECT_NE(g->output().find("40 of 40 requests verified"), std::string::npos) << g->output();
+    EXPECT_NE(g->output().find("instance: gen-"), std::string::npos) << g->output();
+  }
+  nlohmann::json m = stopContext(ctx);
+  EXPECT_EQ(m.value("connections_superseded", -1), 0) << m.dump();
+
+  CmdResult two = runGeneration(address, "--tp 2 --rank 1 --requests 1");
+  EXPECT_NE(two.exit_code, 0);
+  EXPECT_NE(two.out.find("--instance is empty, and the instance has 2 ranks"), std::string::npos)
+      << two.out;
+}
+
 TEST(Serve, GenerationRankVerifiesStateFromAContextRankInAnotherProcess) {
   Background ctx(contextArgs({}));
   const std::string address = startContext(ctx);

@@ -7,6 +7,7 @@
 //                      oracle, prints a summary and exits 0 when all verified.
 #include <signal.h>
 
+#include <xxhash.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -42,10 +43,10 @@ struct ServeOptions {
   std::string role;
   uint32_t tp = 1, pp = 1, rank = 0;
   std::string listen, advertise;
-  std::string peers;               // comma-separated context addresses (generation)
-  std::string registry;            // etcd://HOST:PORT
-  std::string instance = "hxfer";  // context: the name registered under
-  std::string ctx_instance;        // generation: the context instance to find
+  std::string peers;         // comma-separated context addresses (generation)
+  std::string registry;      // etcd://HOST:PORT
+  std::string instance;      // this instance's name (empty: unique to this process)
+  std::string ctx_instance;  // generation: the context instance to find
   uint32_t lease_ttl_s = 5;
   uint32_t peer_tp = 1, peer_pp = 1;
   std::string backend = "auto";
@@ -188,6 +189,14 @@ int runServe(const ServeOptions& o) {
   if (!context && o.role != "generation") {
     return reportError(InvalidArgument("--role '" + o.role + "' is not context or generation"));
   }
+  if (context && o.instance.empty() && !o.registry.empty()) {
+    return reportError(InvalidArgument(
+        "--instance is empty: a context rank registers under its instance's name (the "
+        "generation ranks' --ctx-instance)"));
+  }
+  auto instance =
+      engine::instanceName(o.instance, context ? "ctx" : "gen", pc.worldSize(), "--instance");
+  if (!instance.isOk()) return reportError(instance.status());
   auto backend = engine::parseBackendRequest(o.backend);
   if (!backend.isOk()) return reportError(backend.status().withContext("--backend"));
   auto layout = engine::parseStateLayoutRequest(o.layout);
@@ -221,6 +230,7 @@ int runServe(const ServeOptions& o) {
   auto served = serveRouting(o, context, peers, *backend, *layout, *model);
   if (!served.isOk()) return reportError(served.status());
   const engine::Routing* routing = &served->routing;
+  std::printf("instance: %s\n", instance->c_str());
   std::printf("routing: backend %s, state layout %s (%s)\n",
               std::string(engine::backendName(routing->backend)).c_str(),
               std::string(stateLayoutName(routing->state_layout)).c_str(), served->why.c_str());
@@ -245,7 +255,7 @@ int runServe(const ServeOptions& o) {
 
   if (context) {
     engine::ContextSender::Options so;
-    so.instance_id = "serve-ctx";
+    so.instance_id = *instance;
     so.model = *model;
     so.parallel = pc;
     so.tp_rank = tp_rank;
@@ -271,7 +281,7 @@ int runServe(const ServeOptions& o) {
     std::unique_ptr<engine::Registration> registration;
     if (registry) {
       engine::RankRecord rec;
-      rec.instance = o.instance;
+      rec.instance = *instance;
       rec.role = "context";
       rec.rank = o.rank;
       rec.tp = o.tp;
@@ -308,7 +318,7 @@ int runServe(const ServeOptions& o) {
   }
 
   engine::GenerationReceiver::Options ro;
-  ro.instance_id = "serve-gen";
+  ro.instance_id = *instance;
   ro.model = *model;
   ro.parallel = pc;
   ro.tp_rank = tp_rank;
@@ -378,7 +388,11 @@ int runServe(const ServeOptions& o) {
   uint32_t ok = 0;
   uint64_t bytes = 0;
   std::vector<double> latencies_us;
-  for (uint32_t id = 1; id <= o.requests && !g_stop; ++id) {
+  // Request ids are one space on the context side: every rank of this instance numbers from
+  // the same base (its name's hash), another instance from another.
+  const uint64_t first_id = (XXH3_64bits(instance->data(), instance->size()) & 0xffffffffull) << 20;
+  std::printf("request ids from %llu\n", static_cast<unsigned long long>(first_id));
+  for (uint64_t id = first_id; id < first_id + o.requests && !g_stop; ++id) {
     if (!found.empty() && engine::Clock::now() - last_check > std::chrono::seconds(1)) {
       last_check = engine::Clock::now();
       if (Status s = rediscover(std::chrono::seconds(0)); !s.isOk()) return reportError(s);
@@ -387,7 +401,8 @@ int runServe(const ServeOptions& o) {
     auto a = (*rx)->startRequest(id, o.tokens);
     if (!a.isOk()) {
       if (found.empty()) return reportError(a.status());
-      std::printf("request %u: %s\n", id, a.status().toString().c_str());
+      std::printf("request %llu: %s\n", static_cast<unsigned long long>(id),
+                  a.status().toString().c_str());
     } else {
       auto res = (*rx)->wait(id, engine::Clock::now() + std::chrono::seconds(o.timeout_s + 5));
       if (!res.isOk()) return reportError(res.status());
@@ -402,11 +417,12 @@ int runServe(const ServeOptions& o) {
           ++ok;
           failed = false;
         } else {
-          std::printf("request %u: %s\n", id,
+          std::printf("request %llu: %s\n", static_cast<unsigned long long>(id),
                       check.isOk() ? check->toString().c_str() : check.status().toString().c_str());
         }
       } else {
-        std::printf("request %u: %s\n", id, res->status.toString().c_str());
+        std::printf("request %llu: %s\n", static_cast<unsigned long long>(id),
+                    res->status.toString().c_str());
       }
       (void)(*rx)->release(id);
     }
@@ -457,8 +473,9 @@ void addServeCommand(CLI::App& app) {
                   "etcd://HOST:PORT: context ranks register there under a lease they keep "
                   "alive; generation ranks find --ctx-instance there");
   cmd->add_option("--instance", o->instance,
-                  "Context: the instance name registered under (hxfer/NAME/context/RANK)")
-      ->default_val("hxfer");
+                  "This instance's name, shared by its ranks: in the handshake, and for a "
+                  "context rank the registry key hxfer/NAME/context/RANK. Default: a name unique "
+                  "to this process, for an instance of one rank that does not register");
   cmd->add_option("--ctx-instance", o->ctx_instance,
                   "Generation: find the context ranks of instance NAME in --registry (instead "
                   "of --peers) and reconnect when one restarts");

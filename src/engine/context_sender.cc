@@ -15,6 +15,7 @@ struct ContextSender::Peer {
   bool refused = false;            // refused; messages are ignored until it goes away
   wire::RankInfo info;             // valid when ready
   uint64_t incarnation = 0;        // from its Hello; 0 from a peer older than minor 2
+  uint16_t minor = 0;              // the frame minor of its Hello: every later frame says it too
   std::optional<Planner> planner;  // this rank -> that generation rank
   // Requests whose TransferDone went to this peer (with the epoch it answered), so that a
   // Cancel crossing that Done is recognised as such and not answered a second time.
@@ -46,7 +47,8 @@ struct ContextSender::Ask {
   uint32_t gen_rank = 0;
   wire::TransferRequest req;
   State state = State::kWaiting;
-  std::string instance;  // the asking generation instance
+  std::string instance;      // the asking generation instance
+  uint64_t incarnation = 0;  // of the asking rank (its Hello)
   bool peer_gone = false;
   bool counted = false;           // in its peer's open_asks / open_blocks
   bool cancel_requested = false;  // by the generation rank
@@ -197,11 +199,11 @@ Status ContextSender::markReady(uint64_t request_id, LayerRange layers, Bytes au
       return Status(why.code(),
                     what + " ended before its last layers were ready: " + why.message());
     }
-  } else if (const Status* dead = tombstones_.find(request_id)) {
+  } else if (const Tombstone* dead = tombstones_.find(request_id)) {
     // Cancelled, or every rank that asked was already told it timed out: nobody will take the
     // state. The tombstone stays, so a TransferRequest still on its way hears the same.
     (void)cache_->free(request_id);
-    return Status(dead->code(), what + " is dead before ready: " + dead->message());
+    return Status(dead->why.code(), what + " is dead before ready: " + dead->why.message());
   }
   const uint32_t from = known != nullptr && known->marked ? known->ready_end : stage_.first;
   uint32_t end = stage_.end();
@@ -251,7 +253,7 @@ Status ContextSender::cancel(uint64_t request_id) {
   const Status why = Cancelled("request " + std::to_string(request_id) + " cancelled by context");
   auto it = sources_.find(request_id);
   if (it == sources_.end()) {
-    tombstones_.put(request_id, why, rememberUntil());
+    tombstones_.put(request_id, Tombstone{why, {}, 0}, rememberUntil());
     return OkStatus();
   }
   cancelLocked(*it->second, why);
@@ -260,7 +262,12 @@ Status ContextSender::cancel(uint64_t request_id) {
 }
 
 void ContextSender::cancelLocked(Source& src, const Status& why) {
-  if (src.cancelled) return;
+  if (src.cancelled) {
+    // Ended already (a streamed request whose ranges stopped coming timed out): its pages were
+    // kept only while prefill might still write them. The engine's cancel says it stopped.
+    freePagesLocked(src);
+    return;
+  }
   src.cancelled = why;
   for (Ask& a : src.asks) {
     if (a.state == Ask::State::kWaiting) {
@@ -270,7 +277,12 @@ void ContextSender::cancelLocked(Source& src, const Status& why) {
     }
   }
   freePagesLocked(src);
-  tombstones_.put(src.id, why, rememberUntil());
+  tombstones_.put(src.id, tombstoneLocked(src, why), rememberUntil());
+}
+
+ContextSender::Tombstone ContextSender::tombstoneLocked(const Source& src, const Status& why) {
+  if (src.asks.empty()) return Tombstone{why, {}, 0};
+  return Tombstone{why, src.asks.front().instance, src.asks.front().incarnation};
 }
 
 void ContextSender::freePagesLocked(Source& src) {
@@ -431,9 +443,15 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
                           std::to_string(block_budget) + " blocks"));
     return;
   }
-  if (const Status* dead = tombstones_.find(id)) {
-    refuseRequestLocked(peer, req, *dead);
-    return;
+  if (const Tombstone* dead = tombstones_.find(id)) {
+    if (dead->instance.empty() ||
+        (dead->instance == peer.info.instance_id && dead->incarnation == peer.incarnation)) {
+      refuseRequestLocked(peer, req, dead->why);
+      return;
+    }
+    // The id ended for another generation process (or an earlier incarnation of this one):
+    // this ask starts a request of its own.
+    tombstones_.erase(id);
   }
   if (auto it = sources_.find(id); it != sources_.end()) {
     if (Status s = checkJoinLocked(peer, *it->second, req); !s.isOk()) {
@@ -469,6 +487,7 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
   ask.peer = peer.id;
   ask.gen_rank = peer.globalRank();
   ask.instance = peer.info.instance_id;
+  ask.incarnation = peer.incarnation;
   ask.asked_at = Clock::now();
   ask.counted = true;
   ++peer.open_asks;
@@ -886,18 +905,24 @@ void ContextSender::handleEventLocked(transport::Event& ev, std::vector<Callback
   }
   Peer& peer = *slot;
   if (ev.kind == Kind::kPeerConnected || peer.refused) return;
-  auto msg = wire::decodeMessage(ev.payload);
+  uint16_t minor = 0;
+  auto msg = wire::decodeMessage(ev.payload, &minor);
   if (!msg.isOk()) {
     refuseLocked(peer, msg.status());
     return;
   }
   if (auto* hello = std::get_if<wire::Hello>(&*msg)) {
+    peer.minor = minor;
     onHelloLocked(peer, std::move(*hello));
     return;
   }
   if (!peer.ready) {
     refuseLocked(peer, InvalidArgument(std::string(wire::messageTypeName(wire::messageType(*msg))) +
                                        " before hello"));
+    return;
+  }
+  if (minor != peer.minor) {
+    refuseLocked(peer, wire::mixedMinor(*msg, minor, peer.minor));
     return;
   }
   if (auto* req = std::get_if<wire::TransferRequest>(&*msg)) {
@@ -936,11 +961,13 @@ void ContextSender::timersLocked() {
                      src->finished.size(), src->expected ? src->expected->size() : 0);
       metrics_.leaseExpired();
       freePagesLocked(*src);
-      tombstones_.put(rid,
-                      Expired("lease of request " + std::to_string(rid) + " expired after " +
-                              std::to_string(options_.lease_timeout.count()) +
-                              " ms: the context rank freed its pages before this rank asked"),
-                      rememberUntil());
+      tombstones_.put(
+          rid,
+          tombstoneLocked(*src,
+                          Expired("lease of request " + std::to_string(rid) + " expired after " +
+                                  std::to_string(options_.lease_timeout.count()) +
+                                  " ms: the context rank freed its pages before this rank asked")),
+          rememberUntil());
       touched.push_back(rid);
     } else if (!src->ready && !src->cancelled &&
                now - std::max(src->created_at, src->progress_at) > options_.lease_timeout) {
@@ -951,7 +978,7 @@ void ContextSender::timersLocked() {
       }
       src->cancelled = why;
       // Ranks asking later, and a late markReady, hear the same instead of starting over.
-      tombstones_.put(rid, why, rememberUntil());
+      tombstones_.put(rid, tombstoneLocked(*src, why), rememberUntil());
       touched.push_back(rid);
     }
   }

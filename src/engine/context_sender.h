@@ -241,10 +241,19 @@ class ContextSender {
   bool stop_ = false;                                                   // guarded by mu_
   std::unordered_map<transport::PeerId, std::unique_ptr<Peer>> peers_;  // guarded by mu_
   std::unordered_map<uint64_t, std::unique_ptr<Source>> sources_;       // guarded by mu_
-  // Ended ids whose asks are answered with this status (cancelled, lease expired, timed out).
-  RecentIds<Status> tombstones_;  // guarded by mu_
-  const uint64_t incarnation_;    // this sender's, in its Hello
-  uint32_t next_scratch_ = 0;     // guarded by mu_; staging area ids (acquireAreaLocked)
+  // An ended id: its asks are answered with `why` (cancelled, lease expired, timed out). It
+  // belongs to the generation process whose asks it answered (instance and incarnation), or,
+  // when it ended before any ask, to whoever asks: a restarted generation process that numbers
+  // its requests from 1 again does not inherit the failures of the one before it.
+  struct Tombstone {
+    Status why;
+    std::string instance;      // empty: every asker
+    uint64_t incarnation = 0;  // of `instance`'s rank that asked
+  };
+  static Tombstone tombstoneLocked(const Source& src, const Status& why);
+  RecentIds<Tombstone> tombstones_;  // guarded by mu_
+  const uint64_t incarnation_;       // this sender's, in its Hello
+  uint32_t next_scratch_ = 0;        // guarded by mu_; staging area ids (acquireAreaLocked)
   // Areas whose writes ended, kept registered and faulted in for the next parts that need one
   // (a fresh area of tens of MiB costs more to fault in than to fill).
   static constexpr uint64_t kSpareAreaBytes = 256ull << 20;

@@ -38,6 +38,7 @@ struct GenerationReceiver::CtxPeer {
   Status last_error;
   wire::RankInfo info;             // valid when ready
   uint64_t incarnation = 0;        // from its last Hello
+  uint16_t minor = 0;              // the frame minor of its last Hello: later frames say it too
   std::optional<Planner> planner;  // that context rank -> this rank (checksums)
   uint64_t kv_ops_per_block = 0;   // what a kv block adds to a part's ops (storm control)
 };
@@ -710,7 +711,13 @@ void GenerationReceiver::handleEventLocked(transport::Event& ev) {
     return;
   }
   if (ev.kind != Kind::kMessage) return;
-  auto msg = wire::decodeMessage(ev.payload);
+  uint16_t minor = 0;
+  auto msg = wire::decodeMessage(ev.payload, &minor);
+  if (msg.isOk() && std::holds_alternative<wire::Hello>(*msg)) {
+    peer->minor = minor;
+  } else if (msg.isOk() && peer->state == CtxPeer::State::kReady && minor != peer->minor) {
+    msg = wire::mixedMinor(*msg, minor, peer->minor);
+  }
   if (!msg.isOk()) {
     HXFER_LOG_WARN("generation: undecodable message from context rank {}: {}", peer->rank,
                    msg.status().toString());

@@ -1,8 +1,11 @@
 #include "engine/handshake.h"
 
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstring>
 #include <memory>
 #include <random>
 
@@ -105,6 +108,21 @@ uint64_t newIncarnation() {
   uint64_t v = 0;
   while (v == 0) v = (uint64_t{rd()} << 32) ^ rd();
   return v;
+}
+
+StatusOr<std::string> instanceName(const std::string& given, std::string_view role, uint64_t ranks,
+                                   std::string_view field) {
+  if (!given.empty()) return given;
+  if (ranks > 1) {
+    return InvalidArgument(std::string(field) + " is empty, and the instance has " +
+                           std::to_string(ranks) +
+                           " ranks: they must share one name (each process's default is its own)");
+  }
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') std::strcpy(host, "host");
+  char suffix[16];
+  std::snprintf(suffix, sizeof(suffix), "%06x", static_cast<unsigned>(newIncarnation() & 0xffffff));
+  return std::string(role) + "-" + host + "-" + std::to_string(::getpid()) + "-" + suffix;
 }
 
 }  // namespace hxfer::engine

@@ -54,4 +54,12 @@ std::string rankName(const RankLayout& layout);  // "(tp 1, pp 0)"
 // the kernel's generator): a rank restarted at the same address says another one.
 uint64_t newIncarnation();
 
+// The instance name a rank goes by: `given`, or when empty one unique to this process
+// ("<role>-<host>-<pid>-<random>"), so that two unnamed instances never pass for one (a context
+// rank holds each request id for one generation instance, and keeps one connection per rank of
+// it). The ranks of an instance must share its name: with `ranks` > 1 an empty `given` is
+// InvalidArgument naming `field`.
+StatusOr<std::string> instanceName(const std::string& given, std::string_view role, uint64_t ranks,
+                                   std::string_view field);
+
 }  // namespace hxfer::engine

@@ -38,6 +38,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/coding.h"
+#include "common/crc32c.h"
 #include "common/logging.h"
 #include "engine/context_sender.h"
 #include "engine/generation_receiver.h"
@@ -1814,6 +1816,80 @@ TEST(Epochs, NewConnectionClaimingAGenerationRankDropsTheOlderOne) {
   (void)fresh->agent->disconnect(fresh->peer);
   expectPagesFree(*c->cache, "ctx");
   EXPECT_TRUE(c->sender->selfCheck().isOk()) << c->sender->selfCheck().toString();
+}
+
+// Round 3, finding 11: a tombstone answers the generation process whose request ended, not a
+// restarted one (same instance, another incarnation) that numbers its requests from 1 again.
+TEST(Epochs, ATombstoneAnswersItsOwnGenerationProcessNotARestartedOne) {
+  const ModelSpec model = tinyModel();
+  const std::string name = uniqueName("ctx");
+  auto c =
+      startContext(model, kTp1, 0, name, StateLayout::kPaged, Capacity::counts(128, 32), nullptr,
+                   "secret", [](ContextSender::Options& o) { o.on_request = nullptr; });
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  auto a = RawGeneration::make(model, kTp1, 0, "gen");
+  ASSERT_TRUE(a);
+  ASSERT_TRUE(a->connect(shmAddress(name), 1).isOk());
+  ASSERT_TRUE(a->agent->sendMessage(a->peer, wire::encodeMessage(a->request(9, 1, {0, 1}))).isOk());
+  ASSERT_TRUE(waitUntil([&] { return c->sender->metrics().requests_started >= 1; }));
+  ASSERT_TRUE(c->sender->cancel(9).isOk());
+  // The process that asked hears the cancel, and hears it again when it asks again.
+  auto again = a->ask(wire::Message{a->request(9, 2, {0, 1})});
+  ASSERT_TRUE(again.isOk()) << again.status().toString();
+  EXPECT_EQ(again->status.code(), StatusCode::kCancelled) << again->status.toString();
+
+  // A restarted process (incarnation 2) asks for id 9 anew: a request of its own, served once
+  // the context engine marks it ready.
+  auto b = RawGeneration::make(model, kTp1, 0, "gen");
+  ASSERT_TRUE(b);
+  ASSERT_TRUE(b->connect(shmAddress(name), 2).isOk());
+  std::thread prefill([&] {
+    ASSERT_TRUE(waitUntil([&] { return c->sender->metrics().requests_started >= 3; }));
+    (*c->serve)(9, 2 * b->info.layout.tokens_per_block);
+  });
+  auto fresh = b->ask(wire::Message{b->request(9, 1, {2, 3})});
+  prefill.join();
+  ASSERT_TRUE(fresh.isOk()) << fresh.status().toString();
+  EXPECT_TRUE(fresh->status.isOk()) << fresh->status.toString();
+  EXPECT_GT(fresh->bytes, 0u);
+  (void)b->agent->disconnect(b->peer);
+  expectPagesFree(*c->cache, "ctx");
+  EXPECT_TRUE(c->sender->selfCheck().isOk()) << c->sender->selfCheck().toString();
+}
+
+// Round 3, finding 11: one connection speaks the minor its Hello came in. A peer that said 1.5
+// and then sends a minor-1 frame (an epoch-less Cancel, which would cancel every use of the id)
+// is refused, not served.
+TEST(Epochs, AFrameOfAnotherMinorThanTheHelloIsRefused) {
+  LogCapture logs;
+  const ModelSpec model = tinyModel();
+  const std::string name = uniqueName("ctx");
+  auto c = startContext(model, kTp1, 0, name, StateLayout::kPaged, Capacity::counts(128, 32),
+                        nullptr, "secret");
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  auto g = RawGeneration::make(model, kTp1, 0, "gen");
+  ASSERT_TRUE(g);
+  ASSERT_TRUE(g->connect(shmAddress(name), 1).isOk());
+  // A minor-1 Cancel: the current encoding without its epoch (one varint byte, 0).
+  Bytes frame = wire::encodeMessage(wire::Message{wire::Cancel{42, "old", 0}});
+  frame.resize(frame.size() - 4 - 1);  // crc, epoch
+  frame[6] = 1;                        // minor, little-endian
+  frame[7] = 0;
+  storeFixed32(frame.data() + 9, static_cast<uint32_t>(frame.size() - 13));
+  putFixed32(frame, crc32c(frame.data(), frame.size()));
+  ASSERT_TRUE(wire::decodeMessage(frame).isOk());  // a well-formed frame of minor 1
+  ASSERT_TRUE(g->agent->sendMessage(g->peer, frame).isOk());
+  auto answer = exchange(*g->agent, g->peer, std::nullopt);
+  ASSERT_TRUE(answer.isOk()) << answer.status().toString();
+  auto* error = std::get_if<wire::Error>(&*answer);
+  ASSERT_NE(error, nullptr) << wire::summarize(*answer);
+  EXPECT_NE(error->status.message().find("frame of minor 1 on a connection whose hello came in "
+                                         "minor " +
+                                         std::to_string(wire::kWireVersionMinor)),
+            std::string::npos)
+      << error->status.toString();
+  EXPECT_TRUE(g->lost());
+  EXPECT_TRUE(logs.has({"one connection speaks one minor"})) << logs.all();
 }
 
 // Finding 3: what one authenticated peer can make the context rank hold is bounded: requests

@@ -694,6 +694,31 @@ TEST_P(Transceiver, RangesThatStopComingTimeOutAndTheNextOneSaysSo) {
   expectPagesFree(*c);
 }
 
+// The same, ended by the engine's cancel instead of a next range: the cancel frees the pages
+// (it once returned early, since the timer had marked the request cancelled, and the pages
+// stayed fenced for good).
+TEST_P(Transceiver, CancelAfterRangesTimedOutFreesThePages) {
+  auto o = baseOptions(GetParam(), {1, 1, {}}, {1, 1, {}});
+  o.lease_timeout = milliseconds(300);
+  o.stream_min_tokens = 1000;
+  auto c = make(o);
+  ASSERT_NE(c, nullptr);
+  ContextSender& s = *c->senders()[0];
+  ASSERT_TRUE(c->prepareContext(10, 60, /*mark_ready=*/false).isOk());
+  ASSERT_TRUE(c->startGeneration(10, 60).isOk());
+  ASSERT_TRUE(s.markReady(10, LayerRange{0, 2}).isOk());
+  auto r = c->receivers()[0]->wait(10, deadline());
+  ASSERT_TRUE(r.isOk());
+  EXPECT_EQ(r->status.code(), StatusCode::kTimeout) << r->status.toString();
+  EXPECT_EQ(s.heldRequests(), 1u);
+  ASSERT_TRUE(s.cancel(10).isOk());
+  EXPECT_EQ(s.heldRequests(), 0u);
+  EXPECT_FALSE(c->ctxCaches()[0]->find(10).isOk());
+  ASSERT_TRUE(c->release(10).isOk());
+  expectPagesFree(*c);
+  EXPECT_TRUE(s.selfCheck().isOk()) << s.selfCheck().toString();
+}
+
 // The generation rank going away between ranges fails only its part; the last range frees
 // the pages.
 TEST_P(Transceiver, GenerationGoneBetweenRangesFreesThePagesAtTheLastRange) {

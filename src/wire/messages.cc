@@ -355,7 +355,7 @@ StatusOr<size_t> frameLength(std::span<const uint8_t> header) {
   return kFrameHeaderBytes + size_t{h.body_length} + kFrameTrailerBytes;
 }
 
-StatusOr<Message> decodeMessage(std::span<const uint8_t> frame) {
+StatusOr<Message> decodeMessage(std::span<const uint8_t> frame, uint16_t* frame_minor) {
   ASSIGN_OR_RETURN(Header h, readHeader(frame));
   const size_t total = kFrameHeaderBytes + size_t{h.body_length} + kFrameTrailerBytes;
   if (frame.size() < total) {
@@ -376,22 +376,38 @@ StatusOr<Message> decodeMessage(std::span<const uint8_t> frame) {
   }
   const auto body = frame.subspan(kFrameHeaderBytes, h.body_length);
   const uint16_t minor = h.minor;
+  StatusOr<Message> m = Corruption("frame.type");
   switch (static_cast<MessageType>(h.type)) {
     case MessageType::kHello:
-      return decodeBody<Hello>(body, "hello.", minor);
+      m = decodeBody<Hello>(body, "hello.", minor);
+      break;
     case MessageType::kTransferRequest:
-      return decodeBody<TransferRequest>(body, "transfer_request.", minor);
+      m = decodeBody<TransferRequest>(body, "transfer_request.", minor);
+      break;
     case MessageType::kTransferDone:
-      return decodeBody<TransferDone>(body, "transfer_done.", minor);
+      m = decodeBody<TransferDone>(body, "transfer_done.", minor);
+      break;
     case MessageType::kCancel:
-      return decodeBody<Cancel>(body, "cancel.", minor);
+      m = decodeBody<Cancel>(body, "cancel.", minor);
+      break;
     case MessageType::kError:
-      return decodeBody<Error>(body, "error.", minor);
+      m = decodeBody<Error>(body, "error.", minor);
+      break;
+    default:
+      return Corruption("frame.type: unknown message type " + std::to_string(h.type) +
+                        " in a frame of version " + versionText(h.major, h.minor) +
+                        " (this build speaks " + versionText(kWireVersionMajor, kWireVersionMinor) +
+                        ")");
   }
-  return Corruption("frame.type: unknown message type " + std::to_string(h.type) +
-                    " in a frame of version " + versionText(h.major, h.minor) +
-                    " (this build speaks " + versionText(kWireVersionMajor, kWireVersionMinor) +
-                    ")");
+  if (m.isOk() && frame_minor != nullptr) *frame_minor = minor;
+  return m;
+}
+
+Status mixedMinor(const Message& m, uint16_t minor, uint16_t pinned) {
+  return Corruption("frame.version: a " + std::string(messageTypeName(messageType(m))) +
+                    " frame of minor " + std::to_string(minor) +
+                    " on a connection whose hello came in minor " + std::to_string(pinned) +
+                    " (one connection speaks one minor)");
 }
 
 Status checkDestination(const TransferRequest& req, const RankLayout& dst) {

@@ -143,7 +143,12 @@ Status checkMessage(const Message& m);
 Bytes encodeMessage(const Message& m);
 
 // Decodes exactly one frame occupying all of `frame`.
-StatusOr<Message> decodeMessage(std::span<const uint8_t> frame);
+// `frame_minor`, when given, receives the frame's minor version (on success only): a
+// connection pins the minor its peer's Hello came in, and refuses a frame of another.
+StatusOr<Message> decodeMessage(std::span<const uint8_t> frame, uint16_t* frame_minor = nullptr);
+
+// Corruption for a frame of minor `minor` on a connection whose Hello came in `pinned`.
+Status mixedMinor(const Message& m, uint16_t minor, uint16_t pinned);
 
 // For stream transports: from the first kFrameHeaderBytes of a frame (magic, version, type,
 // body length checked), the total length of the frame. Fewer bytes is Corruption.

@@ -126,12 +126,13 @@ def stop_clean(ctx_ranks):
 
 @pytest.mark.parametrize("ctx_tp,gen_tp", [(2, 1), (1, 2)])
 def test_demo_workload_across_hosts_moves_every_byte_over_ucx(ctx_tp, gen_tp):
-    ctx = [context(1, ctx_tp, r) for r in range(ctx_tp)]
+    ctx = [context(1, ctx_tp, r, "--instance", "ctx") for r in range(ctx_tp)]
     for c in ctx:
         assert c.routing.startswith("backend ucx"), c.routing
         assert "another host" in c.routing, c.routing
         assert c.address.startswith(f"ucx:{addr(1)}:"), c.address
-    gens = [generation(2, [c.address for c in ctx], ctx_tp, "--requests", 8, tp=gen_tp, rank=r)
+    gens = [generation(2, [c.address for c in ctx], ctx_tp, "--requests", 8, "--instance", "gen",
+                       tp=gen_tp, rank=r)
             for r in range(gen_tp)]
     for g in gens:
         assert "another host" in g.line(r"^routing: (.*)").group(1)

@@ -337,7 +337,7 @@ def transfer(case, gen, ctx_caches, first):
         for pages in ctx.ranks:
             listen = {"listen": "127.0.0.1:0"} if case.backend == "ucx" else {}
             tx = hxfer.Sender(pages.layout, hxfer.Memory(pages.layout, pages.buffers),
-                              backend=case.backend, ucx_options=ucx, **listen)
+                              backend=case.backend, ucx_options=ucx, instance="ctx", **listen)
             tx.mark_ready(REQUEST_ID, blocks=case.ctx_blocks, slot=case.ctx_slot, aux=aux)
             senders.append(tx)
         addresses = [tx.address for tx in senders]
@@ -346,7 +346,7 @@ def transfer(case, gen, ctx_caches, first):
         for pages in gen.ranks:
             rx = hxfer.Receiver(pages.layout, hxfer.Memory(pages.layout, pages.buffers),
                                 peers=addresses, peer_tp=case.ctx.tp, peer_pp=case.ctx.pp,
-                                backend=case.backend, ucx_options=ucx)
+                                backend=case.backend, ucx_options=ucx, instance="gen")
             receivers.append(rx)
         for rx in receivers:
             rx.wait_for_peers(timeout=30.0)
@@ -396,7 +396,7 @@ def context_rank_process(conn, hf, config_path, side, pp_rank, tp_rank, seed, pr
         pages.write(caches[tp_rank], blocks, slot, (0, prompt_len))
         ucx = {"TLS": "tcp"} if backend == "ucx" else None
         tx = hxfer.Sender(lay, hxfer.Memory(lay, bufs), listen="127.0.0.1:0", backend=backend,
-                          ucx_options=ucx)
+                          ucx_options=ucx, instance="ctx")
         tx.mark_ready(REQUEST_ID, blocks=blocks, slot=slot, aux=str(first).encode())
         conn.send({"address": tx.address})
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
