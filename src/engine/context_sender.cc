@@ -17,6 +17,10 @@ struct ContextSender::Peer {
   uint64_t incarnation = 0;        // from its Hello; 0 from a peer older than minor 2
   uint16_t minor = 0;              // the frame minor of its Hello: every later frame says it too
   std::optional<Planner> planner;  // this rank -> that generation rank
+  // The ranks of its instance that this rank writes to (each will ask for every request): the
+  // instance's shape is the peer's, worked out once at its Hello.
+  std::vector<uint32_t> expected;
+  uint64_t block_budget = 0;  // destination blocks its waiting asks may name together
   // Requests whose TransferDone went to this peer (with the epoch it answered), so that a
   // Cancel crossing that Done is recognised as such and not answered a second time.
   RecentIds<uint64_t> answered;
@@ -337,6 +341,18 @@ void ContextSender::onHelloLocked(Peer& peer, wire::Hello hello) {
     refuseLocked(peer, InvalidArgument("second hello on one connection"));
     return;
   }
+  // A connection this Hello replaces (the same rank again) does not count.
+  const size_t connected = std::count_if(peers_.begin(), peers_.end(), [&](const auto& kv) {
+    const Peer& p = *kv.second;
+    return p.ready && !(p.info.instance_id == hello.rank_info.instance_id &&
+                        p.globalRank() == hello.rank_info.globalRank());
+  });
+  if (connected >= options_.max_generation_peers) {
+    refuseLocked(peer, ResourceExhausted("this context rank serves " + std::to_string(connected) +
+                                         " generation ranks already (max_generation_peers=" +
+                                         std::to_string(options_.max_generation_peers) + ")"));
+    return;
+  }
   if (hello.rank_info.role != wire::InstanceRole::kGeneration) {
     refuseLocked(peer, Incompatible("peer role " +
                                     std::string(wire::instanceRoleName(hello.rank_info.role)) +
@@ -353,6 +369,11 @@ void ContextSender::onHelloLocked(Peer& peer, wire::Hello hello) {
     refuseLocked(peer, planner.status());
     return;
   }
+  auto expected = overlappingGenerationRanks(options_.model, self_.layout, hello.rank_info.layout);
+  if (!expected.isOk()) {
+    refuseLocked(peer, expected.status());
+    return;
+  }
   for (const RegionSpec& r : hello.rank_info.layout.regions) {
     const Bytes* key = hello.rank_info.findKey(r.id);
     Status s = agent_->addRemoteRegion(
@@ -365,6 +386,9 @@ void ContextSender::onHelloLocked(Peer& peer, wire::Hello hello) {
   peer.info = std::move(hello.rank_info);
   peer.incarnation = hello.incarnation;
   peer.planner = std::move(*planner);
+  peer.expected = std::move(*expected);
+  peer.block_budget =
+      blockBudget(self_.layout, hello.rank_info.layout, options_.max_waiting_blocks_factor);
   peer.ready = true;
   metrics_.handshake(true);
   HXFER_LOG_INFO("context rank {}: generation rank {} of '{}' connected", rankName(self_.layout),
@@ -380,6 +404,15 @@ void ContextSender::onHelloLocked(Peer& peer, wire::Hello hello) {
   }
   for (Peer* old : older) supersedeLocked(*old, peer);
   sendLocked(peer.id, wire::Hello{self_, {}, incarnation_});  // the transport proved the token
+}
+
+uint64_t ContextSender::blockBudget(const RankLayout& self, const RankLayout& peer,
+                                    uint32_t factor) {
+  // Our pool's tokens, in the peer's blocks: what a request could name if it took all of them.
+  const uint64_t tokens = uint64_t{self.num_blocks} * std::max(self.tokens_per_block, 1u);
+  const uint64_t per = std::max(peer.tokens_per_block, 1u);
+  const uint64_t own = std::min<uint64_t>((tokens + per - 1) / per, peer.num_blocks);
+  return uint64_t{factor} * std::max<uint64_t>(own, 1);
 }
 
 void ContextSender::supersedeLocked(Peer& old, const Peer& newer) {
@@ -429,8 +462,7 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
     refuseRequestLocked(peer, req, s);
     return;
   }
-  const uint64_t block_budget = uint64_t{options_.max_waiting_blocks_factor} *
-                                std::max<uint32_t>(peer.info.layout.num_blocks, 1);
+  const uint64_t block_budget = peer.block_budget;
   if (peer.open_asks >= options_.max_waiting_requests ||
       peer.open_blocks + req.dst_block_ids.size() > block_budget) {
     metrics_.requestOverLimit();
@@ -470,15 +502,7 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
   }
   Source& src = *slot;
   const bool first = src.asks.empty();
-  if (!src.expected) {
-    auto expected = overlappingGenerationRanks(options_.model, self_.layout, peer.info.layout);
-    if (expected.isOk()) {
-      src.expected = std::move(*expected);
-    } else {
-      HXFER_LOG_WARN("context: cannot work out the generation ranks of request {}: {}", id,
-                     expected.status().toString());
-    }
-  }
+  if (!src.expected) src.expected = peer.expected;
   if (first && options_.on_request) {
     callbacks->push_back(
         [cb = options_.on_request, id, n = req.num_tokens, aux = req.aux] { cb(id, n, aux); });

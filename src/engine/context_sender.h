@@ -79,10 +79,15 @@ class ContextSender {
     // long as its per-write overheads, and one write of merged ops is cheaper.
     uint64_t stream_min_tokens = 512;
     // Per generation peer, requests asked and not yet answered: at most this many, holding at
-    // most max_waiting_blocks_factor x the peer's num_blocks destination blocks together. A
-    // request past either bound is answered ResourceExhausted at once (requests_over_limit).
+    // most max_waiting_blocks_factor x this rank's own pool (its num_blocks, counted in the
+    // peer's blocks when their tokens per block differ; never more than the peer's num_blocks)
+    // destination blocks together. Bounded by what this rank holds, not by what a peer claims.
+    // A request past either bound is answered ResourceExhausted at once (requests_over_limit).
     size_t max_waiting_requests = 4096;
     uint32_t max_waiting_blocks_factor = 4;
+    // Generation ranks connected at once (handshake done); a Hello past it is refused
+    // ResourceExhausted. With the bounds above it caps what every peer together can park here.
+    size_t max_generation_peers = 1024;
     // Ended request ids remembered (tombstones, answers a Cancel may still cross): each for
     // two lease periods, and at most this many per rank and per peer (the oldest go first).
     size_t max_remembered_ids = 65536;
@@ -251,6 +256,9 @@ class ContextSender {
     uint64_t incarnation = 0;  // of `instance`'s rank that asked
   };
   static Tombstone tombstoneLocked(const Source& src, const Status& why);
+  // The destination blocks one generation peer's waiting asks may name together
+  // (Options::max_waiting_blocks_factor).
+  static uint64_t blockBudget(const RankLayout& self, const RankLayout& peer, uint32_t factor);
   RecentIds<Tombstone> tombstones_;  // guarded by mu_
   const uint64_t incarnation_;       // this sender's, in its Hello
   uint32_t next_scratch_ = 0;        // guarded by mu_; staging area ids (acquireAreaLocked)

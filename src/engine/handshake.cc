@@ -57,8 +57,24 @@ StatusOr<std::vector<uint32_t>> overlappingGenerationRanks(const ModelSpec& mode
   ASSIGN_OR_RETURN(RankLayout ctx_shape,
                    shapeLayout(model, {ctx.tp, ctx.pp, ctx.layers_per_stage}, ctx.tp_rank,
                                ctx.pp_rank, StateLayout::kPaged));
-  std::vector<uint32_t> out;
+  // Stages whose layers miss ours write nothing here: skipped without a plan. A peer's claim
+  // (tp and pp up to 4096 each) must not buy it millions of plans on this rank.
+  RETURN_IF_ERROR(gen_pc.validate(model.numLayers()));
+  const LayerRange mine = ctx_shape.stageLayers();
+  std::vector<uint32_t> stages;
   for (uint32_t p = 0; p < gen_pc.pp; ++p) {
+    ASSIGN_OR_RETURN(LayerRange theirs, stageLayers(gen_pc, model.numLayers(), p));
+    if (theirs.first < mine.end() && mine.first < theirs.end()) stages.push_back(p);
+  }
+  const uint64_t candidates = uint64_t{stages.size()} * gen_pc.tp;
+  if (candidates > kMaxOverlapCandidates) {
+    return ResourceExhausted("generation instance of tp=" + std::to_string(gen_pc.tp) + " pp=" +
+                             std::to_string(gen_pc.pp) + " has " + std::to_string(candidates) +
+                             " ranks on the stages overlapping this rank's layers, more than " +
+                             std::to_string(kMaxOverlapCandidates));
+  }
+  std::vector<uint32_t> out;
+  for (uint32_t p : stages) {
     for (uint32_t t = 0; t < gen_pc.tp; ++t) {
       ASSIGN_OR_RETURN(RankLayout g, shapeLayout(model, gen_pc, t, p, StateLayout::kPaged));
       ASSIGN_OR_RETURN(Planner planner, Planner::createForSource(ctx_shape, std::move(g)));

@@ -19,6 +19,8 @@
 
 namespace hxfer::engine {
 
+inline constexpr uint64_t kMaxOverlapCandidates = 4096;
+
 // The layout of rank (tp_rank, pp_rank) of an instance with one block and one slot where the
 // rank has attention / recurrent layers: enough to plan which ranks overlap, since a plan's
 // unit and layer mapping does not depend on capacities.
@@ -33,7 +35,9 @@ StatusOr<std::vector<uint32_t>> overlappingContextRanks(const ModelSpec& model,
 
 // Global ranks of the generation instance that `ctx` writes anything to (the ranks that will
 // ask it for every request), ascending. `gen_any` is one rank of that instance (its RankInfo
-// layout): tp, pp, stage split and state layout come from it.
+// layout): tp, pp, stage split and state layout come from it. One plan per rank on the stages
+// that overlap ctx's layers, at most kMaxOverlapCandidates of them (ResourceExhausted past it):
+// a context rank works this out once per generation peer, at its Hello.
 StatusOr<std::vector<uint32_t>> overlappingGenerationRanks(const ModelSpec& model,
                                                            const RankLayout& ctx,
                                                            const RankLayout& gen_any);

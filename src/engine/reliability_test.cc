@@ -32,6 +32,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <random>
 #include <set>
 #include <string>
@@ -1599,11 +1600,11 @@ struct RawGeneration {
   wire::RankInfo info;
 
   static std::unique_ptr<RawGeneration> make(const ModelSpec& model, const ParallelConfig& pc,
-                                             uint32_t rank, const std::string& instance) {
+                                             uint32_t rank, const std::string& instance,
+                                             Capacity capacity = Capacity::counts(64, 8)) {
     auto g = std::make_unique<RawGeneration>();
-    auto cache =
-        HybridCacheManager::create(model, pc, rank % pc.tp, rank / pc.tp, StateLayout::kPaged,
-                                   Capacity::counts(64, 8), Region::Backing::kMemfd);
+    auto cache = HybridCacheManager::create(model, pc, rank % pc.tp, rank / pc.tp,
+                                            StateLayout::kPaged, capacity, Region::Backing::kMemfd);
     auto agent = shmAgent("", "raw-" + instance, "secret");
     if (!cache.isOk() || !agent.isOk()) return nullptr;
     g->cache = std::move(*cache);
@@ -1936,6 +1937,77 @@ TEST(Bounds, WaitingRequestsOfOnePeerAreBoundedAndRefusedLoudly) {
   expectPagesFree(*c->cache, "ctx");
   EXPECT_TRUE(waitUntil([&] { return c->sender->connectedPeers() == 0; }));
   EXPECT_TRUE(c->sender->selfCheck().isOk()) << c->sender->selfCheck().toString();
+}
+
+// Round 3, finding 6: the blocks a peer's waiting asks may name are bounded by this rank's own
+// pool, not by the peer's claimed num_blocks (a claim of 2^32 - 1 let 250 parked requests take
+// 1.15 GB); and the generation ranks connected at once are bounded.
+TEST(Bounds, WaitingBlocksAreBoundedByThisRanksPoolAndPeersByACount) {
+  const ModelSpec model = tinyModel();
+  const std::string name = uniqueName("ctx");
+  auto c = startContext(model, kTp1, 0, name, StateLayout::kPaged, Capacity::counts(128, 32),
+                        nullptr, "secret", [](ContextSender::Options& o) {
+                          o.on_request = nullptr;
+                          o.max_waiting_blocks_factor = 1;
+                          o.max_generation_peers = 2;
+                        });
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  // A generation rank whose pool is 32 times ours: its asks may still name only 128 blocks.
+  auto g = RawGeneration::make(model, kTp1, 0, "big", Capacity::counts(4096, 8));
+  ASSERT_TRUE(g);
+  ASSERT_TRUE(g->connect(shmAddress(name), 1).isOk());
+  std::vector<uint32_t> many(129);
+  std::iota(many.begin(), many.end(), 0u);
+  auto over = g->ask(wire::Message{g->request(1, 1, many)});
+  ASSERT_TRUE(over.isOk()) << over.status().toString();
+  EXPECT_EQ(over->status.code(), StatusCode::kResourceExhausted) << over->status.toString();
+  EXPECT_NE(over->status.message().find("limits 4096 requests, 128 blocks"), std::string::npos)
+      << over->status.toString();
+  many.pop_back();
+  ASSERT_TRUE(g->agent->sendMessage(g->peer, wire::encodeMessage(g->request(2, 1, many))).isOk());
+  // Two generation ranks at most: a third Hello is refused naming the bound.
+  auto second = RawGeneration::make(model, kTp1, 0, "second");
+  auto third = RawGeneration::make(model, kTp1, 0, "third");
+  ASSERT_TRUE(second && third);
+  ASSERT_TRUE(second->connect(shmAddress(name), 1).isOk());
+  auto refused = third->connect(shmAddress(name), 1);
+  EXPECT_FALSE(refused.isOk());
+  EXPECT_NE(refused.status().message().find("max_generation_peers=2"), std::string::npos)
+      << refused.status().toString();
+  (void)g->agent->disconnect(g->peer);
+  (void)second->agent->disconnect(second->peer);
+  EXPECT_TRUE(waitUntil([&] { return c->sender->connectedPeers() == 0; }));
+  expectPagesFree(*c->cache, "ctx");
+  EXPECT_TRUE(c->sender->selfCheck().isOk()) << c->sender->selfCheck().toString();
+}
+
+// Round 3, finding 4: which generation ranks will ask for a request is worked out once per peer,
+// at its Hello. A token holder claiming tp 4096 once made every request id cost 4096 plans on
+// the progress thread under its lock (70-250 ms each): an honest peer waited seconds.
+TEST(Bounds, APeerClaimingAHugeTpCostsOnePassAtItsHelloNotOnePerRequest) {
+  const ModelSpec model = tinyModel();
+  const std::string name = uniqueName("ctx");
+  auto c = startContext(model, kTp1, 0, name, StateLayout::kPaged, Capacity::counts(512, 256),
+                        nullptr, "secret");
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  auto wide = RawGeneration::make(model, ParallelConfig{4096, 1, {}}, 0, "wide");
+  ASSERT_TRUE(wide);
+  ASSERT_TRUE(wide->connect(shmAddress(name), 1).isOk());
+  for (uint64_t id = 1000; id < 1200; ++id) {
+    ASSERT_TRUE(wide->agent->sendMessage(wide->peer, wire::encodeMessage(wide->request(id, 1, {0})))
+                    .isOk());
+  }
+  auto honest = RawGeneration::make(model, kTp1, 0, "honest");
+  ASSERT_TRUE(honest);
+  const auto start = Clock::now();
+  ASSERT_TRUE(honest->connect(shmAddress(name), 1).isOk());
+  auto done = honest->ask(wire::Message{honest->request(5, 1, {0, 1})});
+  ASSERT_TRUE(done.isOk()) << done.status().toString();
+  EXPECT_TRUE(done->status.isOk()) << done->status.toString();
+  // 200 asks at >= 70 ms each stood in front of it before; now they cost a lookup each.
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  (void)wide->agent->disconnect(wide->peer);
+  (void)honest->agent->disconnect(honest->peer);
 }
 
 // Finding 10: records of ended ids are bounded in number and expire on the timer, whether or
