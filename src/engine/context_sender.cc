@@ -257,7 +257,7 @@ Status ContextSender::cancel(uint64_t request_id) {
   const Status why = Cancelled("request " + std::to_string(request_id) + " cancelled by context");
   auto it = sources_.find(request_id);
   if (it == sources_.end()) {
-    tombstones_.put(request_id, Tombstone{why, {}, 0}, rememberUntil());
+    tombstones_.put(request_id, Tombstone{why, {}, {}}, rememberUntil());
     return OkStatus();
   }
   cancelLocked(*it->second, why);
@@ -285,8 +285,21 @@ void ContextSender::cancelLocked(Source& src, const Status& why) {
 }
 
 ContextSender::Tombstone ContextSender::tombstoneLocked(const Source& src, const Status& why) {
-  if (src.asks.empty()) return Tombstone{why, {}, 0};
-  return Tombstone{why, src.asks.front().instance, src.asks.front().incarnation};
+  Tombstone t{why, {}, {}};
+  if (src.asks.empty()) return t;
+  t.instance = src.asks.front().instance;  // one instance per id (checkJoinLocked)
+  for (const Ask& a : src.asks) t.askers.emplace_back(a.gen_rank, a.incarnation);
+  return t;
+}
+
+bool ContextSender::Tombstone::answers(const std::string& asking, uint32_t rank,
+                                       uint64_t incarnation) const {
+  if (instance.empty()) return true;
+  if (asking != instance) return false;
+  for (const auto& [r, inc] : askers) {
+    if (r == rank && inc != incarnation) return false;  // that rank restarted since
+  }
+  return true;
 }
 
 void ContextSender::freePagesLocked(Source& src) {
@@ -476,8 +489,7 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
     return;
   }
   if (const Tombstone* dead = tombstones_.find(id)) {
-    if (dead->instance.empty() ||
-        (dead->instance == peer.info.instance_id && dead->incarnation == peer.incarnation)) {
+    if (dead->answers(peer.info.instance_id, peer.globalRank(), peer.incarnation)) {
       refuseRequestLocked(peer, req, dead->why);
       return;
     }

@@ -247,13 +247,15 @@ class ContextSender {
   std::unordered_map<transport::PeerId, std::unique_ptr<Peer>> peers_;  // guarded by mu_
   std::unordered_map<uint64_t, std::unique_ptr<Source>> sources_;       // guarded by mu_
   // An ended id: its asks are answered with `why` (cancelled, lease expired, timed out). It
-  // belongs to the generation process whose asks it answered (instance and incarnation), or,
-  // when it ended before any ask, to whoever asks: a restarted generation process that numbers
-  // its requests from 1 again does not inherit the failures of the one before it.
+  // belongs to the generation instance whose ranks asked (each rank with the incarnation it
+  // asked in), or, when it ended before any ask, to whoever asks. A rank of another instance, or
+  // one restarted since it asked (another incarnation), starts a request of its own: a new
+  // generation process that numbers its requests from 1 again does not inherit old failures.
   struct Tombstone {
     Status why;
-    std::string instance;      // empty: every asker
-    uint64_t incarnation = 0;  // of `instance`'s rank that asked
+    std::string instance;                               // empty: every asker
+    std::vector<std::pair<uint32_t, uint64_t>> askers;  // (global rank, incarnation)
+    bool answers(const std::string& asking, uint32_t rank, uint64_t incarnation) const;
   };
   static Tombstone tombstoneLocked(const Source& src, const Status& why);
   // The destination blocks one generation peer's waiting asks may name together
