@@ -24,4 +24,17 @@ bool setLogLevel(std::string_view level) {
   return true;
 }
 
+bool LogLimiter::admit(uint64_t* suppressed) {
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (now < next_) {
+    ++held_;
+    return false;
+  }
+  next_ = now + interval_;
+  *suppressed = held_;
+  held_ = 0;
+  return true;
+}
+
 }  // namespace hxfer

@@ -754,8 +754,13 @@ class ShmAgent final : public Agent {
       }
     }
     for (auto& p : late) {
-      HXFER_LOG_WARN("shm {}: closing connection {}: no authentication within {} ms", name_, p->id,
-                     config_.auth_timeout.count());
+      uint64_t held = 0;
+      if (unauth_log_.admit(&held)) {
+        HXFER_LOG_WARN(
+            "shm {}: closing connection {}: no authentication within {} ms ({} lines like this "
+            "held back)",
+            name_, p->id, config_.auth_timeout.count(), held);
+      }
       markLost(p, PermissionDenied("no authentication within " +
                                    std::to_string(config_.auth_timeout.count()) + " ms"));
       closePeerFd(p);
@@ -819,7 +824,13 @@ class ShmAgent final : public Agent {
           // Out of fds the pending connection stays queued and the listener stays readable:
           // epoll would spin. Spend the spare fd to take it off the queue and close it.
           ++connections_refused_;
-          HXFER_LOG_WARN("shm {}: refusing a connection: out of file descriptors", name_);
+          uint64_t held = 0;
+          if (unauth_log_.admit(&held)) {
+            HXFER_LOG_WARN(
+                "shm {}: refusing a connection: out of file descriptors ({} lines like this held "
+                "back)",
+                name_, held);
+          }
           if (spare_fd_ >= 0) {
             close(spare_fd_);
             int victim = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
@@ -830,23 +841,43 @@ class ShmAgent final : public Agent {
         }
         return;  // EAGAIN (listener is non-blocking) or a transient error
       }
+      if (Status s = prepareSocket(fd, "a connecting process"); !s.isOk()) {
+        ++auth_failures_;
+        uint64_t held = 0;
+        if (unauth_log_.admit(&held)) {
+          HXFER_LOG_WARN("shm {}: refusing a connection: {} ({} lines like this held back)", name_,
+                         s.toString(), held);
+        }
+        close(fd);
+        continue;
+      }
+      // The oldest unauthenticated connection makes room for this one: refusing newcomers let
+      // a flood of silent connections, re-opened at once, lock every honest peer out.
+      std::shared_ptr<ShmPeer> oldest;
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (unauthenticatedIncomingLocked() >= config_.max_unauthenticated) {
-          ++connections_refused_;
-          HXFER_LOG_WARN(
-              "shm {}: refusing a connection: max_unauthenticated={} are already "
-              "authenticating",
-              name_, config_.max_unauthenticated);
-          close(fd);
-          continue;
+          for (auto& [id, q] : peers_) {
+            if (q->incoming && !q->authenticated && !q->lost &&
+                (!oldest || q->auth_deadline < oldest->auth_deadline)) {
+              oldest = q;
+            }
+          }
         }
       }
-      if (Status s = prepareSocket(fd, "a connecting process"); !s.isOk()) {
-        ++auth_failures_;
-        HXFER_LOG_WARN("shm {}: refusing a connection: {}", name_, s.toString());
-        close(fd);
-        continue;
+      if (oldest) {
+        const uint64_t n = ++connections_refused_;
+        uint64_t held = 0;
+        if (unauth_log_.admit(&held)) {
+          HXFER_LOG_WARN(
+              "shm {}: closing the oldest unauthenticated connection ({}) for a new one: "
+              "max_unauthenticated={} are authenticating ({} closed so far; {} lines like this "
+              "held back)",
+              name_, oldest->id, config_.max_unauthenticated, n, held);
+        }
+        markLost(oldest, ResourceExhausted("closed for a newer connection: max_unauthenticated=" +
+                                           std::to_string(config_.max_unauthenticated)));
+        closePeerFd(oldest);
       }
       auto p = std::make_shared<ShmPeer>();
       p->fd = fd;
@@ -1161,6 +1192,8 @@ class ShmAgent final : public Agent {
   std::atomic<uint64_t> auth_failures_{0};
   std::atomic<uint64_t> unauthenticated_dropped_{0};
   std::atomic<uint64_t> connections_refused_{0};
+  // Lines about connections that never authenticated: any local process can cause them.
+  LogLimiter unauth_log_;
   std::atomic<uint64_t> peers_over_limit_{0};
 
   std::mutex mu_;

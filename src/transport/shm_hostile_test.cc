@@ -5,6 +5,7 @@
 // memfd, frames were accepted before hello, memfds could be shrunk under a writer, a sparse
 // memfd was pre-faulted at its announced size, and nothing bounded a silent connection.
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -532,6 +533,48 @@ TEST(ShmHostile, SilentConnectionsAreClosedAndCapped) {
   // With the silent ones gone an honest peer gets in.
   auto honest = agentOrDie(config("gen"));
   EXPECT_TRUE(honest->connect(agent->localAddress()).isOk());
+}
+
+// Whether the other end of `fd` closed it (checked without waiting).
+bool closedByTheListener(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  char b;
+  return (p.revents & (POLLHUP | POLLERR)) != 0 || recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
+
+// Round 3, finding 7: 40 silent connections, each re-opened as soon as it is closed, locked
+// every honest peer out while newcomers were refused. The oldest unauthenticated connection now
+// makes room, so an honest peer that authenticates promptly gets in during the flood.
+TEST(ShmHostile, SilentConnectionFloodDoesNotLockOutAnHonestPeer) {
+  auto agent = agentOrDie(config("victim"));
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> reopened{0};
+  std::thread flood([&] {
+    std::vector<std::unique_ptr<RawPeer>> silent(40);
+    while (!stop) {
+      for (auto& r : silent) {
+        if (r && !closedByTheListener(r->fd())) continue;
+        r = RawPeer::connectTo(agent->localAddress());
+        ++reopened;
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+  });
+  int honest = 0;
+  const auto end = std::chrono::steady_clock::now() + 5s;
+  while (std::chrono::steady_clock::now() < end) {
+    AgentConfig c = config("gen");
+    c.connect_timeout = 2000ms;
+    auto gen = agentOrDie(c);
+    if (gen->connect(agent->localAddress()).isOk()) ++honest;
+    std::this_thread::sleep_for(200ms);
+  }
+  stop = true;
+  flood.join();
+  EXPECT_GT(reopened.load(), 80u) << "the flood never got going";
+  EXPECT_GT(agent->agentStats().connections_refused, 40u);
+  EXPECT_GE(honest, 3) << "honest peers were locked out";
 }
 
 // Finding 3: at the fd limit the listener spun at 100 % CPU (the pending connection stays

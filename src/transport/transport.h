@@ -117,8 +117,10 @@ struct AgentConfig {
   std::vector<uint32_t> allowed_uids;
   // A connection that has not completed authentication within this time is closed.
   std::chrono::milliseconds auth_timeout{5000};
-  // At most this many accepted connections may be authenticating at once; more are closed
-  // at accept (counted in AgentStats::connections_refused).
+  // At most this many accepted connections may be authenticating at once: a newcomer past it
+  // closes the oldest of them (counted in AgentStats::connections_refused), so that silent
+  // connections re-opened in a loop cannot hold out a peer that authenticates promptly. Lines
+  // about unauthenticated connections are logged at most once a second, with a count.
   size_t max_unauthenticated = 32;
 
   // Sending never waits for a peer (sendMessage below). What a peer has not read yet waits in
@@ -142,7 +144,7 @@ struct AgentStats {
   bool token_configured = false;
   uint64_t auth_failures = 0;            // handshakes refused: bad proof, uid, timeout, protocol
   uint64_t unauthenticated_dropped = 0;  // frames / messages from a peer not yet authenticated
-  uint64_t connections_refused = 0;      // over max_unauthenticated, or at the fd limit
+  uint64_t connections_refused = 0;      // closed over max_unauthenticated, or at the fd limit
   uint64_t peers_over_limit = 0;         // peers disconnected for exceeding a per-peer bound
   // ucx: the context has UCP_FEATURE_RMA, so its worker answers puts (ucx_mode put, or auto
   // where a real RMA transport exists). Over tcp or shared memory UCX emulates put with a

@@ -513,6 +513,8 @@ class UcxAgent final : public Agent {
   detail::EventQueue events_;
 
   // AgentStats counters (written by the progress thread, read by anyone).
+  // Lines about connections that never authenticated: whoever reaches the port can cause them.
+  LogLimiter unauth_log_;
   std::atomic<uint64_t> auth_failures_{0};
   std::atomic<uint64_t> unauthenticated_dropped_{0};
   std::atomic<uint64_t> connections_refused_{0};
@@ -965,13 +967,28 @@ void UcxAgent::onConnRequest(ucp_conn_request_h req) {
     return q->lost || q->handshake == Handshake::kDone;
   });
   if (pending_auth_.size() >= config_.max_unauthenticated) {
-    ucp_listener_reject(listener_, req);
+    // The oldest unauthenticated connection makes room. Rejecting the newcomer instead let a
+    // flood of silent connections, re-opened as soon as rejected, hold out every honest peer,
+    // and ucp_listener_reject in such a loop aborts UCX 1.13 (tcp_sockcm_ep.c assertion).
+    std::shared_ptr<UcxPeer> oldest = pending_auth_.front();
+    pending_auth_.erase(pending_auth_.begin());
     const uint64_t n = ++connections_refused_;
-    HXFER_LOG_WARN(
-        "ucx {}: rejecting an incoming connection: {} are already authenticating "
-        "(max_unauthenticated={}; {} rejected so far)",
-        config_.label, pending_auth_.size(), config_.max_unauthenticated, n);
-    return;
+    const Status why =
+        ResourceExhausted("closed for a newer connection: max_unauthenticated=" +
+                          std::to_string(config_.max_unauthenticated) + " were authenticating");
+    uint64_t held = 0;
+    if (unauth_log_.admit(&held)) {
+      HXFER_LOG_WARN(
+          "ucx {}: closing the oldest unauthenticated connection (peer {}) for a new one: "
+          "max_unauthenticated={} are authenticating ({} closed so far; {} lines like this "
+          "held back)",
+          config_.label, oldest->id, config_.max_unauthenticated, n, held);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (oldest->handshake_error.isOk()) oldest->handshake_error = why;
+    }
+    dropPeer(oldest, why);
   }
   auto p = addPeer(nullptr, /*incoming=*/true);
   p->handshake = Handshake::kAwaitHello;
@@ -1653,8 +1670,13 @@ ucs_status_t UcxAgent::onHandshakeAm(const std::shared_ptr<UcxPeer>& p, unsigned
 
 void UcxAgent::failHandshake(const std::shared_ptr<UcxPeer>& p, const Status& why) {
   ++auth_failures_;
-  HXFER_LOG_WARN("ucx {}: closing {} connection (peer {}) before authentication: {}", config_.label,
-                 p->incoming ? "an incoming" : "an outgoing", p->id, why.toString());
+  uint64_t held = 0;
+  if (!p->incoming || unauth_log_.admit(&held)) {
+    HXFER_LOG_WARN(
+        "ucx {}: closing {} connection (peer {}) before authentication: {} ({} lines like this "
+        "held back)",
+        config_.label, p->incoming ? "an incoming" : "an outgoing", p->id, why.toString(), held);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (p->handshake_error.isOk()) p->handshake_error = why;
@@ -1672,7 +1694,11 @@ void UcxAgent::dropPeer(const std::shared_ptr<UcxPeer>& p, const Status& why) {
 // closes first or sends anything more).
 void UcxAgent::refuse(const std::shared_ptr<UcxPeer>& p, const std::string& reason) {
   ++auth_failures_;
-  HXFER_LOG_WARN("ucx {}: refusing incoming peer {}: {}", config_.label, p->id, reason);
+  uint64_t held = 0;
+  if (unauth_log_.admit(&held)) {
+    HXFER_LOG_WARN("ucx {}: refusing incoming peer {}: {} ({} lines like this held back)",
+                   config_.label, p->id, reason, held);
+  }
   auto text = std::make_shared<std::string>(reason);
   sendAm(p, kAmRefused, Bytes{}, text->data(), text->size(), text, UCP_AM_SEND_FLAG_EAGER, 0);
   p->handshake = Handshake::kRefused;

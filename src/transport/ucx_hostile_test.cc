@@ -8,6 +8,7 @@
 #include <ucp/api/ucp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -688,7 +689,8 @@ TEST(UcxHostile, SilentConnectionIsClosedAfterAuthTimeout) {
   EXPECT_FALSE(waitForEvent(*agent, Event::Kind::kPeerConnected, {}, 100ms).has_value());
 }
 
-TEST(UcxHostile, ConnectionsBeyondMaxUnauthenticatedAreRefused) {
+// Each connection past max_unauthenticated closes the oldest one still authenticating.
+TEST(UcxHostile, ConnectionsBeyondMaxUnauthenticatedCloseTheOldest) {
   AgentConfig config = agentConfig("victim");
   config.max_unauthenticated = 2;
   config.auth_timeout = 1500ms;
@@ -700,7 +702,7 @@ TEST(UcxHostile, ConnectionsBeyondMaxUnauthenticatedAreRefused) {
     raws.push_back(std::make_unique<RawClient>(agent->localAddress()));
     ASSERT_TRUE(raws.back()->ok());
     clients.push_back(raws.back().get());
-    // One at a time, so that the first two are the ones accepted.
+    // One at a time, so that each newcomer finds the two before it authenticating.
     waitFor(
         clients, [] { return false; }, 50ms);
   }
@@ -721,6 +723,54 @@ TEST(UcxHostile, ConnectionsBeyondMaxUnauthenticatedAreRefused) {
     std::this_thread::sleep_for(100ms);
   }
   EXPECT_TRUE(peer.isOk()) << peer.status().toString();
+}
+
+// Round 3, findings 2 and 7: 40 silent connections, each re-opened as soon as it is closed.
+// Refusing newcomers with ucp_listener_reject in a loop aborted the listening process inside
+// UCX 1.13 (tcp_sockcm_ep.c) within seconds, locked an honest peer out, and logged a warning
+// per refusal. The oldest unauthenticated connection now makes room for a newcomer: the
+// listener survives, an honest peer gets in during the flood, and the refusals are logged at a
+// bounded rate.
+TEST(UcxHostile, SilentConnectionFloodNeitherAbortsTheListenerNorLocksOutAnHonestPeer) {
+  AgentConfig config = agentConfig("victim");
+  auto agent = makeAgent(config);
+  ASSERT_TRUE(agent);
+  auto dst = sentinelRegion(7, 4096);
+  auto key = agent->registerRegion(*dst, RegionAccess::kRemoteWritable);
+  ASSERT_TRUE(key.isOk());
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> reopened{0};
+  std::thread flood([&] {
+    std::vector<std::unique_ptr<RawClient>> raws;
+    for (int i = 0; i < 40; ++i) raws.push_back(std::make_unique<RawClient>(agent->localAddress()));
+    while (!stop) {
+      for (auto& r : raws) {
+        r->progress();
+        if (!r->ok() || r->epFailed()) {
+          r = std::make_unique<RawClient>(agent->localAddress());
+          ++reopened;
+        }
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+  });
+  // Honest peers connect while the flood runs (each connect bounded by connect_timeout).
+  int honest = 0;
+  const auto end = Clock::now() + 8s;
+  while (Clock::now() < end) {
+    auto writer = makeAgent(agentConfig("honest"));
+    ASSERT_TRUE(writer);
+    if (writer->connect(agent->localAddress()).isOk()) ++honest;
+    std::this_thread::sleep_for(200ms);
+  }
+  stop = true;
+  flood.join();
+  EXPECT_GT(reopened.load(), 40u) << "the flood never got going";
+  EXPECT_GE(honest, 3) << "honest peers were locked out";
+  const AgentStats stats = agent->agentStats();
+  EXPECT_GT(stats.connections_refused, 0u);
+  // Still serving once the flood stops.
+  expectHonestWriteLands(*agent, *dst, *key);
 }
 
 // An agent of config `c` and a raw client it welcomed (the handshake with the shared token);
