@@ -20,7 +20,8 @@ struct ContextSender::Peer {
   // The ranks of its instance that this rank writes to (each will ask for every request): the
   // instance's shape is the peer's, worked out once at its Hello.
   std::vector<uint32_t> expected;
-  uint64_t block_budget = 0;  // destination blocks its waiting asks may name together
+  uint64_t block_budget = 0;      // destination blocks its waiting asks may name together
+  bool regions_declared = false;  // its regions are write targets (at its first request)
   // Requests whose TransferDone went to this peer (with the epoch it answered), so that a
   // Cancel crossing that Done is recognised as such and not answered a second time.
   RecentIds<uint64_t> answered;
@@ -387,15 +388,6 @@ void ContextSender::onHelloLocked(Peer& peer, wire::Hello hello) {
     refuseLocked(peer, expected.status());
     return;
   }
-  for (const RegionSpec& r : hello.rank_info.layout.regions) {
-    const Bytes* key = hello.rank_info.findKey(r.id);
-    Status s = agent_->addRemoteRegion(
-        peer.id, r.id, r.length, key ? std::span<const uint8_t>(*key) : std::span<const uint8_t>());
-    if (!s.isOk()) {
-      refuseLocked(peer, s.withContext("region " + std::to_string(r.id)));
-      return;
-    }
-  }
   peer.info = std::move(hello.rank_info);
   peer.incarnation = hello.incarnation;
   peer.planner = std::move(*planner);
@@ -474,6 +466,21 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
                    s.toString());
     refuseRequestLocked(peer, req, s);
     return;
+  }
+  // Its regions are declared at its first request: a generation rank grants us writes (on shm:
+  // sends their fds) only once our Hello matched, and before any request it sends.
+  if (!peer.regions_declared) {
+    for (const RegionSpec& r : peer.info.layout.regions) {
+      const Bytes* key = peer.info.findKey(r.id);
+      Status s = agent_->addRemoteRegion(
+          peer.id, r.id, r.length,
+          key ? std::span<const uint8_t>(*key) : std::span<const uint8_t>());
+      if (!s.isOk()) {
+        refuseLocked(peer, s.withContext("region " + std::to_string(r.id)));
+        return;
+      }
+    }
+    peer.regions_declared = true;
   }
   const uint64_t block_budget = peer.block_budget;
   if (peer.open_asks >= options_.max_waiting_requests ||

@@ -83,6 +83,8 @@ struct GenerationReceiver::Sink {
 StatusOr<std::unique_ptr<GenerationReceiver>> GenerationReceiver::create(
     Options options, HybridCacheManager* cache, std::unique_ptr<transport::Agent> agent) {
   if (cache == nullptr || agent == nullptr) return InvalidArgument("cache and agent are required");
+  // A context rank gets our pools only once its Hello matched (onHelloLocked).
+  agent->requireWriteGrants();
   const RankLayout& layout = cache->layout();
   if (layout.tp != options.parallel.tp || layout.pp != options.parallel.pp ||
       layout.tp_rank != options.tp_rank || layout.pp_rank != options.pp_rank) {
@@ -665,6 +667,12 @@ void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
       HXFER_LOG_INFO("generation rank {}: context rank {} restarted (incarnation {} -> {})",
                      rankName(self_.layout), peer.rank, peer.incarnation, hello.incarnation);
     }
+  }
+  // Only now, its Hello matched, may it write into our pools (on shm: get their fds). They
+  // reach it before any TransferRequest sent below.
+  if (Status s = agent_->grantWrites(peer.id); !s.isOk()) {
+    refuse(s.withContext("granting writes"));
+    return;
   }
   peer.incarnation = hello.incarnation;
   peer.info = std::move(hello.rank_info);

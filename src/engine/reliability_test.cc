@@ -185,6 +185,8 @@ class HoldAgent final : public Agent {
     return inner_->pollEvent(timeout);
   }
   transport::AgentStats agentStats() const override { return inner_->agentStats(); }
+  void requireWriteGrants() override { inner_->requireWriteGrants(); }
+  Status grantWrites(transport::PeerId p) override { return inner_->grantWrites(p); }
 
  private:
   std::unique_ptr<Agent> inner_;
@@ -1474,6 +1476,16 @@ struct HostileContext {
   std::unique_ptr<HybridCacheManager> cache;
   std::unique_ptr<Agent> agent;
   transport::PeerId peer = 0;
+  wire::RankInfo gen_info;  // from the generation rank's Hello
+  // How many of the generation rank's regions this peer could declare as write targets (on shm:
+  // whose fds it holds).
+  size_t writableRegions() {
+    size_t n = 0;
+    for (const RegionSpec& r : gen_info.layout.regions) {
+      n += agent->addRemoteRegion(peer, r.id, r.length, {}).isOk();
+    }
+    return n;
+  }
   static std::unique_ptr<HostileContext> make(const ModelSpec& model) {
     auto h = std::make_unique<HostileContext>();
     auto cache = HybridCacheManager::create(model, {1, 1, {}}, 0, 0, StateLayout::kPaged,
@@ -1497,6 +1509,7 @@ struct HostileContext {
       auto m = wire::decodeMessage(ev->payload);
       if (m.isOk() && std::holds_alternative<wire::Hello>(*m)) {
         peer = ev->peer;
+        gen_info = std::get<wire::Hello>(*m).rank_info;
         return true;
       }
     }
@@ -1542,6 +1555,9 @@ TEST(HostilePeer, ContextPeerWithWrongModelOrTokenOrAnswersIsRefused) {
                              {h->agent->localAddress()}, milliseconds(60000), nullptr, "secret");
     ASSERT_TRUE(g.isOk());
     ASSERT_TRUE(h->acceptHello()) << k.what;
+    // Round 3, finding 1: past the token alone a peer holds no region of the generation rank;
+    // its fds go only to a context rank whose Hello matched (they once came with the welcome).
+    EXPECT_EQ(h->writableRegions(), 0u) << k.what;
     wire::Hello hello{rankInfoOf(*h->cache, *h->agent, wire::InstanceRole::kContext), "secret"};
     k.spoil(hello);
     if (!wire::checkRankInfo(hello.rank_info).isOk()) {
@@ -1569,6 +1585,8 @@ TEST(HostilePeer, ContextPeerWithWrongModelOrTokenOrAnswersIsRefused) {
   ASSERT_TRUE(h->acceptHello());
   h->send(wire::Hello{rankInfoOf(*h->cache, *h->agent, wire::InstanceRole::kContext), ""});
   ASSERT_TRUE((*g)->rx->waitForPeers(deadline()).isOk());
+  // Its Hello matched: the regions follow.
+  EXPECT_TRUE(waitUntil([&] { return h->writableRegions() == h->gen_info.layout.regions.size(); }));
   // A Done for a request nobody asked for is ignored.
   h->send(wire::TransferDone{777, OkStatus(), 1 << 20, std::nullopt, {}});
   // A Done claiming success with the wrong byte count fails the request instead of lying.
@@ -2074,6 +2092,8 @@ class StallAgent final : public Agent {
     held_[p].push_back(core);
     return transport::Transfer(core);
   }
+  void requireWriteGrants() override { inner_->requireWriteGrants(); }
+  Status grantWrites(transport::PeerId p) override { return inner_->grantWrites(p); }
   Status sendMessage(transport::PeerId p, std::span<const uint8_t> payload) override {
     return inner_->sendMessage(p, payload);
   }

@@ -209,6 +209,8 @@ class ChaosAgent final : public Agent {
     return ev;
   }
   transport::AgentStats agentStats() const override { return inner_->agentStats(); }
+  void requireWriteGrants() override { inner_->requireWriteGrants(); }
+  Status grantWrites(transport::PeerId p) override { return inner_->grantWrites(p); }
   void wakeEventWaiter() override { inner_->wakeEventWaiter(); }
 
  private:

@@ -3,6 +3,7 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
+#include <openssl/params.h>
 #include <sys/random.h>
 
 #include <cerrno>
@@ -12,8 +13,34 @@
 namespace hxfer::transport::auth {
 namespace {
 
-std::string_view label(Role role) {
-  return role == Role::kListener ? "hxfer-auth-1 listener" : "hxfer-auth-1 connector";
+void appendLengthPrefixed(std::string& out, std::string_view part) {
+  const uint32_t n = static_cast<uint32_t>(part.size());
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  out.append(part);
+}
+
+// HMAC-SHA256 of `input` under `key` (an empty key is allowed: no token configured, the
+// exchange then proves nothing).
+std::array<uint8_t, 32> hmac(std::string_view key, std::span<const uint8_t> input) {
+  std::array<uint8_t, 32> out{};
+  unsigned int len = 0;
+  static const uint8_t kEmpty = 0;
+  const void* k = key.empty() ? static_cast<const void*>(&kEmpty) : key.data();
+  HMAC(EVP_sha256(), k, static_cast<int>(key.size()), input.data(), input.size(), out.data(), &len);
+  return out;
+}
+
+std::string transcript(std::string_view label, const Nonce& connector_nonce,
+                       const Nonce& listener_nonce, std::string_view binding) {
+  std::string in(label);
+  in.append(reinterpret_cast<const char*>(connector_nonce.data()), kNonceBytes);
+  in.append(reinterpret_cast<const char*>(listener_nonce.data()), kNonceBytes);
+  appendLengthPrefixed(in, binding);
+  return in;
+}
+
+std::span<const uint8_t> bytes(const std::string& s) {
+  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
 }
 
 }  // namespace
@@ -42,28 +69,70 @@ StatusOr<std::string> randomToken() {
   return out;
 }
 
-Proof prove(std::string_view token, Role role, const Nonce& connector_nonce,
-            const Nonce& listener_nonce) {
-  const std::string_view l = label(role);
-  uint8_t input[64 + 2 * kNonceBytes];
-  std::memcpy(input, l.data(), l.size());
-  std::memcpy(input + l.size(), connector_nonce.data(), kNonceBytes);
-  std::memcpy(input + l.size() + kNonceBytes, listener_nonce.data(), kNonceBytes);
-  Proof out{};
-  unsigned int len = 0;
-  // HMAC keys may be empty (no token configured): the exchange still runs and proves nothing.
-  static const uint8_t kEmpty = 0;
-  const void* key = token.empty() ? static_cast<const void*>(&kEmpty) : token.data();
-  HMAC(EVP_sha256(), key, static_cast<int>(token.size()), input, l.size() + 2 * kNonceBytes,
-       out.data(), &len);
+std::string shmBinding(std::string_view listener_name, std::string_view connector_name) {
+  std::string out = "shm";
+  appendLengthPrefixed(out, listener_name);
+  appendLengthPrefixed(out, connector_name);
   return out;
 }
 
+Proof prove(std::string_view token, Role role, const Nonce& connector_nonce,
+            const Nonce& listener_nonce, std::string_view binding) {
+  const std::string_view label =
+      role == Role::kListener ? "hxfer-auth-2 listener" : "hxfer-auth-2 connector";
+  return hmac(token, bytes(transcript(label, connector_nonce, listener_nonce, binding)));
+}
+
 bool verify(std::string_view token, Role role, const Nonce& connector_nonce,
-            const Nonce& listener_nonce, std::span<const uint8_t> received) {
+            const Nonce& listener_nonce, std::string_view binding,
+            std::span<const uint8_t> received) {
   if (received.size() != kProofBytes) return false;
-  const Proof expected = prove(token, role, connector_nonce, listener_nonce);
+  const Proof expected = prove(token, role, connector_nonce, listener_nonce, binding);
   return CRYPTO_memcmp(expected.data(), received.data(), kProofBytes) == 0;
+}
+
+SessionKeys sessionKeys(std::string_view token, Role self, const Nonce& connector_nonce,
+                        const Nonce& listener_nonce, std::string_view binding) {
+  const Key c = hmac(token, bytes(transcript("hxfer-session-2 connector", connector_nonce,
+                                             listener_nonce, binding)));
+  const Key l =
+      hmac(token,
+           bytes(transcript("hxfer-session-2 listener", connector_nonce, listener_nonce, binding)));
+  return self == Role::kConnector ? SessionKeys{c, l} : SessionKeys{l, c};
+}
+
+Mac mac(const Key& key, std::span<const uint8_t> a, std::span<const uint8_t> b) {
+  // EVP_MAC (OpenSSL 3): the HMAC implementation is fetched once; a context per call, so that
+  // the data path's threads share nothing.
+  static EVP_MAC* const kHmac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+  EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(kHmac);
+  char digest[] = "SHA256";
+  const OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", digest, 0),
+                               OSSL_PARAM_construct_end()};
+  uint8_t full[32] = {};
+  size_t len = 0;
+  uint8_t prefix[4];
+  auto feed = [&](std::span<const uint8_t> part) {
+    const uint32_t n = static_cast<uint32_t>(part.size());
+    for (int i = 0; i < 4; ++i) prefix[i] = static_cast<uint8_t>((n >> (8 * i)) & 0xff);
+    EVP_MAC_update(ctx, prefix, 4);
+    if (!part.empty()) EVP_MAC_update(ctx, part.data(), part.size());
+  };
+  EVP_MAC_init(ctx, key.data(), key.size(), params);
+  feed(a);
+  feed(b);
+  EVP_MAC_final(ctx, full, &len, sizeof(full));
+  EVP_MAC_CTX_free(ctx);
+  Mac out;
+  std::memcpy(out.data(), full, kMacBytes);
+  return out;
+}
+
+bool checkMac(const Key& key, std::span<const uint8_t> a, std::span<const uint8_t> b,
+              std::span<const uint8_t> received) {
+  if (received.size() != kMacBytes) return false;
+  const Mac expected = mac(key, a, b);
+  return CRYPTO_memcmp(expected.data(), received.data(), kMacBytes) == 0;
 }
 
 }  // namespace hxfer::transport::auth

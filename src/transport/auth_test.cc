@@ -7,34 +7,44 @@
 namespace hxfer::transport::auth {
 namespace {
 
-TEST(Auth, ProofVerifiesOnlyForTheSameTokenRoleAndNonces) {
+const std::string kChannel = shmBinding(std::string("\0hxfer-ctx", 10), std::string("\0abcde", 6));
+
+TEST(Auth, ProofVerifiesOnlyForTheSameTokenRoleNoncesAndChannel) {
   auto c = randomNonce();
   auto l = randomNonce();
   ASSERT_TRUE(c.isOk() && l.isOk());
-  const Proof p = prove("secret", Role::kListener, *c, *l);
-  EXPECT_TRUE(verify("secret", Role::kListener, *c, *l, p));
-  EXPECT_FALSE(verify("secreT", Role::kListener, *c, *l, p));
-  EXPECT_FALSE(verify("", Role::kListener, *c, *l, p));
+  const Proof p = prove("secret", Role::kListener, *c, *l, kChannel);
+  EXPECT_TRUE(verify("secret", Role::kListener, *c, *l, kChannel, p));
+  EXPECT_FALSE(verify("secreT", Role::kListener, *c, *l, kChannel, p));
+  EXPECT_FALSE(verify("", Role::kListener, *c, *l, kChannel, p));
   // A listener's proof reflected back as the connector's does not verify.
-  EXPECT_FALSE(verify("secret", Role::kConnector, *c, *l, p));
+  EXPECT_FALSE(verify("secret", Role::kConnector, *c, *l, kChannel, p));
   // Replayed against a fresh listener nonce it does not verify.
   auto l2 = randomNonce();
   ASSERT_TRUE(l2.isOk());
-  EXPECT_FALSE(verify("secret", Role::kListener, *c, *l2, p));
+  EXPECT_FALSE(verify("secret", Role::kListener, *c, *l2, kChannel, p));
   // Swapped nonces do not verify.
-  EXPECT_FALSE(verify("secret", Role::kListener, *l, *c, p));
+  EXPECT_FALSE(verify("secret", Role::kListener, *l, *c, kChannel, p));
+  // Relayed: the relay's connection to the listener is another channel than the connector's
+  // connection to the relay, so a proof made on one does not verify on the other.
+  const std::string relayed =
+      shmBinding(std::string("\0hxfer-relay", 12), std::string("\0abcde", 6));
+  EXPECT_FALSE(verify("secret", Role::kListener, *c, *l, relayed, p));
+  EXPECT_FALSE(
+      verify("secret", Role::kListener, *c, *l, shmBinding(std::string("\0hxfer-ctx", 10), ""), p));
 }
 
 TEST(Auth, TruncatedOrFlippedProofIsRefused) {
   Nonce c{}, l{};
   c[0] = 1;
   l[0] = 2;
-  Proof p = prove("t", Role::kConnector, c, l);
-  EXPECT_FALSE(verify("t", Role::kConnector, c, l, std::span<const uint8_t>(p.data(), 31)));
+  Proof p = prove("t", Role::kConnector, c, l, kChannel);
+  EXPECT_FALSE(
+      verify("t", Role::kConnector, c, l, kChannel, std::span<const uint8_t>(p.data(), 31)));
   for (size_t i = 0; i < p.size(); ++i) {
     Proof q = p;
     q[i] ^= 0x01;
-    EXPECT_FALSE(verify("t", Role::kConnector, c, l, q)) << "byte " << i;
+    EXPECT_FALSE(verify("t", Role::kConnector, c, l, kChannel, q)) << "byte " << i;
   }
 }
 
@@ -45,13 +55,47 @@ TEST(Auth, NoncesDiffer) {
   EXPECT_NE(*a, *b);
 }
 
-TEST(Auth, ProofIsHmacSha256OfLabelAndNonces) {
-  // Computed independently: HMAC-SHA256(key "Jefe", "hxfer-auth-1 listener" + 64 zero bytes).
+std::string hex(std::span<const uint8_t> b) {
+  std::string out;
+  char two[3];
+  for (uint8_t x : b) {
+    std::snprintf(two, sizeof(two), "%02x", x);
+    out += two;
+  }
+  return out;
+}
+
+TEST(Auth, ProofIsHmacSha256OfLabelNoncesAndLengthPrefixedBinding) {
+  // Computed independently (Python's hmac): HMAC-SHA256(key "Jefe", "hxfer-auth-2 listener" +
+  // 64 zero bytes + fixed32 0), the empty binding.
   const Nonce zero{};
-  const Proof p = prove("Jefe", Role::kListener, zero, zero);
-  char hex[2 * kProofBytes + 1];
-  for (size_t i = 0; i < p.size(); ++i) std::snprintf(hex + 2 * i, 3, "%02x", p[i]);
-  EXPECT_STREQ(hex, "3d45272b54873c2e200b2841e1a04d06baa1aec1f23aa628160e47cce2165a8c");
+  EXPECT_EQ(hex(prove("Jefe", Role::kListener, zero, zero, "")),
+            "31f25db913d9560926663d1033997dbf34b18c77e1c33ac07407c48354ec9b06");
+}
+
+TEST(Auth, SessionKeysPairUpAcrossTheTwoEndsAndMacsCoverBothParts) {
+  auto c = randomNonce();
+  auto l = randomNonce();
+  ASSERT_TRUE(c.isOk() && l.isOk());
+  const SessionKeys conn = sessionKeys("secret", Role::kConnector, *c, *l, "");
+  const SessionKeys lis = sessionKeys("secret", Role::kListener, *c, *l, "");
+  EXPECT_EQ(conn.send, lis.receive);
+  EXPECT_EQ(conn.receive, lis.send);
+  EXPECT_NE(conn.send, conn.receive);
+  EXPECT_NE(sessionKeys("other", Role::kConnector, *c, *l, "").send, conn.send);
+  const uint8_t header[] = {1, 2, 3};
+  const uint8_t data[] = {4, 5};
+  const Mac m = mac(conn.send, header, data);
+  EXPECT_TRUE(checkMac(lis.receive, header, data, m));
+  EXPECT_FALSE(checkMac(lis.send, header, data, m));
+  EXPECT_FALSE(checkMac(lis.receive, header, {}, m));
+  // The parts are length-prefixed: moving a byte from one to the other changes the MAC.
+  const uint8_t header4[] = {1, 2, 3, 4};
+  const uint8_t data1[] = {5};
+  EXPECT_NE(mac(conn.send, header4, data1), mac(conn.send, header, data));
+  Mac flipped = m;
+  flipped[15] ^= 1;
+  EXPECT_FALSE(checkMac(lis.receive, header, data, flipped));
 }
 
 }  // namespace

@@ -60,6 +60,8 @@ class FaultAgent final : public Agent {
     return inner_->pollEvent(timeout);
   }
   AgentStats agentStats() const override { return inner_->agentStats(); }
+  void requireWriteGrants() override { inner_->requireWriteGrants(); }
+  Status grantWrites(PeerId peer) override { return inner_->grantWrites(peer); }
   void wakeEventWaiter() override { inner_->wakeEventWaiter(); }
 
   StatusOr<Transfer> postWrite(PeerId peer, std::vector<WriteOp> ops) override {

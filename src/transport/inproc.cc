@@ -31,6 +31,7 @@ struct InprocPeer {
   std::weak_ptr<InprocState> remote;
   PeerId remote_id = 0;  // our id in the remote's table
   std::atomic<bool> lost{false};
+  std::atomic<bool> granted{false};  // may declare our regions (Agent::grantWrites)
   std::map<uint32_t, std::shared_ptr<RegionGuard>> remote_regions;  // guarded by state mu
 };
 
@@ -39,6 +40,7 @@ struct InprocState {
   std::string name;
   std::string token;  // AgentConfig::auth_token; both agents of a connection must hold the same
   std::atomic<uint64_t> auth_failures{0};
+  std::atomic<bool> grants_required{false};
   std::mutex mu;
   std::map<uint32_t, std::shared_ptr<RegionGuard>> regions;       // guarded by mu
   std::unordered_map<PeerId, std::shared_ptr<InprocPeer>> peers;  // guarded by mu
@@ -176,6 +178,15 @@ class InprocAgent final : public Agent {
     return mine->id;
   }
 
+  void requireWriteGrants() override { state_->grants_required = true; }
+
+  Status grantWrites(PeerId peer) override {
+    auto p = state_->peer(peer);
+    if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
+    p->granted = true;
+    return OkStatus();
+  }
+
   AgentStats agentStats() const override {
     AgentStats s;
     s.token_configured = !state_->token.empty();
@@ -203,6 +214,11 @@ class InprocAgent final : public Agent {
     std::shared_ptr<RegionGuard> g;
     {
       std::lock_guard<std::mutex> lock(remote->mu);
+      auto me = remote->peers.find(p->remote_id);
+      if (remote->grants_required && (me == remote->peers.end() || !me->second->granted)) {
+        return PermissionDenied("peer " + std::to_string(peer) +
+                                " has not granted this agent writes into its regions");
+      }
       auto it = remote->regions.find(region_id);
       if (it == remote->regions.end()) {
         return NotFound("peer " + std::to_string(peer) +

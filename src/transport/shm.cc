@@ -35,7 +35,8 @@ using detail::RegionGuard;
 using detail::TransferCore;
 
 constexpr std::string_view kScheme = "shm:@";
-constexpr uint32_t kProtocolVersion = 2;  // 2: authenticated handshake, sealed memfds
+// 2: authenticated handshake, sealed memfds. 3: proofs bound to the sockets' names.
+constexpr uint32_t kProtocolVersion = 3;
 constexpr uint64_t kMaxMessageBytes = 64ull << 20;
 constexpr size_t kHeaderBytes = 8;  // fixed32 type, fixed32 payload length
 // Bounds on what one peer can make us hold. Before authentication a frame is at most a
@@ -62,6 +63,18 @@ enum class AuthState { kAwaitHello, kAwaitProof, kAwaitChallenge, kAwaitWelcome,
 
 std::string errnoText(std::string_view what) {
   return std::string(what) + ": " + std::strerror(errno);
+}
+
+// The name of a Unix socket's own end (getsockname) or its peer's (getpeername), as the kernel
+// reports it: the sun_path bytes, an abstract name with its leading NUL; empty when unbound.
+std::string socketName(int fd, bool peer) {
+  sockaddr_un sa{};
+  socklen_t len = sizeof(sa);
+  const int r = peer ? getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len)
+                     : getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  const socklen_t head = offsetof(sockaddr_un, sun_path);
+  if (r != 0 || len <= head) return {};
+  return std::string(sa.sun_path, std::min<size_t>(len - head, sizeof(sa.sun_path)));
 }
 
 // Bytes of one frame not yet written to the peer's socket, and the fd that rides on its first
@@ -101,6 +114,7 @@ struct ShmPeer {
   AuthState auth = AuthState::kAwaitHello;
   auth::Nonce connector_nonce{};
   auth::Nonce listener_nonce{};
+  std::string binding;  // auth::shmBinding of this connection's two socket names
   Clock::time_point auth_deadline;
 
   // Ending the connection without a write after release (docs/reliability.md): our copies
@@ -113,7 +127,8 @@ struct ShmPeer {
 
   // Guarded by the agent's mu_.
   Status refusal;                  // why the handshake failed (what connect() returns)
-  bool ready = false;              // authenticated and our exported region fds were sent
+  bool ready = false;              // authenticated (connect() returns)
+  bool granted = false;            // our exported regions' fds go to it (grantWrites)
   std::vector<Transfer> outgoing;  // our transfers to it, pruned once terminal
   std::map<uint32_t, std::shared_ptr<RegionGuard>> imported;
   std::map<uint32_t, std::shared_ptr<RegionGuard>> declared;
@@ -216,7 +231,7 @@ class ShmAgent final : public Agent {
       }
       if (exported) {
         for (auto& [id, p] : peers_) {
-          if (p->ready && !p->lost && !sendRegion(*p, region).isOk()) failed.push_back(p);
+          if (p->granted && !p->lost && !sendRegion(*p, region).isOk()) failed.push_back(p);
         }
       }
     }
@@ -237,7 +252,7 @@ class ShmAgent final : public Agent {
       Bytes payload;
       putFixed32(payload, region_id);
       for (auto& [id, p] : peers_) {
-        if (exported && p->ready && !p->lost && !sendFrame(*p, kRegionGone, payload).isOk()) {
+        if (exported && p->granted && !p->lost && !sendFrame(*p, kRegionGone, payload).isOk()) {
           failed.push_back(p);
         }
       }
@@ -258,6 +273,15 @@ class ShmAgent final : public Agent {
     // at once instead of parking this thread in the kernel.
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return ResourceExhausted(errnoText("socket(AF_UNIX)"));
+    // A name of our own (the kernel picks a unique abstract one): the listener sees it, and
+    // both ends bind their proofs to the two names (transport/auth.h).
+    sockaddr_un self{};
+    self.sun_family = AF_UNIX;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&self), sizeof(sa_family_t)) != 0) {
+      Status s = ResourceExhausted(errnoText("bind(AF_UNIX, autobind)"));
+      close(fd);
+      return s;
+    }
     if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), len) != 0) {
       Status s = errno == EAGAIN
                      ? Unavailable("shm agent '" + name + "' is not accepting (backlog full)")
@@ -278,6 +302,7 @@ class ShmAgent final : public Agent {
     p->fd = fd;
     p->auth = AuthState::kAwaitChallenge;
     p->connector_nonce = *nonce;
+    p->binding = auth::shmBinding(socketName(fd, /*peer=*/true), socketName(fd, /*peer=*/false));
     Status sent = OkStatus();
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -644,8 +669,8 @@ class ShmAgent final : public Agent {
       if (p->refusal.isOk()) p->refusal = why;
       p->imported.clear();
       p->declared.clear();
-      exported = p->ready && std::any_of(regions_.begin(), regions_.end(),
-                                         [](const auto& r) { return r.second.exported; });
+      exported = p->granted && std::any_of(regions_.begin(), regions_.end(),
+                                           [](const auto& r) { return r.second.exported; });
       if (queue_event && exported) lost_pending_[p->id] = why;
     }
     {
@@ -882,6 +907,7 @@ class ShmAgent final : public Agent {
       auto p = std::make_shared<ShmPeer>();
       p->fd = fd;
       p->incoming = true;
+      p->binding = auth::shmBinding(socketName(fd, /*peer=*/false), socketName(fd, /*peer=*/true));
       p->auth = AuthState::kAwaitHello;
       p->auth_deadline = Clock::now() + config_.auth_timeout;
       std::lock_guard<std::mutex> lock(mu_);
@@ -1039,7 +1065,7 @@ class ShmAgent final : public Agent {
       std::memcpy(p->connector_nonce.data(), payload.data() + 4, kN);
       ASSIGN_OR_RETURN(p->listener_nonce, auth::randomNonce());
       const auth::Proof proof = auth::prove(config_.auth_token, auth::Role::kListener,
-                                            p->connector_nonce, p->listener_nonce);
+                                            p->connector_nonce, p->listener_nonce, p->binding);
       Bytes challenge;
       putFixed32(challenge, kProtocolVersion);
       challenge.insert(challenge.end(), p->listener_nonce.begin(), p->listener_nonce.end());
@@ -1049,7 +1075,7 @@ class ShmAgent final : public Agent {
     }
     if (type == kProof && p->auth == AuthState::kAwaitProof) {
       if (!auth::verify(config_.auth_token, auth::Role::kConnector, p->connector_nonce,
-                        p->listener_nonce, payload)) {
+                        p->listener_nonce, p->binding, payload)) {
         const std::string reason = "token proof did not verify";
         (void)sendFrame(*p, kRefused,
                         std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(reason.data()),
@@ -1066,13 +1092,13 @@ class ShmAgent final : public Agent {
       std::memcpy(p->listener_nonce.data(), payload.data() + 4, kN);
       const auto theirs = payload.subspan(4 + kN);
       if (!auth::verify(config_.auth_token, auth::Role::kListener, p->connector_nonce,
-                        p->listener_nonce, theirs)) {
+                        p->listener_nonce, p->binding, theirs)) {
         return PermissionDenied(
             "the shm agent at this address does not hold our token (its "
             "proof did not verify): not the rank we meant to reach");
       }
       const auth::Proof ours = auth::prove(config_.auth_token, auth::Role::kConnector,
-                                           p->connector_nonce, p->listener_nonce);
+                                           p->connector_nonce, p->listener_nonce, p->binding);
       p->auth = AuthState::kAwaitWelcome;
       return sendFrame(*p, kProof, ours);
     }
@@ -1099,13 +1125,39 @@ class ShmAgent final : public Agent {
     {
       std::lock_guard<std::mutex> lock(mu_);
       p->authenticated = true;
-      for (auto& [id, r] : regions_) {
-        if (r.exported && sent.isOk()) sent = sendRegion(*p, *r.region);
-      }
+      if (!grants_required_) sent = grantLocked(*p);
       p->ready = sent.isOk();
     }
     ack_cv_.notify_all();
     if (!sent.isOk()) markLost(p, sent);
+  }
+
+  // Sends our exported regions to `p` (from now on, later registrations too).
+  Status grantLocked(ShmPeer& p) {
+    if (p.granted) return OkStatus();
+    p.granted = true;
+    for (auto& [id, r] : regions_) {
+      if (r.exported) RETURN_IF_ERROR(sendRegion(p, *r.region));
+    }
+    return OkStatus();
+  }
+
+  void requireWriteGrants() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    grants_required_ = true;
+  }
+
+  Status grantWrites(PeerId peer) override {
+    auto p = findPeer(peer);
+    if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
+    Status sent = OkStatus();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
+      sent = grantLocked(*p);
+    }
+    if (!sent.isOk()) markLost(p, sent);
+    return sent;
   }
 
   Status handleFrame(const std::shared_ptr<ShmPeer>& p, uint32_t type,
@@ -1192,6 +1244,7 @@ class ShmAgent final : public Agent {
   std::atomic<uint64_t> auth_failures_{0};
   std::atomic<uint64_t> unauthenticated_dropped_{0};
   std::atomic<uint64_t> connections_refused_{0};
+  bool grants_required_ = false;  // guarded by mu_ (requireWriteGrants)
   // Lines about connections that never authenticated: any local process can cause them.
   LogLimiter unauth_log_;
   std::atomic<uint64_t> peers_over_limit_{0};

@@ -47,7 +47,7 @@ enum : uint32_t {
   kWelcome = 7,
   kRefused = 8,
 };
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr char kToken[] = "the-right-token";
 
 std::string uniqueName(const std::string& what) {
@@ -187,11 +187,23 @@ class RawPeer {
     if (!ch || ch->type != kChallenge || ch->payload.size() != 4 + 32 + 32) return false;
     auth::Nonce listener{};
     std::memcpy(listener.data(), ch->payload.data() + 4, 32);
-    const auth::Proof proof = auth::prove(token, auth::Role::kConnector, *nonce, listener);
+    const auth::Proof proof =
+        auth::prove(token, auth::Role::kConnector, *nonce, listener, binding());
     if (proof_sent) proof_sent->assign(proof.begin(), proof.end());
     if (!send(kProof, std::vector<uint8_t>(proof.begin(), proof.end()))) return false;
     auto w = read();
     return w && w->type == kWelcome;
+  }
+
+  // What both ends bind their proofs to: the listener's name and ours (unbound: empty).
+  std::string binding() const { return auth::shmBinding(name(true), name(false)); }
+  std::string name(bool peer) const {
+    sockaddr_un sa{};
+    socklen_t len = sizeof(sa);
+    const int r = peer ? getpeername(fd_, reinterpret_cast<sockaddr*>(&sa), &len)
+                       : getsockname(fd_, reinterpret_cast<sockaddr*>(&sa), &len);
+    const socklen_t head = offsetof(sockaddr_un, sun_path);
+    return r != 0 || len <= head ? std::string() : std::string(sa.sun_path, len - head);
   }
 
   int fd() const { return fd_; }
@@ -255,7 +267,8 @@ TEST(ShmHostile, HelloAloneGetsNoRegionFdAndAWrongProofIsRefused) {
   // A proof made with a guessed token: refused, the connection closed, no fd ever sent.
   auth::Nonce listener{};
   std::memcpy(listener.data(), ch->payload.data() + 4, 32);
-  const auth::Proof guess = auth::prove("guess", auth::Role::kConnector, *nonce, listener);
+  const auth::Proof guess =
+      auth::prove("guess", auth::Role::kConnector, *nonce, listener, raw->binding());
   ASSERT_TRUE(raw->send(kProof, std::vector<uint8_t>(guess.begin(), guess.end())));
   auto refused = raw->read();
   ASSERT_TRUE(refused.has_value());
@@ -405,6 +418,97 @@ TEST(ShmHostile, SquatterOnTheAddressGetsNeitherTokenNorRegions) {
   EXPECT_EQ(fds_seen, 0u);
   const std::string bytes(seen.begin(), seen.end());
   EXPECT_EQ(bytes.find(kToken), std::string::npos) << "the token must never travel";
+}
+
+// Relays every byte (and every fd riding on it) between two connected sockets until one end
+// closes or `stop`; counts the fds that crossed it.
+void relayBytes(int a, int b, const std::atomic<bool>& stop, std::atomic<size_t>* fds_seen) {
+  while (!stop) {
+    pollfd p[2] = {{a, POLLIN, 0}, {b, POLLIN, 0}};
+    if (poll(p, 2, 50) <= 0) continue;
+    for (int i = 0; i < 2; ++i) {
+      if (p[i].revents == 0) continue;
+      const int from = i == 0 ? a : b, to = i == 0 ? b : a;
+      uint8_t buf[65536];
+      alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * 16)];
+      iovec iov{buf, sizeof(buf)};
+      msghdr msg{};
+      msg.msg_iov = &iov;
+      msg.msg_iovlen = 1;
+      msg.msg_control = cbuf;
+      msg.msg_controllen = sizeof(cbuf);
+      const ssize_t r = recvmsg(from, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+      if (r <= 0) return;
+      std::vector<int> fds;
+      for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+          const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+          for (size_t k = 0; k < n; ++k) {
+            int fd;
+            std::memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof(int));
+            fds.push_back(fd);
+          }
+        }
+      }
+      *fds_seen += fds.size();
+      msghdr out{};
+      iovec oiov{buf, static_cast<size_t>(r)};
+      out.msg_iov = &oiov;
+      out.msg_iovlen = 1;
+      alignas(cmsghdr) char obuf[CMSG_SPACE(sizeof(int) * 16)] = {};
+      if (!fds.empty()) {
+        out.msg_control = obuf;
+        out.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+        cmsghdr* c = CMSG_FIRSTHDR(&out);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+      }
+      if (sendmsg(to, &out, MSG_NOSIGNAL) != r) return;
+      for (int fd : fds) close(fd);
+    }
+  }
+}
+
+// Round 3, finding 1: a process on an address the generation rank connects to relayed the
+// hello, challenge and proof between it and the real context rank (or reflected them off the
+// generation rank's own listener), passed as authenticated and received the generation rank's
+// pool memfds read-write. The proofs are now bound to the sockets' names: the two connections
+// of a relay have different ones, so neither end's proof verifies and no fd crosses.
+TEST(ShmHostile, RelayOrReflectionOfTheHandshakeIsRefusedAndGetsNoRegion) {
+  auto ctx = agentOrDie(config("ctx"));
+  auto gen = agentOrDie(config("gen"));
+  auto pool = memfdRegion(1, 1 << 16, 0x77);
+  ASSERT_TRUE(gen->registerRegion(*pool, RegionAccess::kRemoteWritable).isOk());
+  for (Agent* target : {ctx.get(), gen.get()}) {
+    const std::string name = uniqueName("relay");
+    socklen_t len = 0;
+    sockaddr_un sa = abstractAddr(name, &len);
+    int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(lfd, 0);
+    ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&sa), len), 0);
+    ASSERT_EQ(listen(lfd, 4), 0);
+    std::atomic<bool> stop{false};
+    std::atomic<size_t> fds_seen{0};
+    std::thread relay([&] {
+      int in = accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (in < 0) return;
+      auto out = RawPeer::connectTo(target->localAddress());
+      if (out) relayBytes(in, out->fd(), stop, &fds_seen);
+      close(in);
+    });
+    const uint64_t failures_before = target->agentStats().auth_failures;
+    auto peer = gen->connect("shm:@" + name);
+    EXPECT_EQ(peer.status().code(), StatusCode::kPermissionDenied) << peer.status().toString();
+    stop = true;
+    relay.join();
+    close(lfd);
+    EXPECT_EQ(fds_seen.load(), 0u) << "a region fd reached the relay";
+    EXPECT_TRUE(eventually([&] { return target->agentStats().auth_failures > failures_before; }));
+  }
+  // The same agents, connected directly, authenticate.
+  EXPECT_TRUE(gen->connect(ctx->localAddress()).isOk());
 }
 
 // Finding 6: the token was a replayable bearer secret. A recorded proof fails against the

@@ -271,6 +271,18 @@ class Agent {
   // What this agent refused so far (all zero for backends that refuse nothing: inproc).
   virtual AgentStats agentStats() const { return {}; }
 
+  // Write grants. By default an authenticated peer may write into every kRemoteWritable region
+  // at once (shm sends it their fds right after the handshake). After requireWriteGrants(), a
+  // peer that authenticates gets nothing until grantWrites(peer): no region fd (shm), no write
+  // accepted (ucx: refused like one to an unregistered region), no addRemoteRegion of ours
+  // (inproc). The engine grants a context rank only once its Hello matched what the generation
+  // rank expects, so that whoever gets past the token alone (a compromised or misdirected peer
+  // with another model, role or rank) holds no region. Regions of a grant reach the peer before
+  // any message sent after it (shm), as for registerRegion. Call requireWriteGrants() before
+  // the first connection; grantWrites is idempotent, NotFound for an unknown peer.
+  virtual void requireWriteGrants() = 0;
+  virtual Status grantWrites(PeerId peer) = 0;
+
  protected:
   Agent() = default;
 };

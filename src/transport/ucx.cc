@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bitset>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -35,8 +36,9 @@ namespace {
 using detail::TransferCore;
 
 constexpr std::string_view kScheme = "ucx:";
-// 2: the authenticated handshake (hello / challenge / proof / welcome | refused).
-constexpr uint32_t kProtocolVersion = 2;
+// 2: the authenticated handshake (hello / challenge / proof / welcome | refused). 3: every
+// message, write and write ack after it carries a MAC under the connection's session keys.
+constexpr uint32_t kProtocolVersion = 3;
 constexpr uint64_t kMaxMessageBytes = 64ull << 20;
 
 // Per-peer bounds, so that an authenticated peer that floods us (or a bug) costs bounded
@@ -47,20 +49,25 @@ constexpr uint64_t kMaxMessageBytes = 64ull << 20;
 constexpr size_t kMaxReorderMessages = 1024;
 constexpr uint64_t kMaxReorderBytes = 256ull << 20;
 constexpr size_t kMaxInTransfers = 4096;
+// Writes may arrive out of order (across lanes), never this far: older seqs are refused.
+constexpr size_t kWriteSeqWindow = 4096;
 // A refused connection gets this long to read the reason before we close it.
 constexpr auto kRefusedGrace = std::chrono::milliseconds(250);
 constexpr size_t kMaxReasonBytes = 1024;
 
 // Active message ids (docs/transport.md has the header layouts). Ids 1, 2, 6, 7 and 8 are the
 // handshake (transport/auth.h); until a peer has proved it holds our token, any other id from it
-// is dropped unread and the connection closed.
+// is dropped unread and the connection closed. Ids 3, 4 and 5 end their header with mac[16] =
+// auth::mac(sender's session key, id byte | the header before it, the data for 3 and 5): a
+// relay that passed the handshake along learns no key, so it can neither inject nor alter a
+// message, a write's target or an ack, nor replay a write (its seq is checked in a window).
 enum AmId : unsigned {
   kAmHello = 1,      // connector -> listener. header: fixed32 version, nonce_c[32]
   kAmChallenge = 2,  // listener -> connector. header: fixed32 version, nonce_l[32], proof_l[32]
-  kAmMessage = 3,    // header: fixed64 seq; data: the user's payload
+  kAmMessage = 3,    // header: fixed64 seq, mac; data: the user's payload
   kAmWrite = 4,      // header: fixed64 transfer, fixed32 op_count, fixed32 region,
-                     //         fixed64 offset, fixed64 bytes; data: the bytes
-  kAmWriteAck = 5,   // header: fixed64 transfer, fixed32 status code; data: error message
+                     //         fixed64 offset, fixed64 bytes, fixed64 seq, mac; data: the bytes
+  kAmWriteAck = 5,   // header: fixed64 transfer, fixed32 status code, mac; data: error message
   kAmProof = 6,      // connector -> listener. header: proof_c[32]
   kAmWelcome = 7,    // listener -> connector. header: empty
   kAmRefused = 8,    // listener -> connector. header: empty; data: the reason (<= 1 KiB)
@@ -132,6 +139,7 @@ struct UcxPeer {
   std::string address;  // connector side: what connect() was given (for messages)
   std::atomic<bool> lost{false};
   std::atomic<bool> welcomed{false};  // the handshake completed (set under the agent's mu_)
+  std::atomic<bool> granted{false};   // its writes into our regions are accepted (grantWrites)
   bool use_put = false;               // decided when the connection is up
 
   // Guarded by the agent's mu_ (read by API threads for validation).
@@ -156,7 +164,11 @@ struct UcxPeer {
   bool dropping = false;
   auth::Nonce nonce_c{};
   auth::Nonce nonce_l{};
-  Clock::time_point auth_deadline;  // listener: closed if not authenticated by then
+  auth::SessionKeys keys{};                     // once proven: MACs of ids 3, 4, 5 each way
+  uint64_t next_write_seq = 1;                  // our writes' seq
+  uint64_t write_seq_top = 0;                   // the highest write seq received
+  std::bitset<kWriteSeqWindow> write_seq_seen;  // seqs top, top-1, ... received (bit 0: top)
+  Clock::time_point auth_deadline;              // listener: closed if not authenticated by then
   uint64_t next_send_seq = 0;
   uint64_t next_recv_seq = 0;
   // Messages posted to UCX and not handed back, and when UCX last handed one back (or the
@@ -379,6 +391,7 @@ class UcxAgent final : public Agent {
       if (p->lost) return;
       Bytes header;
       putFixed64(header, p->next_send_seq++);
+      seal(*p, kAmMessage, header, *data);
       sendAm(p, kAmMessage, std::move(header), data->data(), data->size(), data,
              UCP_AM_SEND_FLAG_EAGER, /*transfer=*/0);
     });
@@ -389,6 +402,15 @@ class UcxAgent final : public Agent {
     return events_.pop(timeout);
   }
   void wakeEventWaiter() override { events_.wake(); }
+
+  void requireWriteGrants() override { grants_required_ = true; }
+
+  Status grantWrites(PeerId peer) override {
+    auto p = findWelcomedPeer(peer);
+    if (!p) return NotFound("peer " + std::to_string(peer) + " is not known");
+    p->granted = true;
+    return OkStatus();
+  }
 
   AgentStats agentStats() const override {
     AgentStats s;
@@ -466,6 +488,13 @@ class UcxAgent final : public Agent {
   void dropPeer(const std::shared_ptr<UcxPeer>& p, const Status& why);
   // An unauthenticated connection goes: counted in auth_failures, connect() fails with `why`.
   void failHandshake(const std::shared_ptr<UcxPeer>& p, const Status& why);
+  // Appends the MAC of an id 3/4/5 active message (see AmId) to `header`, under p's send key.
+  static void seal(const UcxPeer& p, unsigned id, Bytes& header, std::span<const uint8_t> covered);
+  // Whether `tag` is the MAC of (id, fields, covered) under p's receive key.
+  static bool checkSeal(const UcxPeer& p, unsigned id, std::span<const uint8_t> fields,
+                        std::span<const uint8_t> covered, std::span<const uint8_t> tag);
+  // Records a received write's seq: refused when it came before or is older than the window.
+  static Status acceptWriteSeq(UcxPeer& p, uint64_t seq);
   void refuse(const std::shared_ptr<UcxPeer>& p, const std::string& reason);
   ucs_status_t overLimit(const std::shared_ptr<UcxPeer>& p, const std::string& what);
   void expireHandshakes();
@@ -515,6 +544,7 @@ class UcxAgent final : public Agent {
   // AgentStats counters (written by the progress thread, read by anyone).
   // Lines about connections that never authenticated: whoever reaches the port can cause them.
   LogLimiter unauth_log_;
+  std::atomic<bool> grants_required_{false};  // requireWriteGrants
   std::atomic<uint64_t> auth_failures_{0};
   std::atomic<uint64_t> unauthenticated_dropped_{0};
   std::atomic<uint64_t> connections_refused_{0};
@@ -1229,6 +1259,8 @@ void UcxAgent::startWrite(const std::shared_ptr<UcxPeer>& p, uint64_t tid,
       putFixed32(header, ops[i].remote_region);
       putFixed64(header, ops[i].remote_offset);
       putFixed64(header, ops[i].bytes);
+      putFixed64(header, p->next_write_seq++);
+      seal(*p, kAmWrite, header, {});
       sendAm(p, kAmWrite, std::move(header), resolved[i].src, ops[i].bytes, nullptr, 0, tid);
     }
   }
@@ -1270,6 +1302,8 @@ void UcxAgent::maybeAckIn(const std::shared_ptr<UcxPeer>& p, uint64_t tid) {
   putFixed32(header, static_cast<uint32_t>(t.first_error.code()));
   auto msg = std::make_shared<std::string>(t.first_error.message());
   p->in.erase(it);
+  seal(*p, kAmWriteAck, header,
+       std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(msg->data()), msg->size()));
   sendAm(p, kAmWriteAck, std::move(header), msg->data(), msg->size(), msg, UCP_AM_SEND_FLAG_EAGER,
          0);
 }
@@ -1395,6 +1429,23 @@ ucs_status_t UcxAgent::onAm(unsigned id, const void* header, size_t header_lengt
              Unavailable("peer " + std::to_string(p->id) + " broke the protocol: " + s.toString()));
     return UCS_OK;
   };
+  // Only the authenticated peer holds the key: anything else on this endpoint (a relay's own
+  // messages, writes or acks, or ones it altered) fails here, before a field is read.
+  const std::span<const uint8_t> whole(static_cast<const uint8_t*>(header), header_length);
+  if (header_length < auth::kMacBytes) {
+    return protocolError(Corruption("active message id=" + std::to_string(id) + " header of " +
+                                    std::to_string(header_length) + " bytes has no MAC"));
+  }
+  const auto fields = whole.first(header_length - auth::kMacBytes);
+  const std::span<const uint8_t> covered =
+      id == kAmWrite || rndv ? std::span<const uint8_t>()
+                             : std::span<const uint8_t>(static_cast<const uint8_t*>(data), length);
+  if (!checkSeal(*p, id, fields, covered, whole.last(auth::kMacBytes))) {
+    ++unauthenticated_dropped_;
+    return protocolError(PermissionDenied("active message id=" + std::to_string(id) +
+                                          " failed its MAC: not from the authenticated peer"));
+  }
+  d = Decoder(fields);
   switch (id) {
     case kAmMessage: {
       uint64_t seq = 0;
@@ -1433,7 +1484,10 @@ ucs_status_t UcxAgent::onAm(unsigned id, const void* header, size_t header_lengt
       if (s.isOk()) s = d.getFixed32("write.region", &region);
       if (s.isOk()) s = d.getFixed64("write.offset", &offset);
       if (s.isOk()) s = d.getFixed64("write.bytes", &bytes);
+      uint64_t seq = 0;
+      if (s.isOk()) s = d.getFixed64("write.seq", &seq);
       if (s.isOk() && count == 0) s = Corruption("write.op_count=0");
+      if (s.isOk()) s = acceptWriteSeq(*p, seq);
       if (!s.isOk()) return protocolError(s);
       auto [in_it, inserted] = p->in.try_emplace(tid);
       if (inserted && p->in.size() > kMaxInTransfers) {
@@ -1450,7 +1504,8 @@ ucs_status_t UcxAgent::onAm(unsigned id, const void* header, size_t header_lengt
       {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = regions_.find(region);
-        if (it == regions_.end() || it->second.access != RegionAccess::kRemoteWritable) {
+        if (it == regions_.end() || it->second.access != RegionAccess::kRemoteWritable ||
+            (grants_required_ && !p->granted)) {
           bad = NotFound("incoming write to region id=" + std::to_string(region) +
                          ", which is not registered here");
         } else if (bytes == 0 || bytes != length || !it->second.region->contains(offset, bytes)) {
@@ -1581,7 +1636,7 @@ ucs_status_t UcxAgent::onHandshakeAm(const std::shared_ptr<UcxPeer>& p, unsigned
       }
       p->nonce_l = *nonce_l;
       const auth::Proof proof_l =
-          auth::prove(config_.auth_token, auth::Role::kListener, p->nonce_c, p->nonce_l);
+          auth::prove(config_.auth_token, auth::Role::kListener, p->nonce_c, p->nonce_l, "");
       Bytes challenge;
       putFixed32(challenge, kProtocolVersion);
       challenge.insert(challenge.end(), p->nonce_l.begin(), p->nonce_l.end());
@@ -1591,12 +1646,14 @@ ucs_status_t UcxAgent::onHandshakeAm(const std::shared_ptr<UcxPeer>& p, unsigned
       return UCS_OK;
     }
     case kAmProof: {
-      if (!auth::verify(config_.auth_token, auth::Role::kConnector, p->nonce_c, p->nonce_l,
+      if (!auth::verify(config_.auth_token, auth::Role::kConnector, p->nonce_c, p->nonce_l, "",
                         d.rest())) {
         refuse(p, "the connector's proof failed: it does not hold our token");
         return UCS_OK;
       }
       p->handshake = Handshake::kDone;
+      p->keys =
+          auth::sessionKeys(config_.auth_token, auth::Role::kListener, p->nonce_c, p->nonce_l, "");
       p->proven = true;
       p->announced = true;
       {
@@ -1629,14 +1686,16 @@ ucs_status_t UcxAgent::onHandshakeAm(const std::shared_ptr<UcxPeer>& p, unsigned
       const std::span<const uint8_t> rest = d.rest();
       std::memcpy(p->nonce_l.data(), rest.data(), auth::kNonceBytes);
       // The listener proves itself first: a squatter on the address learns nothing from us.
-      if (!auth::verify(config_.auth_token, auth::Role::kListener, p->nonce_c, p->nonce_l,
+      if (!auth::verify(config_.auth_token, auth::Role::kListener, p->nonce_c, p->nonce_l, "",
                         rest.subspan(auth::kNonceBytes))) {
         failHandshake(p, PermissionDenied(who + " does not hold our token (its proof failed)"));
         return UCS_OK;
       }
+      p->keys =
+          auth::sessionKeys(config_.auth_token, auth::Role::kConnector, p->nonce_c, p->nonce_l, "");
       p->proven = true;
       const auth::Proof proof_c =
-          auth::prove(config_.auth_token, auth::Role::kConnector, p->nonce_c, p->nonce_l);
+          auth::prove(config_.auth_token, auth::Role::kConnector, p->nonce_c, p->nonce_l, "");
       p->handshake = Handshake::kAwaitWelcome;
       sendAm(p, kAmProof, Bytes(proof_c.begin(), proof_c.end()), nullptr, 0, nullptr,
              UCP_AM_SEND_FLAG_EAGER, 0);
@@ -1666,6 +1725,45 @@ ucs_status_t UcxAgent::onHandshakeAm(const std::shared_ptr<UcxPeer>& p, unsigned
     }
   }
   return UCS_OK;
+}
+
+void UcxAgent::seal(const UcxPeer& p, unsigned id, Bytes& header,
+                    std::span<const uint8_t> covered) {
+  header.insert(header.begin(), static_cast<uint8_t>(id));
+  const auth::Mac m = auth::mac(p.keys.send, header, covered);
+  header.erase(header.begin());
+  header.insert(header.end(), m.begin(), m.end());
+}
+
+bool UcxAgent::checkSeal(const UcxPeer& p, unsigned id, std::span<const uint8_t> fields,
+                         std::span<const uint8_t> covered, std::span<const uint8_t> tag) {
+  Bytes a;
+  a.reserve(fields.size() + 1);
+  a.push_back(static_cast<uint8_t>(id));
+  a.insert(a.end(), fields.begin(), fields.end());
+  return auth::checkMac(p.keys.receive, a, covered, tag);
+}
+
+Status UcxAgent::acceptWriteSeq(UcxPeer& p, uint64_t seq) {
+  if (seq == 0) return Corruption("write.seq=0");
+  if (seq > p.write_seq_top) {
+    const uint64_t shift = seq - p.write_seq_top;
+    p.write_seq_seen =
+        shift >= kWriteSeqWindow ? std::bitset<kWriteSeqWindow>() : p.write_seq_seen << shift;
+    p.write_seq_seen.set(0);
+    p.write_seq_top = seq;
+    return OkStatus();
+  }
+  const uint64_t behind = p.write_seq_top - seq;
+  if (behind >= kWriteSeqWindow) {
+    return Corruption("write.seq=" + std::to_string(seq) + " is " + std::to_string(behind) +
+                      " behind the newest (window " + std::to_string(kWriteSeqWindow) + ")");
+  }
+  if (p.write_seq_seen.test(behind)) {
+    return Corruption("write.seq=" + std::to_string(seq) + " arrived twice (a replay)");
+  }
+  p.write_seq_seen.set(behind);
+  return OkStatus();
 }
 
 void UcxAgent::failHandshake(const std::shared_ptr<UcxPeer>& p, const Status& why) {

@@ -29,7 +29,7 @@ using namespace std::chrono_literals;
 
 // The agent's wire constants (ucx.cc, docs/transport.md "ucx"), duplicated on purpose: the
 // raw client speaks the protocol the way an outsider would, from the document.
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 enum RawAmId : unsigned {
   kAmHello = 1,
   kAmChallenge = 2,
@@ -187,6 +187,15 @@ class RawClient {
   // came from; `reply` false leaves it out). `flags` adds UCP_AM_SEND_FLAG_EAGER or _RNDV. The
   // buffers live until done.
   void sendAsync(unsigned id, Bytes header, Bytes data, uint32_t flags, bool reply = true) {
+    if (sealing_ && (id == kAmMessage || id == kAmWrite || id == kAmWriteAck)) {
+      // As the agent does after the welcome: a write seq, then the MAC (docs/transport.md).
+      if (id == kAmWrite) putFixed64(header, write_seq_++);
+      header.insert(header.begin(), static_cast<uint8_t>(id));
+      const auth::Mac m =
+          auth::mac(keys_.send, header, id == kAmWrite ? std::span<const uint8_t>() : data);
+      header.erase(header.begin());
+      header.insert(header.end(), m.begin(), m.end());
+    }
     auto h = std::make_shared<Bytes>(std::move(header));
     auto d = std::make_shared<Bytes>(std::move(data));
     ucp_request_param_t rp{};
@@ -276,18 +285,31 @@ class RawClient {
     }
     auth::Nonce nonce_l;
     std::memcpy(nonce_l.data(), c.header.data() + 4, auth::kNonceBytes);
-    if (!auth::verify(token, auth::Role::kListener, *nonce_c, nonce_l,
+    if (!auth::verify(token, auth::Role::kListener, *nonce_c, nonce_l, "",
                       std::span<const uint8_t>(c.header).subspan(4 + auth::kNonceBytes))) {
       return Outcome::kBadChallenge;
     }
-    auth::Proof proof = auth::prove(token, auth::Role::kConnector, *nonce_c, nonce_l);
+    nonce_c_ = *nonce_c;
+    nonce_l_ = nonce_l;
+    keys_ = auth::sessionKeys(token, auth::Role::kConnector, *nonce_c, nonce_l, "");
+    auth::Proof proof = auth::prove(token, auth::Role::kConnector, *nonce_c, nonce_l, "");
     if (wrong_proof) proof[7] ^= 0x10;
     send(kAmProof, Bytes(proof.begin(), proof.end()));
     if (!progressUntil([&] { return find(kAmWelcome) || find(kAmRefused); }, 3000ms)) {
       return Outcome::kNoAnswer;
     }
-    return find(kAmWelcome) ? Outcome::kWelcomed : Outcome::kRefused;
+    if (!find(kAmWelcome)) return Outcome::kRefused;
+    sealing_ = true;
+    return Outcome::kWelcomed;
   }
+
+  // From now on messages, writes and acks carry a MAC under keys derived from `token` (a
+  // relay's view: it saw the nonces, it does not hold the token).
+  void sealWithToken(std::string_view token) {
+    keys_ = auth::sessionKeys(token, auth::Role::kConnector, nonce_c_, nonce_l_, "");
+  }
+  // The next write goes out with this seq (a replay: one already used).
+  void setWriteSeq(uint64_t seq) { write_seq_ = seq; }
 
  private:
   // Progresses until `request` (a ucp_*_nbx result) is terminal or `timeout` passed; frees it.
@@ -348,6 +370,10 @@ class RawClient {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   ucp_ep_h ep_ = nullptr;
+  bool sealing_ = false;  // after the welcome
+  auth::Nonce nonce_c_{}, nonce_l_{};
+  auth::SessionKeys keys_{};
+  uint64_t write_seq_ = 1;
   bool ep_failed_ = false;
   std::vector<Received> received_;
   std::vector<PendingSend> pending_;
@@ -610,6 +636,44 @@ TEST(UcxHostile, AuthenticatedPeerCannotWriteIntoALocalSourceRegion) {
   Status s = t->waitFor(5000ms);
   EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.toString();
   EXPECT_EQ(firstChangedByte(*source), -1);
+  EXPECT_EQ(firstChangedByte(*dst), -1);
+}
+
+// Round 3, finding 1: after the handshake every message, write and ack carries a MAC under the
+// connection's session keys. A relay that passed the handshake along saw the nonces but not the
+// token: its own writes (and replays of real ones) are refused, and not one byte lands.
+TEST(UcxHostile, WritesWithoutTheSessionKeyOrReplayedAreRefusedAndNeverLand) {
+  auto agent = makeAgent(agentConfig("victim"));
+  ASSERT_TRUE(agent);
+  auto dst = sentinelRegion(7, 64 * 1024);
+  ASSERT_TRUE(agent->registerRegion(*dst, RegionAccess::kRemoteWritable).isOk());
+  {
+    RawClient relay(agent->localAddress());
+    ASSERT_TRUE(relay.ok());
+    ASSERT_EQ(relay.handshake(kToken), RawClient::Outcome::kWelcomed);
+    auto connected = waitForEvent(*agent, Event::Kind::kPeerConnected, {&relay}, 3000ms);
+    ASSERT_TRUE(connected.has_value());
+    relay.sealWithToken("a relay does not hold the token");
+    relay.send(kAmWrite, writeHeader(1, 1, 7, 0, 4096), Bytes(4096, 0x55));
+    auto lost = waitForEvent(*agent, Event::Kind::kPeerLost, {&relay}, 3000ms);
+    ASSERT_TRUE(lost.has_value());
+    EXPECT_NE(lost->status.message().find("failed its MAC"), std::string::npos)
+        << lost->status.toString();
+  }
+  {
+    RawClient replayer(agent->localAddress());
+    ASSERT_TRUE(replayer.ok());
+    ASSERT_EQ(replayer.handshake(kToken), RawClient::Outcome::kWelcomed);
+    ASSERT_TRUE(waitForEvent(*agent, Event::Kind::kPeerConnected, {&replayer}, 3000ms));
+    replayer.send(kAmWrite, writeHeader(1, 1, 7, 0, 8), Bytes(8, kSentinel));
+    ASSERT_TRUE(replayer.progressUntil([&] { return replayer.find(kAmWriteAck); }, 3000ms));
+    replayer.setWriteSeq(1);  // seq 1 again: the same header a relay could have recorded
+    replayer.send(kAmWrite, writeHeader(1, 1, 7, 0, 8), Bytes(8, 0x66));
+    auto lost = waitForEvent(*agent, Event::Kind::kPeerLost, {&replayer}, 3000ms);
+    ASSERT_TRUE(lost.has_value());
+    EXPECT_NE(lost->status.message().find("arrived twice"), std::string::npos)
+        << lost->status.toString();
+  }
   EXPECT_EQ(firstChangedByte(*dst), -1);
 }
 
