@@ -277,8 +277,11 @@ struct PySharedBuffer {
 
 // ---- Memory ----
 
-// One pool's buffer as the Memory holds it: the object, and the buffer view taken from it
-// (released when the Memory dies; the exporter cannot resize or free the memory meanwhile).
+// One pool's buffer as the Memory holds it: the object, the buffer view taken from it (released
+// when the Memory dies) or, for a tensor, its storage: the memory stays allocated while hxfer
+// may touch it, even when the tensor is given another storage (set_) or dropped. What holding
+// cannot stop (numpy's resize(refcheck=False), a tensor's resize_ reallocate in place) is found
+// by moved(): the Sender and Receiver check it before they hand hxfer any page.
 class HeldBuffer {
  public:
   HeldBuffer(py::object obj) : obj_(std::move(obj)) {}
@@ -319,6 +322,7 @@ class HeldBuffer {
       }
       *out = hxfer::Buffer{view_->buf, static_cast<uint64_t>(view_->len), hxfer::MemoryKind::kHost,
                            -1};
+      where_ = {reinterpret_cast<uintptr_t>(view_->buf), static_cast<uint64_t>(view_->len)};
       return;
     }
     if (py::hasattr(obj, "data_ptr") && py::hasattr(obj, "is_contiguous") &&
@@ -342,7 +346,16 @@ class HeldBuffer {
       }
       uintptr_t ptr = obj.attr("data_ptr")().cast<uintptr_t>();
       if (ptr == 0 && nbytes > 0) throwInvalid(where + "tensor has no storage (data_ptr() is 0)");
+      // The storage, held: a set_ or the tensor's death does not free what hxfer writes.
+      for (const char* name : {"untyped_storage", "storage"}) {
+        if (py::hasattr(obj, name)) {
+          storage_ = obj.attr(name)();
+          break;
+        }
+      }
       *out = hxfer::Buffer{reinterpret_cast<void*>(ptr), nbytes, hxfer::MemoryKind::kHost, -1};
+      where_ = {ptr, nbytes};
+      tensor_ = true;
       return;
     }
     throwInvalid(where +
@@ -351,9 +364,44 @@ class HeldBuffer {
                  typeName(obj));
   }
 
+  // REQUIRES: the GIL. Why the object's memory is no longer where it was registered (its
+  // address or size changed), or nullopt. Buffers other than numpy arrays and tensors cannot
+  // move while their view is held (CPython refuses to resize an exported bytearray).
+  std::optional<std::string> moved() const {
+    uintptr_t ptr = 0;
+    uint64_t bytes = 0;
+    try {
+      if (tensor_) {
+        ptr = obj_.attr("data_ptr")().cast<uintptr_t>();
+        bytes =
+            obj_.attr("numel")().cast<uint64_t>() * obj_.attr("element_size")().cast<uint64_t>();
+      } else if (view_ && py::hasattr(obj_, "__array_interface__")) {
+        py::dict ai = obj_.attr("__array_interface__");
+        ptr = py::tuple(ai["data"])[0].cast<uintptr_t>();
+        bytes = obj_.attr("nbytes").cast<uint64_t>();
+      } else {
+        return std::nullopt;
+      }
+    } catch (const py::error_already_set& e) {
+      return std::string("its address cannot be read any more: ") + e.what();
+    }
+    if (ptr == where_.first && bytes == where_.second) return std::nullopt;
+    return "it was registered at 0x" + hex(where_.first) + " (" + std::to_string(where_.second) +
+           " bytes) and is now at 0x" + hex(ptr) + " (" + std::to_string(bytes) + " bytes)";
+  }
+
  private:
+  static std::string hex(uintptr_t v) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%llx", static_cast<unsigned long long>(v));
+    return buf;
+  }
+
   py::object obj_;
   std::unique_ptr<Py_buffer> view_;
+  py::object storage_;  // a tensor's storage
+  bool tensor_ = false;
+  std::pair<uintptr_t, uint64_t> where_;  // address and bytes when registered
 };
 
 struct PyMemory {
@@ -361,6 +409,21 @@ struct PyMemory {
   py::object layout;                              // the Python Layout it was made for
   py::dict buffers;                               // name -> the object given
   std::vector<std::unique_ptr<HeldBuffer>> held;  // the views taken from them
+  std::vector<std::string> names;                 // of held, in order
+  std::optional<std::string> broken;              // why it may not be used any more
+
+  // REQUIRES: the GIL. Throws hxfer.Error(InvalidArgument) once any pool's memory moved since
+  // it was registered (and from then on): hxfer must not be handed pages of memory that is gone.
+  void checkIntact() {
+    for (size_t i = 0; !broken && i < held.size(); ++i) {
+      if (auto why = held[i]->moved()) {
+        broken = "pool " + names[i] + ": its memory moved after it was registered (" + *why +
+                 "; a tensor's resize_ or set_, or numpy's resize, under a registered buffer): "
+                 "this Memory is unusable, make a new one over the engine's current buffers";
+      }
+    }
+    if (broken) throwInvalid(*broken);
+  }
 };
 
 std::unique_ptr<PyMemory> makeMemory(py::object layout_obj, py::object buffers_obj) {
@@ -383,6 +446,7 @@ std::unique_ptr<PyMemory> makeMemory(py::object layout_obj, py::object buffers_o
     hxfer::Buffer b;
     held->acquire(name, &b);
     out->held.push_back(std::move(held));
+    out->names.push_back(name);
     wrapped.emplace(std::move(name), b);
   }
   out->memory = valueOrThrow(hxfer::Memory::wrap(layout, wrapped));
@@ -572,6 +636,7 @@ std::unique_ptr<PySender> makeSender(py::object layout_obj, py::object memory_ob
                                      py::object on_released, py::object on_request,
                                      uint64_t stream_min_tokens) {
   const hxfer::Layout& layout = layout_obj.cast<const hxfer::Layout&>();
+  memory_obj.cast<PyMemory&>().checkIntact();
   const hxfer::Memory& memory = memoryOf(memory_obj);
   auto out = std::make_unique<PySender>();
   out->layout = layout_obj;
@@ -613,6 +678,7 @@ std::unique_ptr<PyReceiver> makeReceiver(py::object layout_obj, py::object memor
                                          double handshake_timeout, py::object ucx_options,
                                          py::object on_released, uint64_t staging_bytes) {
   const hxfer::Layout& layout = layout_obj.cast<const hxfer::Layout&>();
+  memory_obj.cast<PyMemory&>().checkIntact();
   const hxfer::Memory& memory = memoryOf(memory_obj);
   auto out = std::make_unique<PyReceiver>();
   out->layout = layout_obj;
@@ -950,10 +1016,9 @@ PYBIND11_MODULE(hxfer, m) {
                        "[begin, end). A context manager.")
       .def(py::init(&makeSender), py::arg("layout"), py::arg("memory"), py::kw_only(),
            py::arg("listen") = "", py::arg("backend") = "auto", py::arg("token") = "",
-           py::arg("instance") = "", py::arg("checksum") = false,
-           py::arg("lease_timeout") = 30.0, py::arg("ucx_options") = py::none(),
-           py::arg("on_released") = py::none(), py::arg("on_request") = py::none(),
-           py::arg("stream_min_tokens") = 512)
+           py::arg("instance") = "", py::arg("checksum") = false, py::arg("lease_timeout") = 30.0,
+           py::arg("ucx_options") = py::none(), py::arg("on_released") = py::none(),
+           py::arg("on_request") = py::none(), py::arg("stream_min_tokens") = 512)
       .def_property_readonly("address", [](const PySender& s) { return s.address; })
       .def_property_readonly("backend", [](const PySender& s) { return s.backend; })
       .def_property_readonly("routing", [](const PySender& s) { return s.routing; })
@@ -963,6 +1028,7 @@ PYBIND11_MODULE(hxfer, m) {
           "mark_ready",
           [](PySender& s, uint64_t id, py::object blocks, py::object slot, py::object aux,
              py::object layers, py::object group_slots) {
+            s.memory.cast<PyMemory&>().checkIntact();
             hxfer::RankPages pages{toPages(blocks, "blocks"), toSlot(slot)};
             if (!group_slots.is_none()) pages.group_slots = toPages(group_slots, "group_slots");
             std::string aux_bytes = toBytes(aux, "aux");
@@ -1068,6 +1134,7 @@ PYBIND11_MODULE(hxfer, m) {
           "start",
           [](PyReceiver& r, uint64_t id, uint32_t num_tokens, py::object blocks, py::object slot,
              uint32_t prefix_tokens, py::object aux, py::object group_slots) {
+            r.memory.cast<PyMemory&>().checkIntact();
             hxfer::RankPages pages{toPages(blocks, "blocks"), toSlot(slot)};
             if (!group_slots.is_none()) pages.group_slots = toPages(group_slots, "group_slots");
             std::string aux_bytes = toBytes(aux, "aux");

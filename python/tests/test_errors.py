@@ -250,3 +250,48 @@ def test_calls_after_shutdown_say_unavailable(lay):
         tx.mark_ready(1, [1], 1)
     tx.shutdown()  # idempotent
     tx.cancel(1)  # always ok
+
+
+def test_pools_over_the_same_bytes_are_refused_naming_both(lay):
+    """Round 3, finding 10: two pools aliasing each other were accepted."""
+    pools = lay.pools()
+    whole = np.zeros(pools[0]["bytes"] + pools[1]["bytes"], np.uint8)
+    bufs = numpy_pools(lay)
+    bufs[pools[0]["name"]] = whole[:pools[0]["bytes"]]
+    bufs[pools[1]["name"]] = whole[pools[0]["bytes"] - 8:][:pools[1]["bytes"]]
+    with raises("InvalidArgument") as e:
+        hxfer.Memory(lay, bufs)
+    assert "overlap" in e.value.message
+    assert pools[0]["name"] in e.value.message and pools[1]["name"] in e.value.message
+
+
+def test_a_numpy_pool_resized_under_the_memory_makes_it_refuse_every_page(lay):
+    """Round 3, finding 10: numpy's resize(refcheck=False) reallocated a registered pool and hxfer
+    went on writing the freed memory. The Memory now notices before any page is handed over."""
+    bufs = numpy_pools(lay)
+    mem = hxfer.Memory(lay, bufs)
+    name = lay.pools()[0]["name"]
+    with hxfer.Sender(lay, mem, backend="inproc") as tx:
+        tx.mark_ready(1, blocks=[0], slot=0)
+        bufs[name].resize(bufs[name].size * 8, refcheck=False)
+        for _ in range(2):
+            with raises("InvalidArgument") as e:
+                tx.mark_ready(2, blocks=[1], slot=1)
+            assert f"pool {name}: its memory moved" in e.value.message
+    with raises("InvalidArgument"):
+        hxfer.Sender(lay, mem, backend="inproc")
+
+
+def test_a_tensor_given_another_storage_keeps_its_old_one_alive_and_is_refused(lay):
+    """Round 3, finding 10: a tensor's set_ freed the storage hxfer wrote into (SIGSEGV in a copy
+    worker). The Memory holds the storage it registered, and refuses pages once it moved."""
+    bufs = {p["name"]: torch.zeros(p["bytes"], dtype=torch.uint8) for p in lay.pools()}
+    mem = hxfer.Memory(lay, bufs)
+    name = lay.pools()[0]["name"]
+    old = bufs[name].data_ptr()
+    with hxfer.Receiver(lay, mem, peers=["inproc:nowhere"], backend="inproc") as rx:
+        bufs[name].set_(torch.zeros(bufs[name].numel(), dtype=torch.uint8).storage())
+        assert bufs[name].data_ptr() != old
+        with raises("InvalidArgument") as e:
+            rx.start(1, num_tokens=10, blocks=[0], slot=0)
+        assert f"pool {name}: its memory moved" in e.value.message

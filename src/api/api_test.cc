@@ -319,6 +319,22 @@ TEST(ApiMemory, RefusesAMissingPoolAnUnknownNameAShortBufferAndDeviceMemory) {
             std::string::npos)
       << m.status().toString();
 
+  // Round 3, finding 10: two pools over the same bytes were accepted.
+  const std::string second = l->pools()[1].name;
+  auto aliased = buffers;
+  std::vector<uint8_t> both(l->pools()[0].bytes + l->pools()[1].bytes);
+  aliased[first] = Buffer{both.data(), l->pools()[0].bytes};
+  aliased[second] = Buffer{both.data() + l->pools()[0].bytes - 1, l->pools()[1].bytes};
+  m = Memory::wrap(*l, aliased);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_NE(
+      m.status().message().find("overlap: " + second + " starts " +
+                                std::to_string(l->pools()[0].bytes - 1) + " bytes into " + first),
+      std::string::npos)
+      << m.status().toString();
+  aliased[second] = Buffer{both.data() + l->pools()[0].bytes, l->pools()[1].bytes};
+  EXPECT_TRUE(Memory::wrap(*l, aliased).isOk()) << "adjacent pools do not overlap";
+
   auto device = buffers;
   device[first].kind = MemoryKind::kCuda;
   m = Memory::wrap(*l, device);

@@ -527,6 +527,24 @@ StatusOr<Memory> Memory::wrap(const Layout& layout, const std::map<std::string, 
     impl->shareable = impl->shareable && b.fd >= 0;
     regions.push_back(std::move(*r));
   }
+  // Each pool needs memory of its own: two that overlap would have hxfer write one pool's
+  // pages through the other's (and fence them as different pages).
+  std::vector<std::pair<const Region*, const std::string*>> spans;
+  for (size_t i = 0; i < regions.size(); ++i)
+    spans.emplace_back(regions[i].get(), &l.regions[i].name);
+  std::sort(spans.begin(), spans.end(),
+            [](const auto& a, const auto& b) { return a.first->data() < b.first->data(); });
+  for (size_t i = 1; i < spans.size(); ++i) {
+    const Region& lo = *spans[i - 1].first;
+    const Region& hi = *spans[i].first;
+    if (lo.data() + lo.length() > hi.data()) {
+      return InvalidArgument("pools " + *spans[i - 1].second + " and " + *spans[i].second +
+                             " overlap: " + *spans[i].second + " starts " +
+                             str(static_cast<uint64_t>(hi.data() - lo.data())) + " bytes into " +
+                             *spans[i - 1].second + ", which is " + str(lo.length()) +
+                             " bytes; each pool needs memory of its own");
+    }
+  }
   auto cache = HybridCacheManager::wrap(l, std::move(regions));
   if (!cache.isOk()) return cache.status();
   impl->cache = std::move(*cache);
