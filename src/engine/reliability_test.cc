@@ -1876,6 +1876,17 @@ TEST(Epochs, ATombstoneAnswersItsOwnGenerationProcessNotARestartedOne) {
   EXPECT_TRUE(c->sender->selfCheck().isOk()) << c->sender->selfCheck().toString();
 }
 
+// `m` encoded as a frame of `minor`, its last `drop` body bytes (fields that minor predates) cut.
+Bytes frameOfMinor(const wire::Message& m, uint16_t minor, size_t drop) {
+  Bytes frame = wire::encodeMessage(m);
+  frame.resize(frame.size() - 4 - drop);   // the crc, then the fields
+  frame[6] = static_cast<uint8_t>(minor);  // little-endian
+  frame[7] = static_cast<uint8_t>(minor >> 8);
+  storeFixed32(frame.data() + 9, static_cast<uint32_t>(frame.size() - 13));
+  putFixed32(frame, crc32c(frame.data(), frame.size()));
+  return frame;
+}
+
 // Round 3, finding 11: one connection speaks the minor its Hello came in. A peer that said 1.5
 // and then sends a minor-1 frame (an epoch-less Cancel, which would cancel every use of the id)
 // is refused, not served.
@@ -1890,12 +1901,7 @@ TEST(Epochs, AFrameOfAnotherMinorThanTheHelloIsRefused) {
   ASSERT_TRUE(g);
   ASSERT_TRUE(g->connect(shmAddress(name), 1).isOk());
   // A minor-1 Cancel: the current encoding without its epoch (one varint byte, 0).
-  Bytes frame = wire::encodeMessage(wire::Message{wire::Cancel{42, "old", 0}});
-  frame.resize(frame.size() - 4 - 1);  // crc, epoch
-  frame[6] = 1;                        // minor, little-endian
-  frame[7] = 0;
-  storeFixed32(frame.data() + 9, static_cast<uint32_t>(frame.size() - 13));
-  putFixed32(frame, crc32c(frame.data(), frame.size()));
+  const Bytes frame = frameOfMinor(wire::Message{wire::Cancel{42, "old", 0}}, 1, 1);
   ASSERT_TRUE(wire::decodeMessage(frame).isOk());  // a well-formed frame of minor 1
   ASSERT_TRUE(g->agent->sendMessage(g->peer, frame).isOk());
   auto answer = exchange(*g->agent, g->peer, std::nullopt);
@@ -1955,6 +1961,40 @@ TEST(Bounds, WaitingRequestsOfOnePeerAreBoundedAndRefusedLoudly) {
   expectPagesFree(*c->cache, "ctx");
   EXPECT_TRUE(waitUntil([&] { return c->sender->connectedPeers() == 0; }));
   EXPECT_TRUE(c->sender->selfCheck().isOk()) << c->sender->selfCheck().toString();
+}
+
+// Round 3, finding 11, generation side: a context rank whose Hello came in the current minor and
+// then answers with an epoch-less minor-1 Done (which would end any use of the id) is dropped,
+// and the request fails instead of completing on it.
+TEST(Epochs, AContextFrameOfAnotherMinorThanItsHelloDropsTheConnection) {
+  LogCapture logs;
+  const ModelSpec model = tinyModel();
+  auto h = HostileContext::make(model);
+  ASSERT_NE(h, nullptr);
+  auto g = startGeneration(model, kTp1, 0, StateLayout::kPaged, Capacity::counts(64, 8), kTp1,
+                           {h->agent->localAddress()}, milliseconds(60000), nullptr, "secret");
+  ASSERT_TRUE(g.isOk());
+  ASSERT_TRUE(h->acceptHello());
+  h->send(wire::Hello{rankInfoOf(*h->cache, *h->agent, wire::InstanceRole::kContext), "", 5});
+  ASSERT_TRUE((*g)->rx->waitForPeers(deadline()).isOk());
+  auto alloc = (*g)->start(5, 40);
+  ASSERT_TRUE(alloc.isOk());
+  auto ask = h->next();
+  ASSERT_TRUE(ask && std::holds_alternative<wire::TransferRequest>(*ask));
+  const RankLayout& layout = (*g)->cache->layout();
+  const uint64_t bytes =
+      alloc->blocks.size() * layout.kvBytesPerBlock() + layout.stateBytesPerSlot();
+  const wire::TransferDone done{5, OkStatus(), bytes, std::nullopt, {}, 0};
+  ASSERT_TRUE(h->agent->sendMessage(h->peer, frameOfMinor(wire::Message{done}, 1, 1)).isOk());
+  auto r = (*g)->rx->wait(5, deadline());
+  ASSERT_TRUE(r.isOk());
+  EXPECT_NE(r->state, RequestResult::State::kDone) << r->status.toString();
+  EXPECT_TRUE(logs.has({"one connection speaks one minor"})) << logs.all();
+  ASSERT_TRUE((*g)->rx->release(5).isOk());
+  // The fence of the part ends once the dropped peer's end is closed too (no write after release).
+  (void)h->agent->disconnect(h->peer);
+  expectPagesFree(*(*g)->cache, "gen");
+  (*g)->rx->shutdown();
 }
 
 // Round 3, finding 6: the blocks a peer's waiting asks may name are bounded by this rank's own
