@@ -393,7 +393,7 @@ void ContextSender::onHelloLocked(Peer& peer, wire::Hello hello) {
   peer.planner = std::move(*planner);
   peer.expected = std::move(*expected);
   peer.block_budget =
-      blockBudget(self_.layout, hello.rank_info.layout, options_.max_waiting_blocks_factor);
+      blockBudget(self_.layout, peer.info.layout, options_.max_waiting_blocks_factor);
   peer.ready = true;
   metrics_.handshake(true);
   HXFER_LOG_INFO("context rank {}: generation rank {} of '{}' connected", rankName(self_.layout),
