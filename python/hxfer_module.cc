@@ -1,4 +1,5 @@
-// Python bindings of hxfer's public API (include/hxfer/hxfer.h), nothing else.
+// Python bindings of hxfer's public API (include/hxfer/hxfer.h), nothing else. This is the
+// extension hxfer._hxfer; the package python/hxfer/ re-exports all of it as `hxfer`.
 //
 //   hxfer.Layout        Layout::engine(...) with keyword options; pools(), describe(), ...
 //   hxfer.Memory        Memory::wrap() over Python buffers, taken without a copy: anything with
@@ -752,14 +753,20 @@ class Error(Exception):
 
 }  // namespace
 
-PYBIND11_MODULE(hxfer, m) {
+// HXFER_VERSION is the CMake project's version (python/CMakeLists.txt): the one source of
+// hxfer.__version__ and of the wheel's version (pyproject.toml reads it from CMakeLists.txt).
+#ifndef HXFER_VERSION
+#error "HXFER_VERSION must be defined by the build (python/CMakeLists.txt)"
+#endif
+
+PYBIND11_MODULE(_hxfer, m) {
   m.doc() =
       "hxfer: move the cache state of hybrid LLMs between serving instances.\n\n"
       "Layout describes one rank's cache as an engine lays it out; Memory registers the "
       "engine's buffers for it without a copy; Sender (context rank) marks a request's pages "
       "ready; Receiver (generation rank) pulls them into its own pages. Every error is "
       "hxfer.Error with a .code. See include/hxfer/hxfer.h for the page lifetime contract.";
-  m.attr("__version__") = "0.1.0";
+  m.attr("__version__") = HXFER_VERSION;
   m.attr("API_VERSION") = hxfer::kApiVersion;
 
   {

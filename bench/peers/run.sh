@@ -5,7 +5,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 build="${HXFER_BUILD_DIR:-$root/build}"
-if ! compgen -G "$build/python/hxfer*.so" >/dev/null; then
+if ! compgen -G "$build/python/hxfer/_hxfer*.so" >/dev/null; then
   echo "building hxfer's Python module in $build" >&2
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >&2
   cmake --build "$build" --target hxfer_python >&2

@@ -20,9 +20,9 @@ ROOT = HERE.parents[1]
 
 
 def child_env():
-    """The environment of a child Python: this one, with the directories that hold hxfer and
-    the test helpers first on its path."""
-    path = [str(pathlib.Path(hxfer.__file__).resolve().parent), str(HERE)]
+    """The environment of a child Python: this one, with the directories that hold the hxfer
+    package and the test helpers first on its path."""
+    path = [str(pathlib.Path(hxfer.__file__).resolve().parents[1]), str(HERE)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(path + [p for p in env.get("PYTHONPATH", "").split(
         os.pathsep) if p])

@@ -260,7 +260,7 @@ def test_layout_describes_pools_and_compares_by_value():
 
 
 def test_module_exposes_version_and_api_version():
-    assert hxfer.__version__ == "0.1.0"
+    assert isinstance(hxfer.__version__, str)  # its value: test_package.py
     assert isinstance(hxfer.API_VERSION, int) and hxfer.API_VERSION >= 1
     assert issubclass(hxfer.Error, Exception)
 
