@@ -17,20 +17,39 @@ std::string_view engineName(Engine e) {
       return "vllm";
     case Engine::kSglang:
       return "sglang";
+    case Engine::kVllmSplit:
+      return "vllm-0.25";
+  }
+  return "unknown";
+}
+
+bool isVllm(Engine e) { return e == Engine::kVllm || e == Engine::kVllmSplit; }
+
+std::string_view kvOrderName(KvOrder o) {
+  switch (o) {
+    case KvOrder::kHnd:
+      return "hnd";
+    case KvOrder::kNhd:
+      return "nhd";
+    case KvOrder::kCpu:
+      return "cpu";
+    case KvOrder::kCpuAmx:
+      return "cpu-amx";
   }
   return "unknown";
 }
 
 std::string EngineLayout::toString() const {
-  const std::string kv_text = kv == KvOrder::kNhd ? "nhd" : "hnd";
+  const std::string kv_text(kvOrderName(kv));
   switch (engine) {
     case Engine::kHxfer:
       return "hxfer(" + std::string(stateLayoutName(state)) + ")";
     case Engine::kTrtllmV2:
       return "trtllm-v2(kv=" + kv_text + ")";
     case Engine::kVllm:
-      return "vllm(kv=" + kv_text + ",conv=" + (conv == ConvOrder::kSd ? "sd" : "ds") +
-             (shared ? ",shared)" : ")");
+    case Engine::kVllmSplit:
+      return std::string(engineName(engine)) + "(kv=" + kv_text +
+             ",conv=" + (conv == ConvOrder::kSd ? "sd" : "ds") + (shared ? ",shared)" : ")");
     default:
       return std::string(engineName(engine));
   }
@@ -49,12 +68,25 @@ std::vector<EngineLayout> allEngineLayouts() {
     }
   }
   out.push_back({Engine::kSglang});
+  for (KvOrder kv : {KvOrder::kNhd, KvOrder::kHnd}) {
+    out.push_back({Engine::kVllmSplit, StateLayout::kPaged, kv, ConvOrder::kSd});
+  }
   return out;
 }
 
 std::vector<EngineLayout> sharedEngineLayouts() {
   return {{Engine::kVllm, StateLayout::kPaged, KvOrder::kNhd, ConvOrder::kSd, true},
           {Engine::kVllm, StateLayout::kPaged, KvOrder::kHnd, ConvOrder::kDs, true}};
+}
+
+std::vector<EngineLayout> cpuEngineLayouts() {
+  std::vector<EngineLayout> out;
+  for (KvOrder kv : {KvOrder::kCpu, KvOrder::kCpuAmx}) {
+    for (bool shared : {false, true}) {
+      out.push_back({Engine::kVllm, StateLayout::kPaged, kv, ConvOrder::kSd, shared});
+    }
+  }
+  return out;
 }
 
 StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_view kv,
@@ -67,34 +99,41 @@ StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_vi
     out.engine = Engine::kTrtllmV1;
   } else if (engine == "trtllm-v2") {
     out.engine = Engine::kTrtllmV2;
-  } else if (engine == "vllm") {
-    out.engine = Engine::kVllm;
+  } else if (engine == "vllm" || engine == "vllm-0.25") {
+    out.engine = engine == "vllm" ? Engine::kVllm : Engine::kVllmSplit;
     out.kv = KvOrder::kNhd;
     out.conv = ConvOrder::kSd;
   } else if (engine == "sglang") {
     out.engine = Engine::kSglang;
   } else {
     return InvalidArgument("unknown engine layout '" + std::string(engine) +
-                           "' (expected hxfer, trtllm-v1, trtllm-v2, vllm or sglang)");
+                           "' (expected hxfer, trtllm-v1, trtllm-v2, vllm, vllm-0.25 or sglang)");
   }
   const std::string name(engine);
   if (!kv.empty()) {
-    if (out.engine != Engine::kVllm && out.engine != Engine::kTrtllmV2) {
+    if (!isVllm(out.engine) && out.engine != Engine::kTrtllmV2) {
       return InvalidArgument("kv layout '" + std::string(kv) + "': engine " + name +
-                             " has one kv order (only vllm and trtllm-v2 take nhd|hnd)");
+                             " has one kv order (only vllm, vllm-0.25 and trtllm-v2 take one)");
     }
+    const bool cpu_orders = out.engine == Engine::kVllm;
     if (kv == "nhd") {
       out.kv = KvOrder::kNhd;
     } else if (kv == "hnd") {
       out.kv = KvOrder::kHnd;
+    } else if (kv == "cpu" && cpu_orders) {
+      out.kv = KvOrder::kCpu;
+    } else if (kv == "cpu-amx" && cpu_orders) {
+      out.kv = KvOrder::kCpuAmx;
     } else {
-      return InvalidArgument("unknown kv layout '" + std::string(kv) + "' (expected nhd or hnd)");
+      return InvalidArgument(
+          "unknown kv layout '" + std::string(kv) + "' for engine " + name +
+          (cpu_orders ? " (expected nhd, hnd, cpu or cpu-amx)" : " (expected nhd or hnd)"));
     }
   }
   if (!conv.empty()) {
-    if (out.engine != Engine::kVllm) {
+    if (!isVllm(out.engine)) {
       return InvalidArgument("conv layout '" + std::string(conv) + "': engine " + name +
-                             " has one conv order (only vllm takes sd|ds)");
+                             " has one conv order (only vllm and vllm-0.25 take sd|ds)");
     }
     if (conv == "sd") {
       out.conv = ConvOrder::kSd;
@@ -112,9 +151,9 @@ StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_vi
     ASSIGN_OR_RETURN(out.state, parseStateLayout(state));
   }
   if (!shared.empty()) {
-    if (out.engine != Engine::kVllm) {
+    if (!isVllm(out.engine)) {
       return InvalidArgument("shared tensors '" + std::string(shared) + "': engine " + name +
-                             " has no shared tensors (only vllm takes on|off)");
+                             " has no shared tensors (only vllm and vllm-0.25 take on|off)");
     }
     if (shared == "on") {
       out.shared = true;
@@ -200,25 +239,86 @@ StatusOr<uint64_t> vllmPage(const RankLayout& base) {
     }
   }
   if (attention_page > 0 && mamba_page > attention_page) {
-    const uint64_t need = (mamba_page + per_token - 1) / per_token;
+    // vLLM 0.32 (Platform._align_hybrid_block_size): the smallest multiple of M tokens whose
+    // attention page holds the Mamba page, M = max(the backend's smallest kernel block, the
+    // configured block size): 16 with FlashAttention, 128 on CPU by default (32 with
+    // --block-size 32).
+    auto pick = [&](uint64_t m) {
+      return m * ((mamba_page + m * per_token - 1) / (m * per_token));
+    };
     return InvalidArgument("vllm layout: the mamba page (" + std::to_string(mamba_page) +
                            " bytes) is larger than the attention page (" +
                            std::to_string(attention_page) +
                            " bytes at tokens_per_block=" + std::to_string(base.tokens_per_block) +
-                           "); vLLM raises the block size until it holds it: use at least " +
-                           std::to_string(need) + " tokens per block");
+                           "); vLLM 0.32 raises the block size until it holds it: it picks " +
+                           std::to_string(pick(16)) + " tokens per block with FlashAttention, " +
+                           std::to_string(pick(128)) + " on CPU (" + std::to_string(pick(32)) +
+                           " with --block-size 32): use that tokens_per_block");
   }
   return attention_page > 0 ? attention_page : mamba_page;
 }
 
-// Appends `layer`'s attention page [K | V] in `region`, pages of `page` bytes.
+// vLLM's CPU attention: per head, K then V, each N x D elements, as two views of the page.
+Status addVllmCpuAttention(const ModelSpec& model, const PoolView& g, uint32_t layer, uint64_t page,
+                           const EngineLayout& e, uint32_t region, RankLayout& out) {
+  const uint64_t el = dtypeSize(out.kv_dtype);
+  const uint64_t n = out.tokens_per_block, d = model.layers[layer].attention->head_dim;
+  const uint32_t heads = localUnitCounts(g.sections, out.tp, out.tp_rank).value()[0];
+  if (e.kv == KvOrder::kCpuAmx && (el != 2 || n % 16 != 0 || d % 16 != 0)) {
+    return InvalidArgument(
+        "vllm kv layout cpu-amx packs 16-bit elements in tiles of 16 tokens and 16 dims: kv "
+        "dtype of " +
+        std::to_string(el) + " bytes, tokens_per_block=" + std::to_string(n) +
+        ", head_dim=" + std::to_string(d) + " do not pack (vLLM picks the cpu order there)");
+  }
+  const uint64_t half = n * d * el;
+  for (size_t s = 0; s < 2; ++s) {  // K, then V
+    PoolView v = oneLayer(g, layer, {g.sections[s]}, out);
+    v.index_stride = page;
+    v.region_id = region;
+    v.base = s * half;
+    RecordLayout r;
+    r.element_bytes = static_cast<uint32_t>(el);
+    r.dims.push_back({"head", heads, 2 * half});
+    const auto N = static_cast<uint32_t>(n), D = static_cast<uint32_t>(d);
+    if (e.kv == KvOrder::kCpu && s == 0) {  // K transposed: [dim][token]
+      r.dims.insert(r.dims.end(), {{"dim", D, n * el}, {"token", N, el}});
+    } else if (e.kv == KvOrder::kCpu) {  // V: [token][dim]
+      r.dims.insert(r.dims.end(), {{"token", N, d * el}, {"dim", D, el}});
+    } else if (s == 0) {  // AMX K: token/16, dim/2, token%16, dim%2
+      r.dims.insert(r.dims.end(), {{"token", N / 16, 16 * d * el},
+                                   {"dim", D / 2, 32 * el},
+                                   {"token", 16, 2 * el},
+                                   {"dim", 2, el}});
+    } else {  // AMX V: dim/16, token/2, dim%16, token%2
+      r.dims.insert(r.dims.end(), {{"dim", D / 16, 16 * n * el},
+                                   {"token", N / 2, 32 * el},
+                                   {"dim", 16, 2 * el},
+                                   {"token", 2, el}});
+    }
+    v.record = std::move(r);
+    out.views.push_back(std::move(v));
+  }
+  return OkStatus();
+}
+
+// Appends `layer`'s attention page in `region`, pages of `page` bytes: vllm-0.25's [K | V]
+// halves, vLLM 0.32's K and V side by side per (token, head), or its CPU order.
 Status addVllmAttention(const ModelSpec& model, const RankLayout& base, uint32_t layer,
                         uint64_t page, const EngineLayout& e, uint32_t region, RankLayout& out) {
   const PoolView& g = baseView(base, Role::kKv, layer);
+  if (e.kv == KvOrder::kCpu || e.kv == KvOrder::kCpuAmx) {
+    return addVllmCpuAttention(model, g, layer, page, e, region, out);
+  }
   PoolView v = oneLayer(g, layer, g.sections, out);
   v.index_stride = page;
   v.region_id = region;
-  ASSIGN_OR_RETURN(v.record, recordIn(model, out, v, kvOrder(e.kv, true)));
+  std::vector<std::string> order = kvOrder(e.kv, true);
+  if (e.engine == Engine::kVllm) {
+    order = e.kv == KvOrder::kNhd ? std::vector<std::string>{"token", "head", "kv", "dim"}
+                                  : std::vector<std::string>{"head", "token", "kv", "dim"};
+  }
+  ASSIGN_OR_RETURN(v.record, recordIn(model, out, v, order));
   out.views.push_back(std::move(v));
   return OkStatus();
 }
@@ -251,8 +351,8 @@ Status addVllmMamba(const ModelSpec& model, const RankLayout& base, uint32_t lay
 }
 
 // vLLM's KV cache groups over the whole model (kv_cache_utils): the layers of one spec form
-// groups of equal size, the fewest layers of a spec (or the most, when within 1.25x of the
-// fewest); a spec with n groups gives group i its layers i, i + n, i + 2n, ...
+// groups of equal size, the fewest layers of a spec (or the most, when under 1.5x the fewest);
+// a spec with n groups gives group i its layers i, i + n, i + 2n, ...
 struct VllmGroups {
   std::vector<std::vector<uint32_t>> attention, mamba;  // global layer ids of each group
 };
@@ -292,7 +392,7 @@ VllmGroups vllmGroups(const ModelSpec& model) {
     fewest = std::min(fewest, s.layers.size());
     most = std::max(most, s.layers.size());
   }
-  const size_t size = most * 4 < fewest * 5 ? most : fewest;
+  const size_t size = most * 2 < fewest * 3 ? most : fewest;
   for (const Spec& s : specs) {
     const size_t n = (s.layers.size() + size - 1) / size;
     for (size_t i = 0; i < n; ++i) {
@@ -392,6 +492,16 @@ StatusOr<RankLayout> buildVllm(const ModelSpec& model, const ParallelConfig& pc,
   return out;
 }
 
+// Gated-delta-net ssm state as SGLang and TensorRT-LLM keep it: (v_heads, head_v, head_k).
+Status gdnValueMajor(const ModelSpec& model, RankLayout& out) {
+  for (PoolView& v : out.views) {
+    if (v.role == Role::kSsm && v.kind == LayerKind::kGdn) {
+      ASSIGN_OR_RETURN(v.record, recordIn(model, out, v, {"head", "value", "key"}));
+    }
+  }
+  return out.validate();
+}
+
 StatusOr<RankLayout> buildSglang(const ModelSpec& model, const ParallelConfig& pc, uint32_t tp_rank,
                                  uint32_t pp_rank, uint32_t num_blocks, uint32_t num_slots) {
   ASSIGN_OR_RETURN(RankLayout base,
@@ -422,7 +532,7 @@ StatusOr<RankLayout> buildSglang(const ModelSpec& model, const ParallelConfig& p
     v.region_id = addRegion(out, r->name, r->length);
     out.views.push_back(std::move(v));
   }
-  RETURN_IF_ERROR(out.validate());
+  RETURN_IF_ERROR(gdnValueMajor(model, out));
   return out;
 }
 
@@ -435,9 +545,13 @@ StatusOr<RankLayout> buildEngineLayout(const ModelSpec& model, const ParallelCon
   switch (layout.engine) {
     case Engine::kHxfer:
       return buildRankLayout(model, pc, tp_rank, pp_rank, layout.state, num_blocks, num_slots);
-    case Engine::kTrtllmV1:
-      return buildRankLayout(model, pc, tp_rank, pp_rank, StateLayout::kLayerMajor, num_blocks,
-                             num_slots);
+    case Engine::kTrtllmV1: {
+      ASSIGN_OR_RETURN(RankLayout out,
+                       buildRankLayout(model, pc, tp_rank, pp_rank, StateLayout::kLayerMajor,
+                                       num_blocks, num_slots));
+      RETURN_IF_ERROR(gdnValueMajor(model, out));
+      return out;
+    }
     case Engine::kTrtllmV2: {
       ASSIGN_OR_RETURN(RankLayout out, buildRankLayout(model, pc, tp_rank, pp_rank,
                                                        StateLayout::kPaged, num_blocks, num_slots));
@@ -446,11 +560,12 @@ StatusOr<RankLayout> buildEngineLayout(const ModelSpec& model, const ParallelCon
           if (v.role != Role::kKv) continue;
           ASSIGN_OR_RETURN(v.record, recordIn(model, out, v, kvOrder(KvOrder::kNhd, true)));
         }
-        RETURN_IF_ERROR(out.validate());
       }
+      RETURN_IF_ERROR(gdnValueMajor(model, out));
       return out;
     }
     case Engine::kVllm:
+    case Engine::kVllmSplit:
       return buildVllm(model, pc, tp_rank, pp_rank, layout, num_blocks, num_slots);
     case Engine::kSglang:
       return buildSglang(model, pc, tp_rank, pp_rank, num_blocks, num_slots);

@@ -8,7 +8,16 @@
 //   trtllm-v2   KVCacheManagerV2: per block, the same-size per-(layer, K|V) buffers coalesced,
 //               each HND (head, token, dim; default) or NHD (token, head, dim); Mamba V2
 //               slot-major with equal-size conv and ssm interleaved: hxfer paged.
-//   vllm        one tensor per layer. Attention: per block [K | V], each NHD (default) or HND.
+//   vllm        vLLM 0.32: one tensor per layer (shared per KV cache group with `shared`).
+//               Attention: a block is [heads, tokens, 2 x head_dim] with K and V side by side
+//               per (token, head): token > head > kv > dim (nhd, vLLM's LBNHC, the GPU
+//               default) or head > token > kv > dim (hnd, LBHNC); vLLM's CPU backend keeps per
+//               head K transposed [dim, token] then V [token, dim] (cpu, its vec / vec16 / neon
+//               kernels) or both packed for AMX tiles (cpu-amx: K token/16 > dim/2 > token%16 >
+//               dim%2, V dim/16 > token/2 > dim%16 > token%2; 16-bit elements).
+//   vllm-0.25   vLLM up to 0.25.1: per block [K | V] halves, each NHD (default) or HND
+//               (0.26 put K and V side by side, 0.29 one backing buffer: vllm).
+//               vllm and vllm-0.25 otherwise agree:
 //               Mamba: per page [conv | ssm | padding], padded to the attention page size
 //               (vLLM raises the attention block size until its page holds the Mamba page);
 //               conv SD (window, channel; default) or DS (channel, window); ssm (heads,
@@ -42,40 +51,55 @@
 
 namespace hxfer {
 
-enum class Engine : uint8_t { kHxfer, kTrtllmV1, kTrtllmV2, kVllm, kSglang };
-enum class KvOrder : uint8_t { kHnd, kNhd };  // inside one K or V half of a block
+enum class Engine : uint8_t { kHxfer, kTrtllmV1, kTrtllmV2, kVllm, kSglang, kVllmSplit };
+// The element order of an attention block: kHnd / kNhd inside one K or V half (trtllm-v2,
+// vllm-0.25) or with K and V side by side per (token, head) (vllm); kCpu / kCpuAmx vLLM's CPU
+// backend (vllm only).
+enum class KvOrder : uint8_t { kHnd, kNhd, kCpu, kCpuAmx };
+std::string_view kvOrderName(KvOrder o);      // "hnd", "nhd", "cpu", "cpu-amx"
 enum class ConvOrder : uint8_t { kDs, kSd };  // DS: (channel, window); SD: (window, channel)
 
-std::string_view engineName(Engine e);  // "hxfer", "trtllm-v1", "trtllm-v2", "vllm", "sglang"
+// "hxfer", "trtllm-v1", "trtllm-v2", "vllm", "sglang", "vllm-0.25"
+std::string_view engineName(Engine e);
+bool isVllm(Engine e);  // vllm or vllm-0.25
 
 struct EngineLayout {
   Engine engine = Engine::kHxfer;
   StateLayout state = StateLayout::kPaged;  // hxfer only
-  KvOrder kv = KvOrder::kHnd;               // vllm, trtllm-v2
-  ConvOrder conv = ConvOrder::kDs;          // vllm
-  bool shared = false;                      // vllm: the hybrid manager's shared tensors
+  KvOrder kv = KvOrder::kHnd;               // vllm, vllm-0.25, trtllm-v2
+  ConvOrder conv = ConvOrder::kDs;          // vllm, vllm-0.25
+  bool shared = false;                      // vllm, vllm-0.25: the hybrid manager's tensors
   // "hxfer(paged)", "vllm(kv=nhd,conv=sd)", "vllm(kv=nhd,conv=sd,shared)", "sglang", ...
   std::string toString() const;
   bool operator==(const EngineLayout&) const = default;
 };
 
-// `engine` by name with its options; an empty option takes the engine's default (vllm: nhd,
-// sd, shared off; trtllm-v2: hnd; hxfer: paged). `shared` is "on" or "off". InvalidArgument
-// naming the value and what is accepted, also for an option the engine does not have.
+// `engine` by name with its options; an empty option takes the engine's default (vllm and
+// vllm-0.25: nhd, sd, shared off; trtllm-v2: hnd; hxfer: paged). `shared` is "on" or "off".
+// InvalidArgument naming the value and what is accepted, also for an option the engine does not
+// have.
 StatusOr<EngineLayout> parseEngineLayout(std::string_view engine, std::string_view kv = "",
                                          std::string_view conv = "", std::string_view state = "",
                                          std::string_view shared = "");
 
 // Every engine layout with every option value, in a fixed order: hxfer(paged),
-// hxfer(layer-major), trtllm-v1, trtllm-v2 hnd and nhd, vllm nhd/hnd x sd/ds, sglang.
-// vLLM's shared tensors are in sharedEngineLayouts().
+// hxfer(layer-major), trtllm-v1, trtllm-v2 hnd and nhd, vllm nhd/hnd x sd/ds, sglang,
+// vllm-0.25 nhd/hnd (sd): the layouts any pair of which moves (kv element orders differing
+// inside a head's run are refused). vLLM's shared tensors are in sharedEngineLayouts(), its
+// CPU orders in cpuEngineLayouts().
 std::vector<EngineLayout> allEngineLayouts();
 // vllm with shared tensors: (kv=nhd, conv=sd) and (kv=hnd, conv=ds).
 std::vector<EngineLayout> sharedEngineLayouts();
+// vLLM's CPU attention orders (kv=cpu and cpu-amx, conv=sd, shared off and on). They move
+// between layouts of the same kv order (any tp, pp); against another kv order every run is one
+// element and the plan is refused (staging is built for state records). cpu-amx needs 16-bit
+// kv elements and tokens per block and head_dim multiples of 16 (buildEngineLayout refuses
+// others, as vLLM picks another kernel there).
+std::vector<EngineLayout> cpuEngineLayouts();
 
 // The layout of rank (tp_rank, pp_rank) in `layout` with the given capacities (blocks for kv,
 // slots for state). Errors: as buildRankLayout, and for vllm a Mamba page larger than the
-// attention page (naming the block size vLLM would pick).
+// attention page (naming the block size vLLM 0.32 picks), cpu-amx with a model it cannot pack.
 StatusOr<RankLayout> buildEngineLayout(const ModelSpec& model, const ParallelConfig& pc,
                                        uint32_t tp_rank, uint32_t pp_rank,
                                        const EngineLayout& layout, uint32_t num_blocks,

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "model/presets.h"
+
 namespace hxfer {
 namespace {
 
@@ -66,17 +68,20 @@ std::string regionName(const RankLayout& l, const PoolView& v) {
   return l.findRegion(v.region_id)->name;
 }
 
-TEST(EngineLayout, VllmAttentionBlockIsKvThenNhdOrHndPerLayer) {
+// vLLM 0.32: one [blocks, heads, tokens, 2 x head_dim] view per layer over a (layer-outer)
+// buffer, K and V side by side per (token, head): LBNHC (nhd, the default) or LBHNC (hnd).
+// vllm-0.25 (vLLM up to 0.25.1): (num_blocks, 2, block_size, heads, head_dim), HND
+// (num_blocks, 2, heads, block_size, head_dim).
+TEST(EngineLayout, VllmAttentionBlockIsKvSideBySidePerTokenAndHeadAndVllm025KeepsHalves) {
   for (uint32_t tp : {1u, 2u}) {
     const uint64_t H = 4 / tp, T = 32, D = 8;
     auto nhd = buildEngineLayout(model(), {tp, 1, {}}, 0, 0, *parseEngineLayout("vllm"), 10, 3);
     ASSERT_TRUE(nhd.isOk()) << nhd.status().toString();
     const PoolView* kv = viewOf(*nhd, 3, Role::kKv);
     ASSERT_NE(kv, nullptr);
-    // vLLM: kv_cache (num_blocks, 2, block_size, num_kv_heads, head_size), bf16.
-    const auto s = rowMajor({10, 2, T, H, D}, 2);
+    const auto s = rowMajor({10, T, H, 2, D}, 2);  // LBNHC, bf16
     EXPECT_EQ(kv->index_stride, s[0]);
-    EXPECT_EQ(strides(*kv, {"kv", "token", "head", "dim"}),
+    EXPECT_EQ(strides(*kv, {"token", "head", "kv", "dim"}),
               (std::vector<uint64_t>{s[1], s[2], s[3], s[4]}));
     EXPECT_EQ(regionName(*nhd, *kv), "layer.3");
     EXPECT_EQ(nhd->findRegion(kv->region_id)->length, 10 * s[0]);
@@ -85,10 +90,70 @@ TEST(EngineLayout, VllmAttentionBlockIsKvThenNhdOrHndPerLayer) {
         buildEngineLayout(model(), {tp, 1, {}}, 0, 0, *parseEngineLayout("vllm", "hnd"), 10, 3);
     ASSERT_TRUE(hnd.isOk()) << hnd.status().toString();
     kv = viewOf(*hnd, 0, Role::kKv);
-    const auto h = rowMajor({10, 2, H, T, D}, 2);  // (num_blocks, 2, heads, block_size, dim)
-    EXPECT_EQ(strides(*kv, {"kv", "head", "token", "dim"}),
+    const auto h = rowMajor({10, H, T, 2, D}, 2);  // LBHNC
+    EXPECT_EQ(strides(*kv, {"head", "token", "kv", "dim"}),
               (std::vector<uint64_t>{h[1], h[2], h[3], h[4]}));
+
+    for (std::string order : {"nhd", "hnd"}) {
+      auto old = buildEngineLayout(model(), {tp, 1, {}}, 0, 0,
+                                   *parseEngineLayout("vllm-0.25", order), 10, 3);
+      ASSERT_TRUE(old.isOk()) << old.status().toString();
+      kv = viewOf(*old, 3, Role::kKv);
+      const auto o = order == "nhd" ? rowMajor({10, 2, T, H, D}, 2) : rowMajor({10, 2, H, T, D}, 2);
+      const std::vector<std::string> names =
+          order == "nhd" ? std::vector<std::string>{"kv", "token", "head", "dim"}
+                         : std::vector<std::string>{"kv", "head", "token", "dim"};
+      EXPECT_EQ(strides(*kv, names), (std::vector<uint64_t>{o[1], o[2], o[3], o[4]})) << order;
+    }
   }
+}
+
+// vLLM's CPU backend: per (block, head) N x D elements of K then of V, both views of one page.
+// cpu (its vec kernels): K transposed [dim][token], V [token][dim]. cpu-amx: K token/16, dim/2,
+// token%16, dim%2; V dim/16, token/2, dim%16, token%2 (element offsets measured on vLLM 0.32's
+// own kernel: cpu_attn_reshape_and_cache).
+TEST(EngineLayout, VllmCpuAttentionKeepsKThenVPerHeadInTheKernelsElementOrder) {
+  ModelSpec m = model();
+  for (LayerSpec& l : m.layers) {
+    if (l.attention) l.attention->head_dim = 32;
+  }
+  const uint64_t H = 4, T = 32, D = 32, e = 2;
+  auto cpu = buildEngineLayout(m, {1, 1, {}}, 0, 0, *parseEngineLayout("vllm", "cpu"), 10, 3);
+  ASSERT_TRUE(cpu.isOk()) << cpu.status().toString();
+  std::vector<const PoolView*> kv;
+  for (const PoolView& v : cpu->views) {
+    if (v.role == Role::kKv && v.layers == std::vector<uint32_t>{3}) kv.push_back(&v);
+  }
+  ASSERT_EQ(kv.size(), 2u);
+  EXPECT_EQ(kv[0]->sections.front().name, "K");
+  EXPECT_EQ(kv[1]->sections.front().name, "V");
+  EXPECT_EQ(kv[0]->region_id, kv[1]->region_id);
+  EXPECT_EQ(kv[0]->index_stride, H * 2 * T * D * e);
+  EXPECT_EQ(kv[0]->base, 0u);
+  EXPECT_EQ(kv[1]->base, T * D * e);
+  EXPECT_EQ(kv[0]->record->toString(), "head 4 @4096, dim 32 @64, token 32 @2 (element 2 B)");
+  EXPECT_EQ(kv[1]->record->toString(), "head 4 @4096, token 32 @64, dim 32 @2 (element 2 B)");
+  auto amx = buildEngineLayout(m, {1, 1, {}}, 0, 0, *parseEngineLayout("vllm", "cpu-amx"), 10, 3);
+  ASSERT_TRUE(amx.isOk()) << amx.status().toString();
+  kv.clear();
+  for (const PoolView& v : amx->views) {
+    if (v.role == Role::kKv && v.layers == std::vector<uint32_t>{3}) kv.push_back(&v);
+  }
+  ASSERT_EQ(kv.size(), 2u);
+  // K element (t, d) at (t/16)*16D + (d/2)*32 + (t%16)*2 + d%2, V at (d/16)*16T + (t/2)*32 +
+  // (d%16)*2 + t%2, in elements.
+  EXPECT_EQ(kv[0]->record->toString(),
+            "head 4 @4096, token 2 @1024, dim 16 @64, token 16 @4, dim 2 @2 (element 2 B)");
+  EXPECT_EQ(kv[1]->record->toString(),
+            "head 4 @4096, dim 2 @1024, token 16 @64, dim 16 @4, token 2 @2 (element 2 B)");
+  // 16-bit elements and multiples of 16 only: vLLM picks its other kernels otherwise.
+  ModelSpec fp32 = m;
+  fp32.kv_dtype = DType::kFp32;
+  auto refused =
+      buildEngineLayout(fp32, {1, 1, {}}, 0, 0, *parseEngineLayout("vllm", "cpu-amx"), 10, 3);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("cpu-amx packs 16-bit elements"), std::string::npos)
+      << refused.status().toString();
 }
 
 TEST(EngineLayout, VllmMambaPageIsConvThenSsmPaddedToTheAttentionPage) {
@@ -131,7 +196,19 @@ TEST(EngineLayout, VllmRefusesAMambaPageLargerThanTheAttentionPageNamingTheBlock
   m.tokens_per_block = 2;
   auto l = buildEngineLayout(m, {1, 1, {}}, 0, 0, *parseEngineLayout("vllm"), 10, 3);
   ASSERT_FALSE(l.isOk());
-  EXPECT_NE(l.status().message().find("use at least"), std::string::npos) << l.status().toString();
+  EXPECT_NE(l.status().message().find("it picks 32 tokens per block with FlashAttention, 128 on "
+                                      "CPU (32 with --block-size 32): use that tokens_per_block"),
+            std::string::npos)
+      << l.status().toString();
+  // nemotron-h-8b at tp 1: a Mamba page of 4,255,744 bytes against 4096 bytes of KV per token:
+  // vLLM 0.32 picks 1040 (16 x 65) with FlashAttention.
+  auto nemotron = loadPreset("nemotron-h-8b");
+  ASSERT_TRUE(nemotron.isOk());
+  auto n = buildEngineLayout(*nemotron, {1, 1, {}}, 0, 0, *parseEngineLayout("vllm"), 4, 2);
+  EXPECT_NE(n.status().message().find("picks 1040 tokens per block with FlashAttention, 1152 on "
+                                      "CPU (1056 with --block-size 32)"),
+            std::string::npos)
+      << n.status().toString();
 }
 
 // attention (4 kv heads, head_dim 8) at layers 0 and 3, mamba2 (8 heads x 4, 2 groups, d_state
@@ -182,9 +259,9 @@ TEST(EngineLayout, VllmSharedTensorsHoldOneLayerOfEveryGroupWithOneIdPoolAndASta
     EXPECT_EQ(viewOf(*l, layer, Role::kSsm)->state_group, group) << layer;
   }
   const PoolView* kv = viewOf(*l, 3, Role::kKv);
-  const auto s = rowMajor({2, T, H, D}, 2);
+  const auto s = rowMajor({T, H, 2, D}, 2);  // LBNHC: token > head > kv > dim
   EXPECT_EQ(kv->base, 0u);
-  EXPECT_EQ(strides(*kv, {"kv", "token", "head", "dim"}),
+  EXPECT_EQ(strides(*kv, {"token", "head", "kv", "dim"}),
             (std::vector<uint64_t>{s[0], s[1], s[2], s[3]}));
   const PoolView* conv = viewOf(*l, 6, Role::kConv);
   const PoolView* ssm = viewOf(*l, 6, Role::kSsm);
@@ -295,12 +372,16 @@ TEST(EngineLayout, TrtllmV2NhdCoalescesPerLayerKAndVInsideTheBlock) {
 }
 
 TEST(EngineLayout, OptionsAnEngineDoesNotHaveAreRefusedNamingThem) {
-  EXPECT_NE(parseEngineLayout("sglang", "nhd").status().message().find("only vllm and trtllm-v2"),
+  EXPECT_NE(parseEngineLayout("sglang", "nhd")
+                .status()
+                .message()
+                .find("only vllm, vllm-0.25 and trtllm-v2"),
             std::string::npos);
   EXPECT_NE(parseEngineLayout("trtllm-v2", "", "sd").status().message().find("only vllm"),
             std::string::npos);
-  EXPECT_NE(parseEngineLayout("vllm", "xyz").status().message().find("expected nhd or hnd"),
-            std::string::npos);
+  EXPECT_NE(
+      parseEngineLayout("vllm", "xyz").status().message().find("expected nhd, hnd, cpu or cpu-amx"),
+      std::string::npos);
   EXPECT_NE(parseEngineLayout("tgi").status().message().find("unknown engine layout 'tgi'"),
             std::string::npos);
   EXPECT_EQ(parseEngineLayout("vllm")->toString(), "vllm(kv=nhd,conv=sd)");

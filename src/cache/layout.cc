@@ -1,11 +1,15 @@
 #include "cache/layout.h"
 
+#include <algorithm>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
 #include <utility>
+
+#include "cache/record_layout.h"
 
 namespace hxfer {
 
@@ -124,6 +128,57 @@ bool mayOverlap(const Footprint& x, const Footprint& y) {
   const Footprint& hi = x.begin <= y.begin ? y : x;
   const uint64_t delta = (hi.begin - lo.begin) % g;
   return !(delta >= lo.record && delta + hi.record <= g);
+}
+
+// The bytes one record of `v` occupies, relative to its start: merged [begin, end) runs in
+// address order; nullopt when it has more than kMaxRuns of them (not worth comparing).
+std::optional<std::vector<std::pair<uint64_t, uint64_t>>> recordRuns(const PoolView& v) {
+  constexpr uint64_t kMaxRuns = 1 << 16;
+  std::vector<std::pair<uint64_t, uint64_t>> runs;
+  if (!v.record) {
+    runs.push_back({0, v.record_bytes});
+    return runs;
+  }
+  std::vector<BoxDim> box;
+  uint64_t elements = 1;
+  for (const RecordDim& d : v.record->dims) {
+    box.push_back({d.size, d.stride, d.stride});
+    elements *= d.size;
+  }
+  const uint64_t e = v.record->element_bytes;
+  const uint64_t run = runBytes(box, e);
+  if (run == 0 || elements * e / run > kMaxRuns) return std::nullopt;
+  forEachRun(box, e, 0, 0, [&](uint64_t, uint64_t b, uint64_t n) {
+    if (!runs.empty() && runs.back().second == b) {
+      runs.back().second += n;
+    } else {
+      runs.push_back({b, b + n});
+    }
+  });
+  std::sort(runs.begin(), runs.end());
+  return runs;
+}
+
+// Whether the records of two views of one progression (the same stride g, one index each at a
+// time) interleave without sharing a byte although their extents overlap: vLLM's CPU attention
+// keeps a head's K and then its V in one page, K and V being views of their own.
+bool interleaveCleanly(const PoolView& vx, const Footprint& x, const PoolView& vy,
+                       const Footprint& y) {
+  if ((!x.single && x.stride == 0) || (!y.single && y.stride == 0)) return false;
+  const uint64_t g = x.stride ? x.stride : y.stride;
+  if (g == 0 || (x.stride && x.stride != g) || (y.stride && y.stride != g)) return false;
+  if (x.begin % g + x.record > g || y.begin % g + y.record > g) return false;
+  auto rx = recordRuns(vx), ry = recordRuns(vy);
+  if (!rx || !ry) return false;
+  const uint64_t ox = x.begin % g, oy = y.begin % g;
+  size_t i = 0, j = 0;
+  while (i < rx->size() && j < ry->size()) {
+    const uint64_t xb = (*rx)[i].first + ox, xe = (*rx)[i].second + ox;
+    const uint64_t yb = (*ry)[j].first + oy, ye = (*ry)[j].second + oy;
+    if (xb < ye && yb < xe) return false;
+    (xe <= ye ? i : j)++;
+  }
+  return true;
 }
 
 // Views of different id groups that share an index space: every record of index i inside
@@ -426,6 +481,7 @@ Status RankLayout::validate() const {
       if (views[x.view].region_id != views[y.view].region_id) continue;
       if (!mayOverlap(x, y)) continue;
       if (joint_ids && jointlyIndexed(views[x.view], views[y.view])) continue;
+      if (interleaveCleanly(views[x.view], x, views[y.view], y)) continue;
       return InvalidArgument("views " + std::to_string(y.view) + " and " + std::to_string(x.view) +
                              " overlap in region " + std::to_string(views[x.view].region_id));
     }

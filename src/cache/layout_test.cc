@@ -6,6 +6,7 @@
 #include <map>
 #include <tuple>
 
+#include "cache/record_layout.h"
 #include "model/presets.h"
 
 namespace hxfer {
@@ -368,6 +369,37 @@ TEST(Layout, BuildRefusesPoolsWhoseSizeOverflows64Bits) {
   }
   auto l = buildRankLayout(m, {1, 1, {}}, 0, 0, StateLayout::kPaged, 0xffffffffu, 1);
   EXPECT_EQ(l.status().code(), StatusCode::kResourceExhausted) << l.status().toString();
+}
+
+// A split dim (mixed radix, first named most significant) against a whole one: the box is the
+// common refinement; two splits with no common refinement are refused, naming both.
+TEST(RecordLayout, SplitDimsRefineAgainstAWholeDimAndRefuseSplitsThatCross) {
+  RecordLayout whole{{{"token", 32, 64}, {"dim", 32, 2}}, 2};
+  RecordLayout amx{{{"token", 2, 1024}, {"dim", 16, 64}, {"token", 16, 4}, {"dim", 2, 2}}, 2};
+  EXPECT_EQ(amx.sizeOf("token"), 32u);
+  EXPECT_EQ(amx.sizeOf("dim"), 32u);
+  auto t = logicalBox(amx, whole, "token");
+  ASSERT_TRUE(t.isOk()) << t.status().toString();
+  ASSERT_EQ(t->size(), 2u);
+  EXPECT_EQ((*t)[0].size, 2u);  // token / 16
+  EXPECT_EQ((*t)[0].a_stride, 1024u);
+  EXPECT_EQ((*t)[0].b_stride, 16u * 64);
+  EXPECT_EQ((*t)[1].size, 16u);  // token % 16
+  EXPECT_EQ((*t)[1].a_stride, 4u);
+  EXPECT_EQ((*t)[1].b_stride, 64u);
+  // [4 x 8] and [8 x 4] refine to [4 x 2 x 4]; [3 x 4] and [4 x 3] share no refinement.
+  RecordLayout four_eight{{{"token", 4, 512}, {"token", 8, 64}, {"dim", 32, 2}}, 2};
+  RecordLayout eight_four{{{"token", 8, 256}, {"token", 4, 64}, {"dim", 32, 2}}, 2};
+  auto refined = logicalBox(four_eight, eight_four, "token");
+  ASSERT_TRUE(refined.isOk()) << refined.status().toString();
+  EXPECT_EQ(refined->size(), 3u);
+  RecordLayout three_four{{{"token", 3, 256}, {"token", 4, 64}, {"dim", 32, 2}}, 2};
+  RecordLayout four_three{{{"token", 4, 192}, {"token", 3, 64}, {"dim", 32, 2}}, 2};
+  auto crossed = logicalBox(three_four, four_three, "token");
+  EXPECT_EQ(crossed.status().code(), StatusCode::kIncompatible);
+  EXPECT_NE(crossed.status().message().find("split as [3 x 4] on one side and [4 x 3]"),
+            std::string::npos)
+      << crossed.status().toString();
 }
 
 }  // namespace

@@ -12,6 +12,14 @@ const RecordDim* RecordLayout::find(std::string_view name) const {
   return nullptr;
 }
 
+uint64_t RecordLayout::sizeOf(std::string_view name) const {
+  uint64_t n = 0;
+  for (const RecordDim& d : dims) {
+    if (d.name == name) n = (n == 0 ? 1 : n) * d.size;
+  }
+  return n;
+}
+
 uint64_t RecordLayout::span() const {
   uint64_t end = element_bytes;
   for (const RecordDim& d : dims) {
@@ -85,7 +93,7 @@ StatusOr<std::vector<uint32_t>> localUnitCounts(const std::vector<Section>& sect
 
 std::vector<uint32_t> innerSizesOf(const RecordLayout& r, const LogicalDims& dims) {
   std::vector<uint32_t> out;
-  for (const std::string& n : dims.inner) out.push_back(r.find(n)->size);
+  for (const std::string& n : dims.inner) out.push_back(static_cast<uint32_t>(r.sizeOf(n)));
   return out;
 }
 
@@ -107,12 +115,21 @@ Status checkRecordLayout(const RecordLayout& r, LayerKind kind, Role role,
   if (!want.section_dim.empty()) expected.insert(want.section_dim);
   std::set<std::string> names;
   for (const RecordDim& d : r.dims) {
-    if (!names.insert(d.name).second) return InvalidArgument("record dim " + d.name + " twice");
     if (!expected.count(d.name)) {
       return InvalidArgument("record dim " + d.name + " is not a dim of a " +
                              std::string(roleName(role)) + " record");
     }
+    // Inner dims may be split (named again); the section and unit dims may not.
+    if (!names.insert(d.name).second && (d.name == want.unit_dim || d.name == want.section_dim)) {
+      return InvalidArgument("record dim " + d.name + " twice (only inner dims may be split)");
+    }
     if (d.size == 0) return InvalidArgument("record dim " + d.name + " has size 0");
+  }
+  for (const std::string& n : want.inner) {
+    if (r.sizeOf(n) > UINT32_MAX) {
+      return InvalidArgument("record dim " + n + " is split into " + std::to_string(r.sizeOf(n)) +
+                             " elements, more than 2^32 - 1");
+    }
   }
   for (const std::string& n : expected) {
     if (!names.count(n)) {
@@ -121,8 +138,8 @@ Status checkRecordLayout(const RecordLayout& r, LayerKind kind, Role role,
     }
   }
   const std::vector<uint32_t> inner = innerSizesOf(r, want);
-  if (role == Role::kKv && r.find("token")->size != tokens_per_block) {
-    return InvalidArgument("record dim token has size " + std::to_string(r.find("token")->size) +
+  if (role == Role::kKv && r.sizeOf("token") != tokens_per_block) {
+    return InvalidArgument("record dim token has size " + std::to_string(r.sizeOf("token")) +
                            ", tokens_per_block=" + std::to_string(tokens_per_block));
   }
   ASSIGN_OR_RETURN(std::vector<uint32_t> local, localUnitCounts(sections, tp, tp_rank));
@@ -245,6 +262,58 @@ SectionPlacement placeSection(const RecordLayout& r, const LogicalDims& dims,
   }
   p.base = before * us;
   return p;
+}
+
+namespace {
+
+struct Digit {
+  uint64_t size, stride;
+};
+
+// The dims named `name`, innermost first (the least significant digit first).
+std::vector<Digit> digitsOf(const RecordLayout& r, std::string_view name) {
+  std::vector<Digit> out;
+  for (auto it = r.dims.rbegin(); it != r.dims.rend(); ++it) {
+    if (it->name == name) out.push_back({it->size, it->stride});
+  }
+  return out;
+}
+
+}  // namespace
+
+StatusOr<std::vector<BoxDim>> logicalBox(const RecordLayout& a, const RecordLayout& b,
+                                         std::string_view name) {
+  std::vector<Digit> da = digitsOf(a, name), db = digitsOf(b, name);
+  std::vector<BoxDim> inner_first;
+  size_t i = 0, j = 0;
+  while (i < da.size() && j < db.size()) {
+    Digit& x = da[i];
+    Digit& y = db[j];
+    const uint64_t f = std::min(x.size, y.size);
+    if (f == 0 || x.size % f != 0 || y.size % f != 0) {
+      auto text = [&](const RecordLayout& r) {
+        std::string t;
+        for (const RecordDim& d : r.dims) {
+          if (d.name == name) t += (t.empty() ? "" : " x ") + std::to_string(d.size);
+        }
+        return "[" + t + "]";
+      };
+      return Incompatible("record dim " + std::string(name) + " is split as " + text(a) +
+                          " on one side and " + text(b) + " on the other: no common refinement");
+    }
+    inner_first.push_back({f, x.stride, y.stride});
+    // The rest of a digit is its upper part: f times fewer values, f times the stride.
+    for (Digit* d : {&x, &y}) {
+      d->size /= f;
+      d->stride *= f;
+    }
+    if (x.size == 1) ++i;
+    if (y.size == 1) ++j;
+  }
+  if (i != da.size() || j != db.size()) {
+    return Incompatible("record dim " + std::string(name) + " has another size on each side");
+  }
+  return std::vector<BoxDim>(inner_first.rbegin(), inner_first.rend());
 }
 
 std::vector<BoxDim> inBOrder(std::vector<BoxDim> dims) {

@@ -15,7 +15,10 @@
 //   gdn ssm       unit dim "head"; "key", "value"
 //   mamba1 ssm    unit dim "channel"; "state"
 // hxfer's own order is the one listed ([kv][head][token][dim], [channel][window], ...); a view
-// without a RecordLayout is in that order and contiguous. Sections split the unit dim into
+// without a RecordLayout is in that order and contiguous. An inner dim may be split: named more
+// than once, its index is mixed-radix over those dims, the first named the most significant
+// (vLLM's CPU attention on AMX keeps K as token/16, dim/2, token%16, dim%2); the section and
+// unit dims are named once. Sections split the unit dim into
 // ranges (or, with a section dim, sit at its indices; a view holding a single section, e.g. K
 // alone, may leave the section dim out); TP shards each section by whole units
 // (DESIGN §2), so a rank's unit dim holds its local units of every section, in section order.
@@ -41,7 +44,10 @@ struct RecordLayout {
   uint32_t element_bytes = 0;   // the dtype's size; elements are contiguous bytes
   bool operator==(const RecordLayout&) const = default;
 
+  // The first dim of that name (the only one for the section and unit dims), or nullptr.
   const RecordDim* find(std::string_view name) const;
+  // The logical size of a dim: the product of the sizes of every dim of that name (0: none).
+  uint64_t sizeOf(std::string_view name) const;
   // One past the last byte any element occupies (the record's extent in memory).
   uint64_t span() const;
   // "token 16 @512, head 2 @256, dim 64 @2" (outermost first), for messages and the CLI.
@@ -133,5 +139,12 @@ uint64_t runBytes(std::vector<BoxDim> dims, uint64_t element_bytes);
 // The box's dims in b's memory order (outermost first), dims of size 1 dropped. Its elements in
 // that order are b's in ascending address when b's strides nest.
 std::vector<BoxDim> inBOrder(std::vector<BoxDim> dims);
+
+// The logical dim `name` of records a and b as box dims (outermost first): one dim when neither
+// splits it, else the common refinement of both mixed-radix splits (a split [2, 16] against a
+// whole 32 gives [2, 16] with b's strides 16*s and s). Incompatible when no refinement exists
+// (splits [4, 8] and [8, 4]). REQUIRES: both have the dim, with the same logical size.
+StatusOr<std::vector<BoxDim>> logicalBox(const RecordLayout& a, const RecordLayout& b,
+                                         std::string_view name);
 
 }  // namespace hxfer

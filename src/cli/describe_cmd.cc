@@ -281,9 +281,10 @@ void addDescribeCommand(CLI::App& app) {
                   "Also show the pool views for this state layout: paged or layer-major");
   cmd->add_option("--engine", opts->engine,
                   "Also show the pool views as this engine keeps them: hxfer, trtllm-v1, "
-                  "trtllm-v2, vllm, sglang (docs/layouts.md)");
+                  "trtllm-v2, vllm, vllm-0.25, sglang (docs/layouts.md)");
   cmd->add_option("--kv-layout", opts->kv_layout,
-                  "With --engine: KV order inside a K or V half, nhd or hnd (vllm, trtllm-v2)");
+                  "With --engine: KV order, nhd or hnd (trtllm-v2, vllm-0.25: inside a K or V "
+                  "half; vllm: K and V side by side per token and head), cpu or cpu-amx (vllm)");
   cmd->add_option("--conv-layout", opts->conv_layout,
                   "With --engine: conv state order, sd or ds (vllm)");
   cmd->add_option("--shared-tensors", opts->shared_tensors,

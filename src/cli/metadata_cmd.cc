@@ -91,11 +91,12 @@ void addMetadataCommand(CLI::App& app) {
   cmd->add_option("--layout", o->layout, "State layout: paged or layer-major")
       ->default_val("paged");
   cmd->add_option("--engine", o->engine,
-                  "Engine layout of the pools: hxfer, trtllm-v1, trtllm-v2, vllm, sglang "
-                  "(docs/layouts.md)")
+                  "Engine layout of the pools: hxfer, trtllm-v1, trtllm-v2, vllm, vllm-0.25, "
+                  "sglang (docs/layouts.md)")
       ->default_val("hxfer");
   cmd->add_option("--kv-layout", o->kv_layout,
-                  "KV order inside a K or V half: nhd or hnd (vllm, trtllm-v2)");
+                  "KV order: nhd or hnd (trtllm-v2, vllm-0.25: inside a K or V half; vllm: K "
+                  "and V side by side per token and head), cpu or cpu-amx (vllm)");
   cmd->add_option("--conv-layout", o->conv_layout, "Conv state order: sd or ds (vllm)");
   cmd->add_option("--shared-tensors", o->shared_tensors,
                   "vllm: on for the hybrid manager's shared per-group tensors (one id pool: "

@@ -50,12 +50,13 @@ void addEngineOptions(CLI::App* cmd, EngineOptions* o, std::string_view side) {
   cmd->add_option(prefix + "-engine", o->engine,
                   who +
                       " cache layout as an engine keeps it: hxfer, trtllm-v1, trtllm-v2, "
-                      "vllm, sglang (docs/layouts.md)")
+                      "vllm, vllm-0.25, sglang (docs/layouts.md)")
       ->default_val("hxfer");
   cmd->add_option(prefix + "-kv-layout", o->kv,
                   who +
-                      " kv order inside a block half for vllm and trtllm-v2: nhd or hnd "
-                      "(default: vllm nhd, trtllm-v2 hnd)");
+                      " kv order: nhd or hnd (trtllm-v2, vllm-0.25: inside a K or V half; "
+                      "vllm: K and V side by side per token and head), cpu or cpu-amx (vllm: "
+                      "its CPU kernels); default: vllm nhd, trtllm-v2 hnd");
   cmd->add_option(prefix + "-conv-layout", o->conv,
                   who + " conv state order for vllm: sd (window, channel; default) or ds");
   cmd->add_option(prefix + "-shared-tensors", o->shared,

@@ -71,7 +71,7 @@ TEST(CliPlan, ElementOrderMismatchIsStagedAndUnknownEngineIsRefusedNamingTheFiel
   EXPECT_NE(r.out.find("--ctx-engine: unknown engine layout 'tgi'"), std::string::npos) << r.out;
   r = runHxfer("plan --gen-engine sglang --gen-kv-layout nhd", Stderr::kMerge);
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.out.find("only vllm and trtllm-v2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("only vllm, vllm-0.25 and trtllm-v2"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -53,9 +53,28 @@ class Coverage {
           // A described record (or a kv block the request fills in part): its elements' bytes,
           // padding, gaps and token rows past the request excluded.
           const RecordLayout r = v.record ? *v.record : kvRecordLayout(l, v).value();
+          const auto token_dims = std::count_if(
+              r.dims.begin(), r.dims.end(), [](const RecordDim& d) { return d.name == "token"; });
+          if (v.indexedByBlock() && token_dims > 1 && rows < t) {
+            // A split token dim (mixed radix): the elements whose token index is below rows.
+            std::vector<uint64_t> at(r.dims.size(), 0);
+            for (;;) {
+              uint64_t token = 0, addr = off;
+              for (size_t i = 0; i < r.dims.size(); ++i) {
+                if (r.dims[i].name == "token") token = token * r.dims[i].size + at[i];
+                addr += at[i] * r.dims[i].stride;
+              }
+              if (token < rows) expected.push_back({v.region_id, addr, addr + r.element_bytes});
+              size_t i = r.dims.size();
+              while (i > 0 && ++at[i - 1] == r.dims[i - 1].size) at[--i] = 0;
+              if (i == 0) break;
+            }
+            continue;
+          }
           std::vector<BoxDim> box;
           for (const RecordDim& d : r.dims) {
-            const uint64_t size = v.indexedByBlock() && d.name == "token" ? rows : d.size;
+            const uint64_t size =
+                v.indexedByBlock() && d.name == "token" && token_dims == 1 ? rows : d.size;
             box.push_back({size, d.stride, d.stride});
           }
           forEachRun(box, r.element_bytes, 0, off, [&](uint64_t, uint64_t b, uint64_t n) {

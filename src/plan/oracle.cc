@@ -112,7 +112,9 @@ void forEachDescribedRun(const RankLayout& layout, const PoolView& view, Fn&& fn
         canonicalRecordLayout(view.kind, view.role, {sec}, {1}, r.element_bytes, inner).value();
     std::vector<BoxDim> box = {{len, unit.find(ld.unit_dim)->stride, p.within_stride}};
     for (const std::string& n : ld.inner) {
-      box.push_back({r.find(n)->size, unit.find(n)->stride, r.find(n)->stride});
+      // hxfer's order never splits a dim: the refinement is r's own split.
+      std::vector<BoxDim> factors = logicalBox(unit, r, n).value();
+      box.insert(box.end(), factors.begin(), factors.end());
     }
     for (uint32_t u = 0; u < local[s]; ++u) {
       forEachRun(box, r.element_bytes, 0, p.base + u * p.unit_stride,

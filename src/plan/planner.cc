@@ -138,6 +138,17 @@ void appendSegment(std::vector<Planner::Segment>& segs, size_t begin, uint64_t s
   segs.push_back({src_off, dst_off, bytes});
 }
 
+// Sorts segs[begin, end) by destination offset and merges the runs that then continue on both
+// sides.
+void mergeInDestinationOrder(std::vector<Planner::Segment>& segs, size_t begin) {
+  std::vector<Planner::Segment> mine(segs.begin() + begin, segs.end());
+  std::sort(mine.begin(), mine.end(), [](const Planner::Segment& a, const Planner::Segment& b) {
+    return a.dst_off < b.dst_off;
+  });
+  segs.resize(begin);
+  for (const Planner::Segment& x : mine) appendSegment(segs, begin, x.src_off, x.dst_off, x.bytes);
+}
+
 // Appends an op, merging it into the previous one when both sides continue contiguously.
 inline void appendOp(std::vector<CopyOp>& ops, uint32_t src_region, uint64_t src_off,
                      uint32_t dst_region, uint64_t dst_off, uint64_t bytes) {
@@ -199,9 +210,18 @@ struct SegmentSink {
 // walked as a box of logical elements (unit, within-unit index, inner dims) in the
 // destination's memory order, one segment per run contiguous on both sides. When the element
 // order inside units differs so much that every run is one element, a state record is staged
-// (SegmentSink); a kv record is refused (Incompatible).
+// (SegmentSink); a kv record is refused (Incompatible). With `together` = 2 the sections ci and
+// ci + 1 (K and V, the same units) go as one box with a section dim, when both records have
+// that dim: K and V side by side per token and head then make one run per token row.
 Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const RankLayout& g,
-                       const PoolView& gv, size_t gi, uint32_t layer, const SegmentSink& sink) {
+                       const PoolView& gv, size_t gi, uint32_t layer, const SegmentSink& sink,
+                       uint32_t together = 1) {
+  auto oneByOne = [&]() -> Status {
+    for (uint32_t k = 0; k < together; ++k) {
+      RETURN_IF_ERROR(sectionSegments(c, cv, ci + k, g, gv, gi + k, layer, sink));
+    }
+    return OkStatus();
+  };
   std::vector<Planner::Segment>* segs = sink.segs;
   const size_t seg_begin = sink.seg_begin;
   const Section& s = gv.sections[gi];
@@ -215,6 +235,7 @@ Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const
     return OkStatus();
   }
   if (!gv.record && !cv.record && sink.boxes == nullptr) {
+    if (together > 1) return oneByOne();
     appendSegment(*segs, seg_begin,
                   contiguousSectionOffset(cv, c, ci) + uint64_t{lo - rc.first} * s.unit_bytes,
                   contiguousSectionOffset(gv, g, gi) + uint64_t{lo - rg.first} * s.unit_bytes,
@@ -233,6 +254,10 @@ Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const
     c_rec = *cv.record;
     ASSIGN_OR_RETURN(g_rec, recordOf(gv, g, c_rec));
   }
+  if (together > 1 &&
+      (ld.section_dim.empty() || !g_rec.find(ld.section_dim) || !c_rec.find(ld.section_dim))) {
+    return oneByOne();
+  }
   const std::vector<uint32_t> inner = innerSizesOf(g_rec, ld);
   const uint64_t e = g_rec.element_bytes;
   ASSIGN_OR_RETURN(uint32_t len, unitLength(s, static_cast<uint32_t>(e), inner));
@@ -244,10 +269,38 @@ Status sectionSegments(const RankLayout& c, const PoolView& cv, size_t ci, const
                              {len, cp.within_stride, gp.within_stride}};
   uint64_t unit_elements = len;
   uint32_t token_dim = 0;
+  auto whole = [](const RecordLayout& r, const std::string& n) {
+    return std::count_if(r.dims.begin(), r.dims.end(),
+                         [&](const RecordDim& d) { return d.name == n; }) == 1;
+  };
   for (const std::string& n : ld.inner) {
-    if (n == "token") token_dim = static_cast<uint32_t>(box.size());
-    box.push_back({g_rec.find(n)->size, c_rec.find(n)->stride, g_rec.find(n)->stride});
-    unit_elements *= g_rec.find(n)->size;
+    std::vector<BoxDim> factors;
+    if (n == "token" && whole(c_rec, n) && whole(g_rec, n)) {
+      // The sides' tokens per block may differ: the box spans the destination's block.
+      factors = {{g_rec.find(n)->size, c_rec.find(n)->stride, g_rec.find(n)->stride}};
+    } else {
+      ASSIGN_OR_RETURN(factors, logicalBox(c_rec, g_rec, n));
+    }
+    if (n == "token") {
+      // Token ranges (tokens per block differ) cut the token dim: it must be one dim there.
+      if (sink.boxes != nullptr && factors.size() != 1) {
+        return Incompatible("layer " + std::to_string(layer) + " kv: the token dim is split (ctx " +
+                            c_rec.toString() + "; gen " + g_rec.toString() +
+                            "), which moving by token ranges between different tokens per "
+                            "block does not support");
+      }
+      token_dim = static_cast<uint32_t>(box.size());
+    }
+    box.insert(box.end(), factors.begin(), factors.end());
+    unit_elements *= g_rec.sizeOf(n);
+  }
+  if (together > 1) {
+    box.push_back(
+        {together, c_rec.find(ld.section_dim)->stride, g_rec.find(ld.section_dim)->stride});
+    // Together only where it lengthens runs; one element at a time, each section goes alone
+    // (and is refused there when its own units need element runs).
+    if (runBytes(box, e) == e) return oneByOne();
+    unit_elements *= together;
   }
   const uint64_t c_base = cp.base + uint64_t{lo - rc.first} * cp.unit_stride;
   const uint64_t g_base = gp.base + uint64_t{lo - rg.first} * gp.unit_stride;
@@ -337,8 +390,22 @@ StatusOr<Planner::SourceMap> buildSourceMap(const RankLayout& c, const RankLayou
           sink.staged_begin = staged_begin;
           sink.scratch = &out.scratch_bytes;
         }
-        for (const auto& [ci, gi] : src.sections) {
-          RETURN_IF_ERROR(sectionSegments(c, cv, ci, g, gv, gi, layer, sink));
+        // K and V of one view on both sides go as one box (sectionSegments).
+        const bool kv_pair = gv.role == Role::kKv && src.sections.size() == 2 &&
+                             gv.sections.size() == 2 && cv.sections.size() == 2 &&
+                             src.sections[0] == std::pair<size_t, size_t>{0, 0} &&
+                             src.sections[1] == std::pair<size_t, size_t>{1, 1};
+        if (kv_pair) {
+          RETURN_IF_ERROR(sectionSegments(c, cv, 0, g, gv, 0, layer, sink, 2));
+        } else {
+          for (const auto& [ci, gi] : src.sections) {
+            RETURN_IF_ERROR(sectionSegments(c, cv, ci, g, gv, gi, layer, sink));
+          }
+        }
+        if (src.sections.size() > 1 && out.segments.size() - seg_begin > 1) {
+          // Sections interleaved in both records (vLLM keeps K and V side by side per token
+          // and head): their runs, taken in destination order, continue one another.
+          mergeInDestinationOrder(out.segments, seg_begin);
         }
         if (out.segments.size() == seg_begin && out.staged.size() == staged_begin &&
             out.token_boxes.size() == box_begin) {
@@ -476,7 +543,7 @@ Status checkCompatible(const RankLayout& ctx, const RankLayout& gen) {
           }
           for (const std::string& n : logicalDims(b.kind, role).inner) {
             if (n == "token") continue;  // tokens per block may differ
-            const uint32_t x = a.record->find(n)->size, y = b.record->find(n)->size;
+            const uint64_t x = a.record->sizeOf(n), y = b.record->sizeOf(n);
             if (x != y) {
               return Incompatible(what + " record dim " + n + ": ctx " + std::to_string(x) +
                                   " != gen " + std::to_string(y));

@@ -203,6 +203,42 @@ TEST(PlannerProperty, EveryEnginePairTpPairAndPpPairMovesEveryByteExactlyOnce) {
   EXPECT_EQ(cases, static_cast<int>(allEngineLayouts().size() * allEngineLayouts().size()) * 6 * 3);
 }
 
+// vLLM's CPU attention orders (per head K then V; the vec kernels' K transposed, and the AMX
+// packing with split token and dim): each moves between two ranks of its own order over every
+// tp and pp pair, per-layer and shared tensors both ways, with token ranges in some cases
+// (cpu) and prefixes, every byte once. The AMX order needs 16-bit elements and multiples of 16.
+TEST(PlannerProperty, VllmCpuAttentionOrdersMoveEveryByteExactlyOnceBetweenRanksOfTheirOrder) {
+  using namespace testing;
+  LayerSpec hybrid = mamba2Layer(8, 2, 2, 4, 4);
+  hybrid.attention = AttentionShape{4, 32};
+  ModelSpec model =
+      makeModel({attentionLayer(4, 32), mamba2Layer(8, 2, 2, 4, 4), hybrid, attentionLayer(4, 32),
+                 mamba2Layer(8, 2, 2, 4, 4), mamba2Layer(8, 2, 2, 4, 4)},
+                32);
+  model.kv_dtype = DType::kBf16;
+  std::vector<std::pair<EngineLayout, EngineLayout>> pairs;
+  for (const EngineLayout& a : cpuEngineLayouts()) {
+    for (const EngineLayout& b : cpuEngineLayouts()) {
+      if (a.kv == b.kv) pairs.push_back({a, b});
+    }
+  }
+  const int cases = runOverTpAndPpPairs(model, pairs, [](int i, LocalTransferOptions& o) {
+    if (i % 4 == 1 && o.ctx_engine->kv == KvOrder::kCpu) {
+      o.ctx_tokens_per_block = 32;
+      o.gen_tokens_per_block = 64;
+    }
+  });
+  EXPECT_EQ(cases, static_cast<int>(pairs.size()) * 6 * 3);
+  // Against another kv order every run is one element: refused, naming the staging limit.
+  LocalTransferOptions o =
+      enginePair(*parseEngineLayout("vllm", "cpu"), *parseEngineLayout("vllm", "nhd"), 1, 1, 1, 1);
+  o.tokens = 37;
+  auto r = runLocalTransfer(model, o);
+  EXPECT_EQ(r.status().code(), StatusCode::kIncompatible) << r.status().toString();
+  EXPECT_NE(r.status().message().find("staging is built for state records only"), std::string::npos)
+      << r.status().toString();
+}
+
 // vLLM's shared per-group tensors (a block id is an attention page of one layer and a Mamba
 // state of others; a request has a state id per group of Mamba layers, drawn from the block
 // pool) to and from every engine layout and itself, over every tp and pp pair, with token
@@ -228,7 +264,8 @@ TEST(PlannerProperty, VllmSharedTensorsMoveEveryByteExactlyOnceToAndFromEveryEng
     if (i % 4 == 1) o.gen_tokens_per_block = 32;
     if (i % 5 == 2) o.layer_cuts = {2, 4, 5};
   });
-  EXPECT_EQ(cases, 44 * 6 * 3);
+  const int shared = static_cast<int>(sharedEngineLayouts().size());
+  EXPECT_EQ(cases, shared * (2 * static_cast<int>(allEngineLayouts().size()) + shared) * 6 * 3);
 }
 
 // vLLM's grouping over random hybrid models: random counts and orders of attention, Mamba-2 and
@@ -378,9 +415,11 @@ TEST(PlannerProperty, DifferentTokensPerBlockMoveEveryTokenExactlyOnceForEveryEn
 // tokens of every head contiguous on both sides: one op per piece and half of each layer. hxfer's
 // [K|V][head][token][dim] keeps one head's tokens contiguous: one op per piece, half and head.
 // Block ids are consecutive on both sides here, so where both layouts put block i + 1 right
-// after block i (vllm's per-layer tensors: V of block i, then K of block i + 1; hxfer's
+// after block i (vllm-0.25's per-layer tensors: V of block i, then K of block i + 1; hxfer's
 // [block][layer]) the last run of one block and the first of the next continue on both sides
-// and merge: one op fewer per layer for vllm, one in all for hxfer.
+// and merge: one op fewer per layer for vllm-0.25, one in all for hxfer. vLLM 0.32 keeps K and V
+// side by side per (token, head): its whole 64 tokens of a layer are one run on both sides, and
+// against NHD halves every (token, head, K or V) is a run of its own.
 TEST(PlannerTokens, OpsAreOneRunPerPieceAndHalfForNhdAndPerHeadForHnd) {
   using namespace testing;
   const ModelSpec model =
@@ -390,10 +429,13 @@ TEST(PlannerTokens, OpsAreOneRunPerPieceAndHalfForNhdAndPerHeadForHnd) {
     uint64_t ops;
   };
   const Case cases[] = {
-      {*parseEngineLayout("vllm", "nhd"), *parseEngineLayout("vllm", "nhd"), 3 * 4 * 2 - 3},
-      {*parseEngineLayout("trtllm-v2", "nhd"), *parseEngineLayout("vllm", "nhd"), 3 * 4 * 2},
+      {*parseEngineLayout("vllm-0.25", "nhd"), *parseEngineLayout("vllm-0.25", "nhd"),
+       3 * 4 * 2 - 3},
+      {*parseEngineLayout("trtllm-v2", "nhd"), *parseEngineLayout("vllm-0.25", "nhd"), 3 * 4 * 2},
       {*parseEngineLayout("hxfer"), *parseEngineLayout("hxfer"), 3 * 4 * 2 * 4 - 1},
-      {*parseEngineLayout("vllm", "hnd"), *parseEngineLayout("trtllm-v1"), 3 * 4 * 2 * 4},
+      {*parseEngineLayout("vllm-0.25", "hnd"), *parseEngineLayout("trtllm-v1"), 3 * 4 * 2 * 4},
+      {*parseEngineLayout("vllm", "nhd"), *parseEngineLayout("vllm", "nhd"), 3},
+      {*parseEngineLayout("trtllm-v2", "nhd"), *parseEngineLayout("vllm", "nhd"), 3 * 64 * 4 * 2},
   };
   for (const Case& k : cases) {
     for (const auto& [ct, gt] : {std::pair{16u, 32u}, std::pair{32u, 16u}}) {
@@ -498,8 +540,9 @@ TEST(PlannerProperty, ElementOrderThatDiffersInsideUnitsIsStagedOnTheContextRank
       << r.status().toString();
 }
 
-// NHD at a TP mismatch: every op is one token's run of the heads both ranks share, and no
-// more ops than that (runs that continue on both sides merge).
+// NHD at a TP mismatch: every op is one token's run of the heads both ranks share, K and V
+// side by side (vLLM 0.32; per K and per V half in vllm-0.25), and no more ops than that (runs
+// that continue on both sides merge).
 TEST(PlannerProperty, NhdAtATpMismatchMovesOneRunPerTokenAndHalf) {
   using namespace testing;
   const ModelSpec m = makeModel({attentionLayer(4, 8)}, 16);
@@ -514,9 +557,15 @@ TEST(PlannerProperty, NhdAtATpMismatchMovesOneRunPerTokenAndHalf) {
   auto r = runLocalTransfer(m, o);
   ASSERT_TRUE(r.isOk()) << r.status().toString();
   ASSERT_TRUE(r->verified());
+  // Per gen rank: 3 blocks x 16 tokens runs of 2 heads x [K|V] x 8 x 2 bytes.
+  EXPECT_EQ(r->total_ops, 2u * 3 * 16);
+  EXPECT_EQ(r->total_bytes, 2u * 3 * 2 * 16 * 32);
+  o.ctx_engine = o.gen_engine = *parseEngineLayout("vllm-0.25");
+  r = runLocalTransfer(m, o);
+  ASSERT_TRUE(r.isOk() && r->verified());
   // Per gen rank: 3 blocks x 2 halves x 16 tokens runs of 2 heads x 8 x 2 bytes.
   EXPECT_EQ(r->total_ops, 2u * 3 * 2 * 16);
-  EXPECT_EQ(r->total_bytes, 2u * 3 * 2 * 16 * 32);
+  o.ctx_engine = o.gen_engine = *parseEngineLayout("vllm");
   // Same tp: one op per block (the whole page continues on both sides).
   o.gen = {1, 1, {}};
   r = runLocalTransfer(m, o);

@@ -1,6 +1,7 @@
 #include "wire/rank_info.h"
 
 #include <algorithm>
+#include <set>
 #include <string>
 
 namespace hxfer::wire {
@@ -379,6 +380,21 @@ Status checkPeerReadsLayout(const RankLayout& self, uint16_t peer_minor) {
                         std::to_string(self.state_groups) +
                         " state ids per request (vLLM's shared tensors); that needs " +
                         versionText(kWireVersionMajor, kStateGroupsMinor) + " or later");
+  }
+  if (peer_minor < kSplitDimsMinor) {
+    for (size_t i = 0; i < self.views.size(); ++i) {
+      const PoolView& v = self.views[i];
+      if (!v.record) continue;
+      std::set<std::string> names;
+      for (const RecordDim& d : v.record->dims) {
+        if (names.insert(d.name).second) continue;
+        return Incompatible("peer speaks " + versionText(kWireVersionMajor, peer_minor) +
+                            ", which reads every record dim once, but this rank's views[" +
+                            std::to_string(i) + "] splits dim " + d.name + " (" +
+                            v.record->toString() + "); split dims need " +
+                            versionText(kWireVersionMajor, kSplitDimsMinor) + " or later");
+      }
+    }
   }
   if (peer_minor >= kRecordsMinor) return OkStatus();
   for (size_t i = 0; i < self.views.size(); ++i) {

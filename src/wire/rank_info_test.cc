@@ -443,6 +443,27 @@ TEST(RankInfo, DescribedRecordNeedsMinorThreeAndAnOlderPeerIsRefusedNamingTheVie
   EXPECT_TRUE(checkPeerReadsLayout(sample().layout, 0).isOk());
 }
 
+// Minor 6: a record dim may be split (vLLM's CPU attention on AMX). The layout travels and
+// decodes back the same; a peer older than 1.6 would refuse the repeated name, so it is told.
+TEST(RankInfo, SplitRecordDimsTravelAndAPeerOlderThanSixIsRefused) {
+  auto model = loadPreset("nemotron-h-8b");
+  ASSERT_TRUE(model.isOk());
+  model->tokens_per_block = 1040;
+  auto l = buildEngineLayout(*model, {8, 1, {}}, 0, 0, *parseEngineLayout("vllm", "cpu-amx"), 2, 2);
+  ASSERT_TRUE(l.isOk()) << l.status().toString();
+  RankInfo info = sample();
+  info.layout = *l;
+  info.region_keys.clear();
+  auto back = decodeRankInfo(encodeRankInfo(info));
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_EQ(back->layout, *l);
+  Status peer = checkPeerReadsLayout(*l, 5);
+  EXPECT_EQ(peer.code(), StatusCode::kIncompatible);
+  EXPECT_NE(peer.message().find("splits dim token"), std::string::npos) << peer.message();
+  EXPECT_NE(peer.message().find("need 1.6 or later"), std::string::npos) << peer.message();
+  EXPECT_TRUE(checkPeerReadsLayout(*l, 6).isOk());
+}
+
 TEST(RankInfo, EverySingleByteChangeOfTheRecordsIsRefusedOrReencodesIdentically) {
   for (auto [engine, kv, conv] :
        {std::tuple{"vllm", "hnd", "ds"}, {"sglang", "", ""}, {"trtllm-v2", "nhd", ""}}) {
