@@ -759,6 +759,98 @@ class Error(Exception):
 #error "HXFER_VERSION must be defined by the build (python/CMakeLists.txt)"
 #endif
 
+// ---- Described layouts ----
+
+// dims: [(name, size, stride)] or [{"name", "size", "stride"}].
+std::vector<hxfer::RecordDim> toDims(const py::handle& obj, const std::string& where) {
+  std::vector<hxfer::RecordDim> out;
+  for (py::handle d : obj) {
+    hxfer::RecordDim dim;
+    if (py::isinstance<py::dict>(d)) {
+      py::dict m = py::reinterpret_borrow<py::dict>(d);
+      dim = {m["name"].cast<std::string>(), m["size"].cast<uint32_t>(),
+             m["stride"].cast<uint64_t>()};
+    } else {
+      py::tuple t = py::reinterpret_borrow<py::object>(d).cast<py::tuple>();
+      if (t.size() != 3) {
+        throw py::value_error(where + ": a dim is (name, size, stride), got " +
+                              std::string(py::repr(d)));
+      }
+      dim = {t[0].cast<std::string>(), t[1].cast<uint32_t>(), t[2].cast<uint64_t>()};
+    }
+    out.push_back(std::move(dim));
+  }
+  return out;
+}
+
+hxfer::LayoutDescription toDescription(const hxfer::LayoutOptions& o, const py::object& pools,
+                                       const py::object& records, uint32_t state_groups,
+                                       bool joint_ids) {
+  hxfer::LayoutDescription d;
+  d.options = o;
+  d.state_groups = state_groups;
+  d.joint_ids = joint_ids;
+  if (py::isinstance<py::dict>(pools)) {
+    for (auto [k, v] : py::reinterpret_borrow<py::dict>(pools)) {
+      d.pools.push_back({k.cast<std::string>(), v.cast<uint64_t>()});
+    }
+  } else {
+    for (py::handle p : pools) {
+      py::tuple t = py::reinterpret_borrow<py::object>(p).cast<py::tuple>();
+      d.pools.push_back({t[0].cast<std::string>(), t[1].cast<uint64_t>()});
+    }
+  }
+  size_t i = 0;
+  for (py::handle h : records) {
+    const std::string where = "records[" + std::to_string(i++) + "]";
+    if (!py::isinstance<py::dict>(h)) throw py::type_error(where + " must be a dict");
+    py::dict r = py::reinterpret_borrow<py::dict>(h);
+    for (const char* key : {"layer", "role", "pool", "offset", "index_stride", "dims"}) {
+      if (!r.contains(key)) throw py::value_error(where + " has no '" + key + "'");
+    }
+    hxfer::RecordSpec spec;
+    spec.layer = r["layer"].cast<uint32_t>();
+    spec.role = r["role"].cast<std::string>();
+    spec.pool = r["pool"].cast<std::string>();
+    spec.offset = r["offset"].cast<uint64_t>();
+    spec.index_stride = r["index_stride"].cast<uint64_t>();
+    if (r.contains("state_group")) spec.state_group = r["state_group"].cast<uint32_t>();
+    if (r.contains("section") && !r["section"].is_none()) {
+      spec.section = r["section"].cast<std::string>();
+    }
+    spec.dims = toDims(r["dims"], where);
+    d.records.push_back(std::move(spec));
+  }
+  return d;
+}
+
+py::dict descriptionDict(const hxfer::LayoutDescription& d) {
+  py::dict out;
+  py::list pools, records;
+  for (const hxfer::PoolSpec& p : d.pools) pools.append(py::make_tuple(p.name, p.bytes));
+  for (const hxfer::RecordSpec& r : d.records) {
+    py::dict x;
+    x["layer"] = r.layer;
+    x["role"] = r.role;
+    x["pool"] = r.pool;
+    x["offset"] = r.offset;
+    x["index_stride"] = r.index_stride;
+    x["state_group"] = r.state_group;
+    x["section"] = r.section.empty() ? py::object(py::none()) : py::object(py::str(r.section));
+    py::list dims;
+    for (const hxfer::RecordDim& dim : r.dims) {
+      dims.append(py::make_tuple(dim.name, dim.size, dim.stride));
+    }
+    x["dims"] = dims;
+    records.append(x);
+  }
+  out["pools"] = pools;
+  out["records"] = records;
+  out["state_groups"] = d.state_groups;
+  out["joint_ids"] = d.joint_ids;
+  return out;
+}
+
 PYBIND11_MODULE(_hxfer, m) {
   m.doc() =
       "hxfer: move the cache state of hybrid LLMs between serving instances.\n\n"
@@ -861,6 +953,49 @@ PYBIND11_MODULE(_hxfer, m) {
           "dims "
           "[{name, size, stride}] and sections [{name, first_unit, units, unit_len, base, "
           "unit_stride, within_stride}] (docs/api.md).")
+      .def_static(
+          "from_records",
+          [](std::optional<std::string> model, uint32_t tp, uint32_t tp_rank, uint32_t pp,
+             uint32_t pp_rank, uint32_t num_blocks, uint32_t num_slots, uint32_t tokens_per_block,
+             std::optional<std::string> kv_dtype, std::optional<std::string> conv_dtype,
+             std::optional<std::string> ssm_dtype, py::object pools, py::object records,
+             uint32_t state_groups, bool joint_ids, const std::string& label) {
+            hxfer::LayoutOptions o;
+            o.engine = label;
+            o.model = model.value_or("");
+            o.tp = tp;
+            o.tp_rank = tp_rank;
+            o.pp = pp;
+            o.pp_rank = pp_rank;
+            o.num_blocks = num_blocks;
+            o.num_slots = num_slots;
+            o.tokens_per_block = tokens_per_block;
+            o.kv_dtype = kv_dtype.value_or("");
+            o.conv_dtype = conv_dtype.value_or("");
+            o.ssm_dtype = ssm_dtype.value_or("");
+            return valueOrThrow(hxfer::Layout::fromRecords(
+                toDescription(o, pools, records, state_groups, joint_ids)));
+          },
+          py::kw_only(), py::arg("model") = py::none(), py::arg("tp") = 1, py::arg("tp_rank") = 0,
+          py::arg("pp") = 1, py::arg("pp_rank") = 0, py::arg("num_blocks") = 0,
+          py::arg("num_slots") = 0, py::arg("tokens_per_block") = 32,
+          py::arg("kv_dtype") = py::none(), py::arg("conv_dtype") = py::none(),
+          py::arg("ssm_dtype") = py::none(), py::arg("pools"), py::arg("records"),
+          py::arg("state_groups") = 1, py::arg("joint_ids") = false, py::arg("label") = "described",
+          "A layout described record by record, from the tensors an engine registers (docs/"
+          "api.md): pools {name: bytes}; records [{layer, role, pool, offset, index_stride, "
+          "state_group=0, section=None ('K' or 'V' for a kv part holding one), dims [(name, "
+          "size, stride)]}], the inverse of records(). With joint_ids (vLLM's hybrid manager) "
+          "state ids come from the num_blocks block ids, state_groups per request.")
+      .def_property_readonly(
+          "description",
+          [](const hxfer::Layout& l) -> py::object {
+            const hxfer::LayoutDescription* d = l.description();
+            if (d == nullptr) return py::none();
+            return descriptionDict(*d);
+          },
+          "For a layout made by from_records: {pools, records, state_groups, joint_ids}; None "
+          "for Layout.engine.")
       .def("layers", &hxfer::Layout::layers, "Global layer ids this rank holds records of.")
       .def_property_readonly(
           "stage_layers",
@@ -923,6 +1058,9 @@ PYBIND11_MODULE(_hxfer, m) {
             d["kv_dtype"] = o.kv_dtype;
             d["conv_dtype"] = o.conv_dtype;
             d["ssm_dtype"] = o.ssm_dtype;
+            if (const hxfer::LayoutDescription* desc = l.description()) {
+              d["description"] = descriptionDict(*desc);
+            }
             return d;
           },
           [](const py::dict& d) {
@@ -944,6 +1082,12 @@ PYBIND11_MODULE(_hxfer, m) {
             o.kv_dtype = d["kv_dtype"].cast<std::string>();
             o.conv_dtype = d["conv_dtype"].cast<std::string>();
             o.ssm_dtype = d["ssm_dtype"].cast<std::string>();
+            if (d.contains("description")) {
+              py::dict x = d["description"];
+              return valueOrThrow(hxfer::Layout::fromRecords(
+                  toDescription(o, x["pools"], x["records"], x["state_groups"].cast<uint32_t>(),
+                                x["joint_ids"].cast<bool>())));
+            }
             return makeLayout(o);
           }));
 

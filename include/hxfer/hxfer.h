@@ -116,12 +116,55 @@ struct LayerSpan {
   uint32_t count = 0;
 };
 
+// A layout described record by record, from the tensors an engine registers (its data pointer,
+// shape, strides and dtype, and what each dim means): no engine version is hard-coded. It is
+// Layout::records() read the other way: one RecordSpec per (global layer, role) of this rank
+// (two for kv where K and V lie apart, each naming its section), in pools the engine owns.
+struct PoolSpec {
+  std::string name;  // the engine's name for the buffer (e.g. "shared.0", "kv_cache")
+  uint64_t bytes = 0;
+};
+struct RecordSpec {
+  uint32_t layer = 0;   // global layer id
+  std::string role;     // "kv", "conv" or "ssm"
+  std::string pool;     // a PoolSpec name
+  uint64_t offset = 0;  // the record of index 0 starts at this byte of the pool
+  // Bytes between the records of consecutive indices (blocks for kv, state ids for conv/ssm).
+  uint64_t index_stride = 0;
+  uint32_t state_group = 0;  // conv/ssm: which of a request's state ids indexes it (RecordPart)
+  // kv only: "K" or "V" for a part holding one of them; empty: every section of the role.
+  std::string section;
+  // Logical dims (RecordPart::dims: kv "kv", "head", "token", "dim"; conv "channel", "window";
+  // mamba2 ssm "head", "head_dim", "state"; gdn ssm "head", "key", "value"; mamba1 ssm
+  // "channel", "state"), outermost first as the tensor is laid out, sizes on this rank, byte
+  // strides; an inner dim may be split (named again, mixed radix: docs/layouts.md).
+  std::vector<RecordDim> dims;
+};
+struct LayoutDescription {
+  // model, tp, tp_rank, pp, pp_rank, num_blocks, num_slots, tokens_per_block and the dtypes
+  // (empty: the config's; ssm: fp32); `engine` is a label for describe() ("vllm-tensors").
+  LayoutOptions options;
+  std::vector<PoolSpec> pools;
+  std::vector<RecordSpec> records;
+  // Layout::stateGroups() and jointIds(): vLLM's hybrid manager gives each group of Mamba
+  // layers a state id of its own, drawn from the block pool (num_slots == num_blocks).
+  uint32_t state_groups = 1;
+  bool joint_ids = false;
+};
+
 class Layout {
  public:
   // Errors name the option and the value: an unknown engine or option, a model that is not a
   // preset or readable config, a tp/pp the model does not shard into, zero capacities where
   // the rank needs them, vllm with a Mamba page larger than the attention page.
   static StatusOr<Layout> engine(const LayoutOptions& options);
+  // Errors name the record and the field: a pool that does not exist, a record of a layer or
+  // role this rank does not hold, a section described twice or not at all, dims that are not
+  // the role's or do not hold the rank's units (sizes at this tp), elements or records that
+  // overlap or run past their pool.
+  static StatusOr<Layout> fromRecords(const LayoutDescription& description);
+  // The description a layout made by fromRecords was made from (nullptr for engine()).
+  const LayoutDescription* description() const;
 
   const LayoutOptions& options() const;
   const std::vector<PoolInfo>& pools() const;

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "cache/cache_manager.h"
@@ -21,6 +22,7 @@ struct Layout::Impl {
   EngineLayout engine;
   RankLayout layout;
   std::vector<PoolInfo> pools;
+  std::optional<LayoutDescription> description;  // fromRecords
 };
 
 struct Memory::Impl {

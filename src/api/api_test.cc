@@ -260,6 +260,118 @@ TEST(ApiLayout, RecordsLocateEveryElementWhereTheOracleWroteIt) {
   EXPECT_EQ(l->records(999, "kv").status().code(), StatusCode::kNotFound);
 }
 
+// Layout::records() read the other way: every named layout, described record by record
+// (what a connector does from the engine's tensors), is the same rank layout again, for every
+// engine and option (vLLM's shared tensors and CPU orders included) at tp 1 and 2.
+LayoutDescription describedAs(const Layout& l) {
+  LayoutDescription d;
+  d.options = l.options();
+  d.options.engine = "described";
+  for (const PoolInfo& p : l.pools()) d.pools.push_back({p.name, p.bytes});
+  for (uint32_t layer : l.layers()) {
+    for (const char* role : {"kv", "conv", "ssm"}) {
+      auto parts = l.records(layer, role);
+      if (!parts.isOk()) continue;
+      for (const RecordPart& part : *parts) {
+        RecordSpec r{layer, role, part.pool, part.offset, part.index_stride, part.state_group};
+        if (std::string(role) == "kv" && part.sections.size() == 1) {
+          r.section = part.sections[0].name;
+        }
+        r.dims = part.dims;
+        d.records.push_back(std::move(r));
+      }
+    }
+  }
+  d.state_groups = l.stateGroups();
+  d.joint_ids = l.jointIds();
+  return d;
+}
+
+TEST(ApiLayout, EveryNamedLayoutDescribedRecordByRecordIsTheSameRankLayout) {
+  std::vector<EngineLayout> all = allEngineLayouts();
+  for (const EngineLayout& e : sharedEngineLayouts()) all.push_back(e);
+  for (const EngineLayout& e : cpuEngineLayouts()) all.push_back(e);
+  for (const EngineLayout& e : all) {
+    for (uint32_t tp : {1u, 2u}) {
+      LayoutOptions o = options(std::string(engineName(e.engine)), tp, tp - 1, 64, 8);
+      o.model = "nemotron-h-8b";
+      o.tokens_per_block = 1056;
+      if (isVllm(e.engine) || e.engine == Engine::kTrtllmV2) o.kv_layout = kvOrderName(e.kv);
+      if (isVllm(e.engine)) {
+        o.conv_layout = e.conv == ConvOrder::kSd ? "sd" : "ds";
+        o.shared_tensors = e.shared ? "on" : "off";
+      }
+      if (e.engine == Engine::kHxfer) o.state_layout = std::string(stateLayoutName(e.state));
+      auto l = Layout::engine(o);
+      ASSERT_TRUE(l.isOk()) << e.toString() << ": " << l.status().toString();
+      auto back = Layout::fromRecords(describedAs(*l));
+      ASSERT_TRUE(back.isOk()) << e.toString() << " tp " << tp << ": " << back.status().toString();
+      // Undescribed views come back described in hxfer's own order: the same bytes.
+      EXPECT_EQ(back->impl().layout.regions, l->impl().layout.regions) << e.toString();
+      // Every record where it was, element by element (hxfer's multi-layer views come back one
+      // per layer).
+      for (uint32_t layer : l->layers()) {
+        for (const char* role : {"kv", "conv", "ssm"}) {
+          auto a = l->records(layer, role);
+          auto b = back->records(layer, role);
+          ASSERT_EQ(a.isOk(), b.isOk()) << e.toString() << " layer " << layer << " " << role;
+          if (!a.isOk()) continue;
+          ASSERT_EQ(a->size(), b->size());
+          for (size_t i = 0; i < a->size(); ++i) {
+            EXPECT_EQ((*a)[i].pool, (*b)[i].pool);
+            EXPECT_EQ((*a)[i].offset, (*b)[i].offset);
+            EXPECT_EQ((*a)[i].index_stride, (*b)[i].index_stride);
+            EXPECT_EQ((*a)[i].dims, (*b)[i].dims) << e.toString() << " layer " << layer;
+            EXPECT_EQ((*a)[i].state_group, (*b)[i].state_group);
+          }
+        }
+      }
+      EXPECT_EQ(back->impl().layout.model_fingerprint, l->impl().layout.model_fingerprint);
+      EXPECT_EQ(back->stateGroups(), l->stateGroups());
+      EXPECT_NE(back->describe().find("described nemotron-h-8b"), std::string::npos)
+          << back->describe();
+      ASSERT_NE(back->description(), nullptr);
+      EXPECT_EQ(l->description(), nullptr);
+    }
+  }
+}
+
+// A description that leaves a record out, names a pool that is not there, places a record
+// where this rank holds none, or overlaps two records is refused, naming it.
+TEST(ApiLayout, FromRecordsRefusesAnIncompleteOrOverlappingDescriptionNamingTheRecord) {
+  LayoutOptions o = options("vllm", 1, 0, 64, 8);
+  auto l = Layout::engine(o);
+  ASSERT_TRUE(l.isOk());
+  const LayoutDescription good = describedAs(*l);
+  ASSERT_TRUE(Layout::fromRecords(good).isOk());
+  auto expectRefused = [](const LayoutDescription& d, const std::string& needle) {
+    auto r = Layout::fromRecords(d);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << needle;
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().toString();
+  };
+  LayoutDescription missing = good;
+  missing.records.pop_back();
+  expectRefused(missing, "is not described");
+  LayoutDescription twice = good;
+  twice.records.push_back(good.records.front());
+  expectRefused(twice, "described twice");
+  LayoutDescription pool = good;
+  pool.records[0].pool = "nowhere";
+  expectRefused(pool, "pool 'nowhere' is not one of the pools");
+  LayoutDescription layer = good;
+  layer.records[0].layer = 99;
+  expectRefused(layer, "this rank holds no such record");
+  LayoutDescription overlap = good;
+  overlap.records[1].pool = overlap.records[0].pool;
+  overlap.records[1].offset = overlap.records[0].offset;
+  overlap.records[1].index_stride = overlap.records[0].index_stride;
+  auto r = Layout::fromRecords(overlap);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().toString();
+  LayoutDescription dims = good;
+  dims.records[0].dims.front().name = "nonsense";
+  expectRefused(dims, "record dim nonsense is not a dim of a");
+}
+
 TEST(ApiLayout, ErrorsNameTheOptionAndTheValue) {
   auto expect = [](LayoutOptions o, StatusCode code, std::string words) {
     auto l = Layout::engine(o);

@@ -15,6 +15,7 @@
 #include <set>
 #include <shared_mutex>
 #include <thread>
+#include <tuple>
 
 #include "cache/cache_manager.h"
 #include "cache/engine_layout.h"
@@ -261,9 +262,10 @@ Metrics toMetrics(const engine::MetricsSnapshot& s, const HybridCacheManager& ca
 
 // ---- Layout ----
 
-StatusOr<Layout> Layout::engine(const LayoutOptions& o) {
-  auto impl = std::make_shared<Impl>();
-  impl->options = o;
+namespace {
+
+// The model of a layout's options: preset or config, dtypes, tokens per block; tp/pp ranks.
+Status loadLayoutModel(const LayoutOptions& o, ModelSpec* out) {
   const std::string name = o.model.empty() ? std::string(kDefaultPreset) : o.model;
   auto model = engine::loadModel(name);
   if (!model.isOk()) return model.status().withContext("model");
@@ -274,15 +276,36 @@ StatusOr<Layout> Layout::engine(const LayoutOptions& o) {
   if (o.tokens_per_block == 0) return InvalidArgument("tokens_per_block=0; it must be >= 1");
   m.tokens_per_block = o.tokens_per_block;
   RETURN_IF_ERROR(m.validate());
-  auto el =
-      parseEngineLayout(o.engine, o.kv_layout, o.conv_layout, o.state_layout, o.shared_tensors);
-  if (!el.isOk()) return el.status();
   if (o.tp_rank >= o.tp) {
     return InvalidArgument("tp_rank=" + str(o.tp_rank) + " is not below tp=" + str(o.tp));
   }
   if (o.pp_rank >= o.pp) {
     return InvalidArgument("pp_rank=" + str(o.pp_rank) + " is not below pp=" + str(o.pp));
   }
+  *out = std::move(m);
+  return OkStatus();
+}
+
+void fillPools(Layout::Impl& impl) {
+  for (const RegionSpec& spec : impl.layout.regions) {
+    PoolInfo p;
+    p.name = spec.name;
+    p.bytes = spec.length;
+    describePool(impl.layout, spec, &p);
+    impl.pools.push_back(std::move(p));
+  }
+}
+
+}  // namespace
+
+StatusOr<Layout> Layout::engine(const LayoutOptions& o) {
+  auto impl = std::make_shared<Impl>();
+  impl->options = o;
+  ModelSpec m;
+  RETURN_IF_ERROR(loadLayoutModel(o, &m));
+  auto el =
+      parseEngineLayout(o.engine, o.kv_layout, o.conv_layout, o.state_layout, o.shared_tensors);
+  if (!el.isOk()) return el.status();
   impl->parallel.tp = o.tp;
   impl->parallel.pp = o.pp;
   auto layout =
@@ -291,14 +314,111 @@ StatusOr<Layout> Layout::engine(const LayoutOptions& o) {
   impl->model = std::move(m);
   impl->engine = *el;
   impl->layout = std::move(*layout);
-  for (const RegionSpec& spec : impl->layout.regions) {
-    PoolInfo p;
-    p.name = spec.name;
-    p.bytes = spec.length;
-    describePool(impl->layout, spec, &p);
-    impl->pools.push_back(std::move(p));
-  }
+  fillPools(*impl);
   return Layout(std::move(impl));
+}
+
+StatusOr<Layout> Layout::fromRecords(const LayoutDescription& d) {
+  auto impl = std::make_shared<Impl>();
+  impl->options = d.options;
+  impl->description = d;
+  RETURN_IF_ERROR(loadLayoutModel(d.options, &impl->model));
+  const ModelSpec& m = impl->model;
+  impl->parallel.tp = d.options.tp;
+  impl->parallel.pp = d.options.pp;
+  // The rank's records in hxfer's own layout: which (layer, role) it holds, their sections
+  // and kinds. The description then places every one of them.
+  ASSIGN_OR_RETURN(RankLayout base,
+                   buildRankLayout(m, impl->parallel, d.options.tp_rank, d.options.pp_rank,
+                                   StateLayout::kPaged, d.options.num_blocks,
+                                   d.joint_ids ? d.options.num_blocks : d.options.num_slots));
+  RankLayout out = base;
+  out.regions.clear();
+  out.views.clear();
+  out.state_groups = d.state_groups;
+  out.joint_ids = d.joint_ids;
+  for (size_t i = 0; i < d.pools.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (d.pools[j].name == d.pools[i].name) {
+        return InvalidArgument("pools: '" + d.pools[i].name + "' named twice");
+      }
+    }
+    out.regions.push_back({static_cast<uint32_t>(i), d.pools[i].bytes, d.pools[i].name});
+  }
+  std::set<std::tuple<uint32_t, Role, std::string>> placed;
+  for (size_t i = 0; i < d.records.size(); ++i) {
+    const RecordSpec& r = d.records[i];
+    const std::string what = "records[" + str(i) + "] (layer " + str(r.layer) + " " + r.role + ")";
+    std::optional<Role> role;
+    for (Role c : {Role::kKv, Role::kConv, Role::kSsm}) {
+      if (roleName(c) == r.role) role = c;
+    }
+    if (!role) return InvalidArgument(what + ": role is not one of: kv, conv, ssm");
+    const PoolView* held = nullptr;
+    for (const PoolView& v : base.views) {
+      if (v.role == *role && std::binary_search(v.layers.begin(), v.layers.end(), r.layer)) {
+        held = &v;
+      }
+    }
+    if (held == nullptr) {
+      const LayerRange stage = base.stageLayers();
+      return InvalidArgument(what + ": this rank holds no such record (its pp stage holds " +
+                             "layers [" + str(stage.first) + ", " + str(stage.end()) + "), and " +
+                             r.role + " records only of layers with that state)");
+    }
+    PoolView v = *held;
+    v.layers = {r.layer};
+    if (!r.section.empty()) {
+      if (*role != Role::kKv) return InvalidArgument(what + ": section is for kv parts only");
+      auto it = std::find_if(v.sections.begin(), v.sections.end(),
+                             [&](const Section& s) { return s.name == r.section; });
+      if (it == v.sections.end()) {
+        return InvalidArgument(what + ": section '" + r.section + "' is not K or V");
+      }
+      v.sections = {*it};
+    }
+    for (const Section& s : v.sections) {
+      if (!placed.insert({r.layer, *role, s.name}).second) {
+        return InvalidArgument(what + ": section " + s.name + " is described twice");
+      }
+    }
+    ASSIGN_OR_RETURN(v.record_bytes, localRecordBytes(v.sections, out.tp, out.tp_rank));
+    auto pool = std::find_if(d.pools.begin(), d.pools.end(),
+                             [&](const PoolSpec& p) { return p.name == r.pool; });
+    if (pool == d.pools.end())
+      return InvalidArgument(what + ": pool '" + r.pool + "' is not one of the pools");
+    v.region_id = static_cast<uint32_t>(pool - d.pools.begin());
+    v.base = r.offset;
+    v.index_stride = r.index_stride;
+    v.layer_stride = 0;
+    v.num_indices = *role == Role::kKv ? out.num_blocks : out.num_slots;
+    v.state_group = *role == Role::kKv ? 0 : r.state_group;
+    RecordLayout rec;
+    rec.element_bytes = static_cast<uint32_t>(dtypeSize(out.dtypeOf(*role)));
+    rec.dims = r.dims;
+    v.record = std::move(rec);
+    out.views.push_back(std::move(v));
+  }
+  for (const PoolView& v : base.views) {
+    for (uint32_t layer : v.layers) {
+      for (const Section& s : v.sections) {
+        if (!placed.count({layer, v.role, s.name})) {
+          return InvalidArgument("layer " + str(layer) + " " + std::string(roleName(v.role)) +
+                                 " section " + s.name + " is not described (every record " +
+                                 "this rank holds needs one)");
+        }
+      }
+    }
+  }
+  RETURN_IF_ERROR(out.validate().withContext("described layout"));
+  impl->engine = EngineLayout{};
+  impl->layout = std::move(out);
+  fillPools(*impl);
+  return Layout(std::move(impl));
+}
+
+const LayoutDescription* Layout::description() const {
+  return impl_->description ? &*impl_->description : nullptr;
 }
 
 const LayoutOptions& Layout::options() const { return impl_->options; }
@@ -392,9 +512,13 @@ LayerSpan Layout::stageLayers() const {
 
 std::string Layout::describe() const {
   const RankLayout& l = impl_->layout;
-  return impl_->engine.toString() + " " + impl_->model.name + " tp=" + str(l.tp) + " rank " +
-         str(l.tp_rank) + " pp=" + str(l.pp) + " rank " + str(l.pp_rank) + ", " +
-         str(l.num_blocks) + " blocks x " + str(l.tokens_per_block) + " tokens, " +
+  const std::string engine =
+      impl_->description
+          ? (impl_->options.engine.empty() ? std::string("described") : impl_->options.engine)
+          : impl_->engine.toString();
+  return engine + " " + impl_->model.name + " tp=" + str(l.tp) + " rank " + str(l.tp_rank) +
+         " pp=" + str(l.pp) + " rank " + str(l.pp_rank) + ", " + str(l.num_blocks) + " blocks x " +
+         str(l.tokens_per_block) + " tokens, " +
          (l.joint_ids ? "states from the blocks, " + str(l.state_groups) + " per request"
                       : str(l.num_slots) + " slots");
 }
