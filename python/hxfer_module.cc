@@ -996,6 +996,12 @@ PYBIND11_MODULE(_hxfer, m) {
           },
           "For a layout made by from_records: {pools, records, state_groups, joint_ids}; None "
           "for Layout.engine.")
+      .def_property_readonly("reserved_blocks", &hxfer::Layout::reservedBlocks,
+                             "Block ids the engine never hands to a request (vllm's null block "
+                             "0, sglang's dummy page 0).")
+      .def_property_readonly("reserved_slots", &hxfer::Layout::reservedSlots,
+                             "State ids the engine never hands to a request (vllm's null block 0, "
+                             "sglang's dummy slot 0).")
       .def("layers", &hxfer::Layout::layers, "Global layer ids this rank holds records of.")
       .def_property_readonly(
           "stage_layers",

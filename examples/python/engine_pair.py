@@ -88,9 +88,12 @@ def pattern(n, seed, request_id, rank):
 
 
 def make_layout(engine, args, tp=1, tp_rank=0):
+    # The two engines must keep each state in one dtype: their own defaults differ (TensorRT-LLM
+    # keeps ssm state in the model dtype, vLLM in fp32 for NemotronH), so name them.
     return hxfer.Layout.engine(engine, model=args["model"], tp=tp, tp_rank=tp_rank,
                                num_blocks=args["blocks"], num_slots=args["slots"],
-                               tokens_per_block=args["tokens_per_block"])
+                               tokens_per_block=args["tokens_per_block"], conv_dtype="bf16",
+                               ssm_dtype="fp32")
 
 
 def allocate_pools(layout, kind):

@@ -64,7 +64,9 @@ struct LayoutOptions {
   // The engine's pool capacities on this rank: kv blocks and recurrent-state slots.
   uint32_t num_blocks = 0, num_slots = 0;
   uint32_t tokens_per_block = 32;
-  // "fp32" | "fp16" | "bf16" | "fp8"; empty: the config's torch_dtype (ssm: fp32).
+  // "fp32" | "fp16" | "bf16" | "fp8"; empty: the engine's default: the config's torch_dtype,
+  // ssm fp32 for hxfer, sglang and (vllm) NemotronH, the model dtype for vllm's other models
+  // and trtllm; sglang conv bf16 (docs/layouts.md).
   std::string kv_dtype, conv_dtype, ssm_dtype;
 };
 
@@ -167,6 +169,10 @@ class Layout {
   const LayoutDescription* description() const;
 
   const LayoutOptions& options() const;
+  // Ids the engine never hands to a request (vllm: the null block 0; sglang: the dummy page 0
+  // and slot 0); empty for hxfer's, TensorRT-LLM's and described layouts.
+  std::vector<uint32_t> reservedBlocks() const;
+  std::vector<uint32_t> reservedSlots() const;
   const std::vector<PoolInfo>& pools() const;
   // nullptr when no pool has that name.
   const PoolInfo* pool(std::string_view name) const;

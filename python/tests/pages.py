@@ -115,6 +115,10 @@ def tiny_layout(engine="trtllm-v2", tp=1, tp_rank=0, **options):
 
     options.setdefault("num_blocks", NUM_BLOCKS)
     options.setdefault("num_slots", NUM_SLOTS)
+    # One dtype per role on every engine, so that different engines pair up (their own
+    # defaults differ: trtllm keeps ssm state in the model dtype, bf16 here).
+    options.setdefault("conv_dtype", "bf16")
+    options.setdefault("ssm_dtype", "fp32")
     return hxfer.Layout.engine(engine, model=MODEL, tp=tp, tp_rank=tp_rank, **options)
 
 

@@ -34,6 +34,10 @@ LayoutOptions options(std::string engine, uint32_t tp, uint32_t tp_rank, uint32_
   o.tp_rank = tp_rank;
   o.num_blocks = blocks;
   o.num_slots = slots;
+  // One dtype per role on every engine, so that layouts of different engines pair up (each
+  // engine's own defaults differ: ApiLayout.EachEngineKeepsItsOwnStateDtypesByDefault).
+  o.conv_dtype = "bf16";
+  o.ssm_dtype = "fp32";
   return o;
 }
 
@@ -273,6 +277,10 @@ LayoutDescription describedAs(const Layout& l) {
       auto parts = l.records(layer, role);
       if (!parts.isOk()) continue;
       for (const RecordPart& part : *parts) {
+        std::string role_name = role;
+        (role_name == "kv"     ? d.options.kv_dtype
+         : role_name == "conv" ? d.options.conv_dtype
+                               : d.options.ssm_dtype) = part.dtype;
         RecordSpec r{layer, role, part.pool, part.offset, part.index_stride, part.state_group};
         if (std::string(role) == "kv" && part.sections.size() == 1) {
           r.section = part.sections[0].name;
@@ -370,6 +378,38 @@ TEST(ApiLayout, FromRecordsRefusesAnIncompleteOrOverlappingDescriptionNamingTheR
   LayoutDescription dims = good;
   dims.records[0].dims.front().name = "nonsense";
   expectRefused(dims, "record dim nonsense is not a dim of a");
+}
+
+// The dtypes an engine keeps its state in unless told: vLLM 0.32 the model dtype except for
+// NemotronH (fp32, MambaStateDtypeCalculator and its NemotronH hook), SGLang conv bf16 and ssm
+// fp32, TensorRT-LLM ssm in the model dtype, hxfer fp32; an explicit dtype wins.
+TEST(ApiLayout, EachEngineKeepsItsOwnStateDtypesByDefault) {
+  auto dtypes = [](const std::string& engine, const std::string& model, std::string ssm = "") {
+    LayoutOptions o;
+    o.engine = engine;
+    o.model = model;
+    o.num_blocks = 4;
+    o.num_slots = 2;
+    o.tokens_per_block = 2048;
+    o.ssm_dtype = ssm;
+    auto l = Layout::engine(o);
+    EXPECT_TRUE(l.isOk()) << engine << " " << model << ": " << l.status().toString();
+    if (!l.isOk()) return std::string();
+    const RankLayout& r = l->impl().layout;
+    return std::string(dtypeName(r.conv_dtype)) + "/" + std::string(dtypeName(r.ssm_dtype));
+  };
+  EXPECT_EQ(dtypes("vllm", "qwen3-next-80b-a3b"), "bf16/bf16");
+  EXPECT_EQ(dtypes("vllm", "nemotron-h-8b"), "bf16/fp32");
+  EXPECT_EQ(dtypes("vllm", "qwen3-next-80b-a3b", "fp32"), "bf16/fp32");
+  EXPECT_EQ(dtypes("sglang", "qwen3-next-80b-a3b"), "bf16/fp32");
+  EXPECT_EQ(dtypes("trtllm-v2", "nemotron-h-8b"), "bf16/bf16");
+  EXPECT_EQ(dtypes("hxfer", "qwen3-next-80b-a3b"), "bf16/fp32");
+  LayoutOptions o = options("vllm", 1, 0);
+  auto l = Layout::engine(o);
+  ASSERT_TRUE(l.isOk());
+  EXPECT_EQ(l->reservedBlocks(), std::vector<uint32_t>{0});
+  o.engine = "trtllm-v2";
+  EXPECT_TRUE(Layout::engine(o)->reservedBlocks().empty());
 }
 
 TEST(ApiLayout, ErrorsNameTheOptionAndTheValue) {

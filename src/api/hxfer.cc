@@ -306,6 +306,7 @@ StatusOr<Layout> Layout::engine(const LayoutOptions& o) {
   auto el =
       parseEngineLayout(o.engine, o.kv_layout, o.conv_layout, o.state_layout, o.shared_tensors);
   if (!el.isOk()) return el.status();
+  applyEngineDtypes(*el, !o.conv_dtype.empty(), !o.ssm_dtype.empty(), &m);
   impl->parallel.tp = o.tp;
   impl->parallel.pp = o.pp;
   auto layout =
@@ -422,6 +423,13 @@ const LayoutDescription* Layout::description() const {
 }
 
 const LayoutOptions& Layout::options() const { return impl_->options; }
+
+std::vector<uint32_t> Layout::reservedBlocks() const {
+  return impl_->description ? std::vector<uint32_t>{} : reservedIds(impl_->engine).blocks;
+}
+std::vector<uint32_t> Layout::reservedSlots() const {
+  return impl_->description ? std::vector<uint32_t>{} : reservedIds(impl_->engine).slots;
+}
 const std::vector<PoolInfo>& Layout::pools() const { return impl_->pools; }
 
 const PoolInfo* Layout::pool(std::string_view name) const {

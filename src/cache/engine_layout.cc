@@ -538,6 +538,33 @@ StatusOr<RankLayout> buildSglang(const ModelSpec& model, const ParallelConfig& p
 
 }  // namespace
 
+void applyEngineDtypes(const EngineLayout& layout, bool conv_set, bool ssm_set, ModelSpec* m) {
+  switch (layout.engine) {
+    case Engine::kVllm:
+    case Engine::kVllmSplit:
+      if (!ssm_set) {
+        m->ssm_dtype = m->architecture.starts_with("NemotronH") ? DType::kFp32 : m->kv_dtype;
+      }
+      break;
+    case Engine::kSglang:
+      if (!conv_set) m->conv_dtype = DType::kBf16;
+      if (!ssm_set) m->ssm_dtype = DType::kFp32;
+      break;
+    case Engine::kTrtllmV1:
+    case Engine::kTrtllmV2:
+      if (!ssm_set) m->ssm_dtype = m->kv_dtype;
+      break;
+    case Engine::kHxfer:
+      break;
+  }
+}
+
+ReservedIds reservedIds(const EngineLayout& layout) {
+  if (isVllm(layout.engine)) return {{0}, {0}};
+  if (layout.engine == Engine::kSglang) return {{0}, {0}};
+  return {};
+}
+
 StatusOr<RankLayout> buildEngineLayout(const ModelSpec& model, const ParallelConfig& pc,
                                        uint32_t tp_rank, uint32_t pp_rank,
                                        const EngineLayout& layout, uint32_t num_blocks,

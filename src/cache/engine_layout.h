@@ -97,6 +97,21 @@ std::vector<EngineLayout> sharedEngineLayouts();
 // others, as vLLM picks another kernel there).
 std::vector<EngineLayout> cpuEngineLayouts();
 
+// The engine's own dtype defaults for what the caller left unset (`conv_set`, `ssm_set` say
+// which were set): vllm and vllm-0.25 keep ssm state in the model dtype except for NemotronH
+// (fp32; vLLM's CPU platform forces fp32 for every model, set it there); sglang keeps conv in
+// bf16 and ssm in fp32; trtllm-v1/v2 ssm in the model dtype (mamba_ssm_cache_dtype "auto");
+// hxfer fp32. The model dtype is the config's (kv_dtype).
+void applyEngineDtypes(const EngineLayout& layout, bool conv_set, bool ssm_set, ModelSpec* model);
+
+// Ids the engine never hands to a request: vLLM's null block 0 (every group), SGLang's dummy
+// page 0 and slot 0. The cache manager of a named layout still may; an engine's own ids never
+// name them.
+struct ReservedIds {
+  std::vector<uint32_t> blocks, slots;
+};
+ReservedIds reservedIds(const EngineLayout& layout);
+
 // The layout of rank (tp_rank, pp_rank) in `layout` with the given capacities (blocks for kv,
 // slots for state). Errors: as buildRankLayout, and for vllm a Mamba page larger than the
 // attention page (naming the block size vLLM 0.32 picks), cpu-amx with a model it cannot pack.
