@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/cli_test_util.h"
+#include "wire/codec.h"
 
 namespace {
 
@@ -25,6 +26,15 @@ Json describeJson(const std::string& args) {
   Json j = Json::parse(r.out, nullptr, /*allow_exceptions=*/false);
   EXPECT_FALSE(j.is_discarded()) << r.out;
   return j;
+}
+
+// One version everywhere: the CMake project's, which hxfer.__version__ and libhxfer.so's SONAME
+// carry too (python/tests/test_package.py, api_exports).
+TEST(CliVersion, VersionIsTheProjectsAndNamesTheWire) {
+  CmdResult r = runHxfer("--version");
+  EXPECT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_EQ(r.out, std::string("hxfer ") + HXFER_VERSION + " (wire 1." +
+                       std::to_string(hxfer::wire::kWireVersionMinor) + ")\n");
 }
 
 TEST(CliDescribe, TinyHybridAtTp2JsonHasHandComputedBytesPerRank) {

@@ -4,10 +4,16 @@
 
 #include "cli/commands.h"
 #include "common/logging.h"
+#include "wire/codec.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"hxfer: move hybrid-LLM cache state between disaggregated serving instances"};
   app.require_subcommand(1);
+  // The project version (CMakeLists.txt project()), the one hxfer.__version__ and the library's
+  // SONAME carry too, and the wire version this build speaks.
+  app.set_version_flag("--version", std::string("hxfer ") + HXFER_VERSION + " (wire " +
+                                        std::to_string(hxfer::wire::kWireVersionMajor) + "." +
+                                        std::to_string(hxfer::wire::kWireVersionMinor) + ")");
   std::string log_level = "warn";
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error, off")
       ->default_val("warn");
