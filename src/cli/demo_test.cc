@@ -6,8 +6,11 @@
 // Every demo case asserts the demo's own accounting: every request that was not cancelled
 // verified, and no rank ended with a page used or quarantined (`leaked_pages` is summed from
 // each rank's pool counters after the run).
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -398,6 +401,57 @@ std::vector<std::string> longGenerationArgs(const std::string& address) {
   return {"serve",   "--role",     "generation", "--blocks", "256",
           "--slots", "16",         "--tokens",   "500",      "--timeout",
           "10",      "--requests", "1000000",    "--peers",  address};
+}
+
+// GET http://127.0.0.1:port<path>: the whole response, or "" when nothing answered.
+std::string httpGet(const std::string& port, const std::string& path) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(std::stoi(port)));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string out;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+    const std::string req = "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n";
+    (void)!::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+    char buf[4096];
+    for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) out.append(buf, n);
+  }
+  ::close(fd);
+  return out;
+}
+
+// `serve --metrics-port`: a Prometheus text endpoint with the counters serve prints, scraped
+// while the rank serves, in engine layouts on both sides (--engine).
+TEST(Serve, MetricsEndpointIsScrapedWhileServingInEngineLayouts) {
+  Background ctx(contextArgs({"--metrics-port", "0", "--engine", "vllm", "--instance", "ctx"}));
+  const std::string address = startContext(ctx);
+  ASSERT_FALSE(address.empty());
+  const std::string port =
+      ctx.waitFor(std::regex(R"(metrics on http://[0-9.]+:(\d+)/metrics)"), kStart);
+  ASSERT_FALSE(port.empty()) << ctx.output();
+  EXPECT_NE(ctx.output().find("engine layout: vllm(kv=nhd,conv=sd)"), std::string::npos)
+      << ctx.output();
+  CmdResult gen = runGeneration(address, "--requests 5 --tokens 300 --engine sglang");
+  EXPECT_EQ(gen.exit_code, 0) << gen.out;
+  EXPECT_NE(gen.out.find("5 of 5 requests verified"), std::string::npos) << gen.out;
+  const std::string scrape = httpGet(port, "/metrics");
+  EXPECT_NE(scrape.find("HTTP/1.1 200 OK"), std::string::npos) << scrape;
+  EXPECT_NE(scrape.find("Content-Type: text/plain; version=0.0.4"), std::string::npos);
+  const std::string labels = R"(role="context",instance="ctx",rank="0")";
+  for (const std::string& line : std::vector<std::string>{
+           "# TYPE hxfer:requests_total counter",
+           "hxfer:requests_total{" + labels + R"(,outcome="ok"} 5)",
+           "hxfer:failures_total{" + labels + R"(,cause="timeout"} 0)",
+           "# TYPE hxfer:transfer_latency_seconds histogram",
+           "hxfer:transfer_latency_seconds_count{" + labels + "} 5",
+           "hxfer:transfer_latency_seconds_bucket{" + labels + R"(,le="+Inf"} 5)",
+           "hxfer:handshakes_total{" + labels + R"(,result="ok"} 1)"}) {
+    EXPECT_NE(scrape.find(line + "\n"), std::string::npos) << line << "\n" << scrape;
+  }
+  EXPECT_NE(scrape.find("hxfer:bytes_total{" + labels + "} "), std::string::npos);
+  EXPECT_NE(httpGet(port, "/other").find("404 Not Found"), std::string::npos);
+  stopContext(ctx);
 }
 
 // Round 3, finding 8: two generation instances started without --instance each get a name of

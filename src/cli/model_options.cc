@@ -81,7 +81,10 @@ StatusOr<EngineLayout> resolveEngineLayout(const EngineOptions& o, std::string_v
                                            std::string_view hxfer_state) {
   auto layout =
       parseEngineLayout(o.engine, o.kv, o.conv, o.engine == "hxfer" ? hxfer_state : "", o.shared);
-  if (!layout.isOk()) return layout.status().withContext("--" + std::string(side) + "-engine");
+  if (!layout.isOk()) {
+    return layout.status().withContext(side.empty() ? std::string("--engine")
+                                                    : "--" + std::string(side) + "-engine");
+  }
   return layout;
 }
 

@@ -15,12 +15,14 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "cache/cache_manager.h"
 #include "cli/commands.h"
+#include "cli/metrics_http.h"
 #include "cli/model_options.h"
 #include "common/logging.h"
 #include "common/strings.h"
@@ -56,7 +58,25 @@ struct ServeOptions {
   uint32_t blocks = 1024, slots = 64;
   uint32_t requests = 16, tokens = 1000;
   uint32_t timeout_s = 60;
+  EngineOptions engine;   // the pools' engine layout (--engine and its options)
+  int metrics_port = -1;  // a Prometheus endpoint on this port (0: any); -1: none
+  std::string metrics_host = "0.0.0.0";
 };
+
+// The Prometheus endpoint of --metrics-port, or nullptr without one; prints where it listens.
+StatusOr<std::unique_ptr<MetricsServer>> startMetrics(const ServeOptions& o,
+                                                      std::function<std::string()> render) {
+  if (o.metrics_port < 0) return std::unique_ptr<MetricsServer>();
+  if (o.metrics_port > 65535) {
+    return InvalidArgument("--metrics-port " + std::to_string(o.metrics_port) + " is not a port");
+  }
+  auto server = MetricsServer::start(o.metrics_host, static_cast<uint16_t>(o.metrics_port),
+                                     std::move(render));
+  if (!server.isOk()) return server.status().withContext("--metrics-port");
+  std::printf("metrics on http://%s:%u/metrics\n", o.metrics_host.c_str(), (*server)->port());
+  std::fflush(stdout);
+  return server;
+}
 
 // --advertise HOST or HOST:PORT.
 struct Advertised {
@@ -236,8 +256,15 @@ int runServe(const ServeOptions& o) {
               std::string(stateLayoutName(routing->state_layout)).c_str(), served->why.c_str());
 
   const uint32_t tp_rank = o.rank % o.tp, pp_rank = o.rank / o.tp;
+  // The pools as the engine of --engine keeps them (hxfer's: the state layout routed above).
+  auto engine_layout =
+      resolveEngineLayout(o.engine, "", std::string(stateLayoutName(routing->state_layout)));
+  if (!engine_layout.isOk()) return reportError(engine_layout.status());
+  if (engine_layout->engine != Engine::kHxfer) {
+    std::printf("engine layout: %s\n", engine_layout->toString().c_str());
+  }
   auto cache = HybridCacheManager::create(
-      *model, pc, tp_rank, pp_rank, routing->state_layout, Capacity::counts(o.blocks, o.slots),
+      *model, pc, tp_rank, pp_rank, *engine_layout, Capacity::counts(o.blocks, o.slots),
       routing->backend == engine::BackendKind::kShm ? Region::Backing::kMemfd
                                                     : Region::Backing::kAnonymous);
   if (!cache.isOk()) return reportError(cache.status());
@@ -298,8 +325,26 @@ int runServe(const ServeOptions& o) {
       std::printf("registered %s (incarnation %s) in %s, lease %u s\n", rec.key().c_str(),
                   rec.incarnation.c_str(), registry->url().c_str(), o.lease_ttl_s);
     }
+    const std::string labels =
+        "role=\"context\",instance=\"" + *instance + "\",rank=\"" + std::to_string(o.rank) + "\"";
+    auto metrics = startMetrics(o, [&] {
+      std::string text = (*sender)->metrics().toPrometheus(labels);
+      if (registration) {
+        text +=
+            "# HELP hxfer:registry_errors_total Failed registry calls (etcd).\n"
+            "# TYPE hxfer:registry_errors_total counter\n"
+            "hxfer:registry_errors_total{" +
+            labels + "} " + std::to_string(registration->errors()) + "\n";
+      }
+      return text;
+    });
+    if (!metrics.isOk()) {
+      (*sender)->shutdown();
+      return reportError(metrics.status());
+    }
     std::fflush(stdout);
     while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    metrics->reset();
     nlohmann::json reg;
     if (registration) {
       reg = {{"reachable", registration->reachable()},
@@ -345,7 +390,8 @@ int runServe(const ServeOptions& o) {
   // With a registry: a context rank that restarted (a new incarnation) is reconnected to, at
   // once after a failed request and otherwise once a second; a lost etcd pauses this, never
   // the transfers.
-  uint64_t reconnects = 0, registry_errors = 0;
+  std::atomic<uint64_t> reconnects{0}, registry_errors{0};
+  std::mutex rx_mu;  // guards rx against the metrics endpoint's thread
   bool registry_reachable = true;
   auto last_check = engine::Clock::now();
   auto rediscover = [&](std::chrono::seconds wait_for_change) -> Status {
@@ -374,6 +420,7 @@ int runServe(const ServeOptions& o) {
           for (const engine::RankRecord& r : *now) addresses.push_back(r.address);
           auto next = connect(addresses);
           if (!next.isOk()) return next.status();
+          std::lock_guard lock(rx_mu);
           rx = std::move(next);
           found = std::move(*now);
           ++reconnects;
@@ -384,6 +431,27 @@ int runServe(const ServeOptions& o) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
   };
+
+  const std::string labels =
+      "role=\"generation\",instance=\"" + *instance + "\",rank=\"" + std::to_string(o.rank) + "\"";
+  auto metrics = startMetrics(o, [&] {
+    std::lock_guard lock(rx_mu);
+    std::string text = (*rx)->metrics().toPrometheus(labels);
+    if (registry) {
+      text +=
+          "# HELP hxfer:registry_errors_total Failed registry calls (etcd).\n"
+          "# TYPE hxfer:registry_errors_total counter\n"
+          "hxfer:registry_errors_total{" +
+          labels + "} " + std::to_string(registry_errors.load()) + "\n";
+      text +=
+          "# HELP hxfer:instance_reconnects_total Reconnections to a restarted context "
+          "instance.\n# TYPE hxfer:instance_reconnects_total counter\n"
+          "hxfer:instance_reconnects_total{" +
+          labels + "} " + std::to_string(reconnects.load()) + "\n";
+    }
+    return text;
+  });
+  if (!metrics.isOk()) return reportError(metrics.status());
 
   uint32_t ok = 0;
   uint64_t bytes = 0;
@@ -433,6 +501,7 @@ int runServe(const ServeOptions& o) {
       }
     }
   }
+  metrics->reset();
   (*rx)->shutdown();
   const uint64_t leaked = pool.counters().pagesHeld();
   std::sort(latencies_us.begin(), latencies_us.end());
@@ -442,8 +511,8 @@ int runServe(const ServeOptions& o) {
               static_cast<unsigned long long>(leaked));
   if (registry) {
     std::printf(", reconnects %llu, registry errors %llu",
-                static_cast<unsigned long long>(reconnects),
-                static_cast<unsigned long long>(registry_errors));
+                static_cast<unsigned long long>(reconnects.load()),
+                static_cast<unsigned long long>(registry_errors.load()));
   }
   std::printf("\n");
   return ok == o.requests && leaked == 0 ? 0 : 1;
@@ -500,6 +569,21 @@ void addServeCommand(CLI::App& app) {
   cmd->add_option("--tokens", o->tokens, "Generation: tokens per request")->default_val(1000);
   cmd->add_option("--timeout", o->timeout_s, "Seconds for connecting and per request")
       ->default_val(60);
+  cmd->add_option("--engine", o->engine.engine,
+                  "The pools' layout as an engine keeps them: hxfer, trtllm-v1, trtllm-v2, vllm, "
+                  "vllm-0.25, sglang (docs/layouts.md); the peer may use another")
+      ->default_val("hxfer");
+  cmd->add_option("--kv-layout", o->engine.kv,
+                  "With --engine: kv order, nhd or hnd (trtllm-v2, vllm-0.25; vllm: K and V "
+                  "side by side per token and head), cpu or cpu-amx (vllm)");
+  cmd->add_option("--conv-layout", o->engine.conv, "With --engine vllm: conv order, sd or ds");
+  cmd->add_option("--shared-tensors", o->engine.shared,
+                  "With --engine vllm: on for the hybrid manager's shared per-group tensors");
+  cmd->add_option("--metrics-port", o->metrics_port,
+                  "Serve Prometheus metrics on this port (0: any, printed), GET /metrics");
+  cmd->add_option("--metrics-host", o->metrics_host,
+                  "Address the metrics endpoint listens on (IPv4)")
+      ->default_val("0.0.0.0");
   cmd->callback([o] {
     const int rc = runServe(*o);
     if (rc != 0) throw CLI::RuntimeError(rc);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 namespace hxfer::engine {
 
@@ -67,6 +68,13 @@ void LatencyHistogram::record(std::chrono::nanoseconds latency) {
   ++buckets_[bucketOf(latency)];
   ++count_;
   max_ = std::max(max_, latency);
+  sum_ += latency;
+}
+
+uint64_t LatencyHistogram::countAtMost(std::chrono::nanoseconds bound) const {
+  uint64_t n = 0;
+  for (size_t b = 0; b < kBuckets && upperBound(b) <= bound; ++b) n += buckets_[b];
+  return n;
 }
 
 std::chrono::nanoseconds LatencyHistogram::quantile(double q) const {
@@ -86,6 +94,7 @@ void LatencyHistogram::merge(const LatencyHistogram& other) {
   for (size_t b = 0; b < kBuckets; ++b) buckets_[b] += other.buckets_[b];
   count_ += other.count_;
   max_ = std::max(max_, other.max_);
+  sum_ += other.sum_;
 }
 
 void MetricsSnapshot::merge(const MetricsSnapshot& o) {
@@ -120,6 +129,83 @@ void MetricsSnapshot::merge(const MetricsSnapshot& o) {
   ranks_without_token += o.ranks_without_token;
   accounting_errors += o.accounting_errors;
   latency.merge(o.latency);
+}
+
+std::string MetricsSnapshot::toPrometheus(std::string_view labels) const {
+  std::string out;
+  const std::string base(labels);
+  auto with = [&](const std::string& more) {
+    if (base.empty()) return more.empty() ? std::string() : "{" + more + "}";
+    return "{" + base + (more.empty() ? "" : "," + more) + "}";
+  };
+  auto metric = [&](const char* name, const char* type, const char* help) {
+    out += std::string("# HELP hxfer:") + name + " " + help + "\n# TYPE hxfer:" + name + " " +
+           type + "\n";
+  };
+  auto sample = [&](const char* name, const std::string& more, double value) {
+    char number[64];
+    std::snprintf(number, sizeof(number), "%.17g", value);
+    out += std::string("hxfer:") + name + with(more) + " " + number + "\n";
+  };
+  auto counter = [&](const char* name, const char* help, uint64_t value) {
+    metric(name, "counter", help);
+    sample(name, "", static_cast<double>(value));
+  };
+  metric("requests_total", "counter",
+         "Request parts by outcome (generation: started by the serving code; context: served).");
+  sample("requests_total", "outcome=\"started\"", static_cast<double>(requests_started));
+  sample("requests_total", "outcome=\"ok\"", static_cast<double>(requests_ok));
+  sample("requests_total", "outcome=\"failed\"", static_cast<double>(requests_failed));
+  sample("requests_total", "outcome=\"cancelled\"", static_cast<double>(requests_cancelled));
+  metric("failures_total", "counter", "Failed request parts by cause.");
+  for (size_t i = 0; i < kNumFailureCauses; ++i) {
+    sample("failures_total",
+           "cause=\"" + std::string(failureCauseName(static_cast<FailureCause>(i))) + "\"",
+           static_cast<double>(failures[i]));
+  }
+  counter("bytes_total", "Bytes moved by successful request parts.", bytes);
+  counter("ops_total", "Copy ops posted.", ops);
+  counter("writes_posted_total", "Writes posted (one per part, or per streamed layer range).",
+          writes_posted);
+  counter("staged_parts_total", "Parts staged on the context rank (element orders differ).",
+          staged_parts);
+  counter("staging_bytes_total", "Bytes gathered into staging areas.", staging_bytes);
+  counter("storm_parts_total", "Parts of many small ops sent as one staged write.", storm_parts);
+  counter("leases_expired_total", "Source pages freed because no generation rank asked in time.",
+          leases_expired);
+  counter("quarantined_requests_total", "Requests freed while writes were in flight.",
+          quarantined_requests);
+  metric("handshakes_total", "counter", "Engine handshakes by result.");
+  sample("handshakes_total", "result=\"ok\"", static_cast<double>(handshakes_ok));
+  sample("handshakes_total", "result=\"refused\"", static_cast<double>(handshakes_refused));
+  counter("peers_lost_total", "Peers whose connection broke.", peers_lost);
+  counter("reconnects_total", "Reconnections to a context rank.", reconnects);
+  counter("writes_stalled_total", "Writes cancelled for making no progress.", writes_stalled);
+  counter("requests_over_limit_total", "Requests refused over a peer's bounds.",
+          requests_over_limit);
+  counter("auth_failures_total", "Transport handshakes refused (token, uid, timeout).",
+          auth_failures);
+  counter("connections_refused_total",
+          "Unauthenticated connections closed (over max_unauthenticated, or no fd).",
+          connections_refused);
+  counter("peers_over_limit_total", "Peers dropped for exceeding a per-peer bound.",
+          peers_over_limit);
+  metric("accounting_errors", "gauge", "Ranks whose self-check failed when this was taken.");
+  sample("accounting_errors", "", static_cast<double>(accounting_errors));
+  metric("transfer_latency_seconds", "histogram",
+         "Request start (or ask) to completion, successful parts.");
+  for (size_t b = 0; b < LatencyHistogram::kBuckets; b += 4) {  // 1 us x 2^k
+    const auto bound = LatencyHistogram::upperBound(b);
+    if (bound > std::chrono::hours(2)) break;
+    char le[32];
+    std::snprintf(le, sizeof(le), "%.9g", static_cast<double>(bound.count()) / 1e9);
+    sample("transfer_latency_seconds_bucket", std::string("le=\"") + le + "\"",
+           static_cast<double>(latency.countAtMost(bound)));
+  }
+  sample("transfer_latency_seconds_bucket", "le=\"+Inf\"", static_cast<double>(latency.count()));
+  sample("transfer_latency_seconds_sum", "", static_cast<double>(latency.sum().count()) / 1e9);
+  sample("transfer_latency_seconds_count", "", static_cast<double>(latency.count()));
+  return out;
 }
 
 std::string MetricsSnapshot::toJson() const {

@@ -44,15 +44,20 @@ class LatencyHistogram {
   // The upper bound of the bucket holding the q-quantile (0 <= q <= 1); 0 when empty.
   std::chrono::nanoseconds quantile(double q) const;
   std::chrono::nanoseconds max() const { return max_; }
+  std::chrono::nanoseconds sum() const { return sum_; }
+  // Recorded latencies at or below `bound` (whole buckets: exact for the bounds upperBound()
+  // gives, 1 us x 2^(b/4)).
+  uint64_t countAtMost(std::chrono::nanoseconds bound) const;
   void merge(const LatencyHistogram& other);
+  static std::chrono::nanoseconds upperBound(size_t bucket);
 
  private:
   static size_t bucketOf(std::chrono::nanoseconds latency);
-  static std::chrono::nanoseconds upperBound(size_t bucket);
 
   std::array<uint64_t, kBuckets> buckets_{};
   uint64_t count_ = 0;
   std::chrono::nanoseconds max_{0};
+  std::chrono::nanoseconds sum_{0};
 };
 
 struct MetricsSnapshot {
@@ -103,6 +108,11 @@ struct MetricsSnapshot {
   void merge(const MetricsSnapshot& other);
   // One JSON object (counters, failures by name, p50/p99/max latency in microseconds).
   std::string toJson() const;
+  // Prometheus' text format (0.0.4), named as vLLM names its connector metrics (vllm:nixl_*):
+  // hxfer:requests_total{outcome}, hxfer:failures_total{cause}, hxfer:bytes_total,
+  // hxfer:transfer_latency_seconds (a histogram, buckets 1 us x 2^k), ...; every sample also
+  // carries `labels` (e.g. role="context",instance="ctx",rank="0"; may be empty).
+  std::string toPrometheus(std::string_view labels) const;
 };
 
 class Metrics {
