@@ -34,7 +34,7 @@ test-tsan: deps
 	@cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DHXFER_BUILD_TESTS=ON \
 	  -DHXFER_SANITIZE=thread >/dev/null
 	@cmake --build build-tsan -j $(JOBS) --target cache_test transport_test transport_hostile_test engine_routing_test \
-	  engine_transceiver_test engine_reliability_test engine_soak_test api_test
+	  engine_transceiver_test engine_reliability_test engine_soak_test api_test hxfer_shared
 	cd build-tsan && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" UCX_MEM_MMAP_HOOK_MODE=none \
 	  ctest --output-on-failure -j $(JOBS) --timeout 900 -L '^(cache|transport|engine|api)$$'
 

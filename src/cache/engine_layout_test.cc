@@ -313,6 +313,38 @@ TEST(EngineLayout, VllmSharedTensorsOverlapOnlyAcrossIdGroupsOfOnePool) {
             std::string::npos);
 }
 
+// vLLM 0.32 allocates every shared tensor in one buffer, tensor t at t * num_blocks * page: a
+// layout described from its tensors (hxfer.vllm) has one region whose later tensors start
+// whole index windows in. Records of different id groups still meet only at one index there;
+// the joint-ids check once assumed every view's records start in the first window and refused
+// such a layout ("views 2 and 6 overlap in region 0" for GraniteMoeHybrid).
+TEST(EngineLayout, VllmSharedTensorsInOneAllocationOverlapOnlyAcrossIdGroupsAtOneIndex) {
+  auto l = buildEngineLayout(sharedModel(), {1, 1, {}}, 0, 0,
+                             *parseEngineLayout("vllm", "", "", "", "on"), 10, 3);
+  ASSERT_TRUE(l.isOk());
+  ASSERT_EQ(l->regions.size(), 2u);
+  RankLayout one = *l;
+  const uint64_t tensor0 = one.regions[0].length;
+  for (PoolView& v : one.views) {
+    if (v.region_id == one.regions[1].id) v.base += tensor0;  // tensor 1 right after tensor 0
+    v.region_id = one.regions[0].id;
+  }
+  one.regions[0].length += one.regions[1].length;
+  one.regions.pop_back();
+  ASSERT_EQ(tensor0 % one.views[0].index_stride, 0u);
+  EXPECT_TRUE(one.validate().isOk()) << one.validate().toString();
+
+  // One group's views a window further in than the other's: state id i and block id i + 1
+  // would share bytes, and both may be live.
+  RankLayout shifted = one;
+  for (PoolView& v : shifted.views) {
+    if (v.role != Role::kKv && v.base >= tensor0) v.base += v.index_stride;
+  }
+  shifted.regions[0].length += shifted.views[0].index_stride;
+  EXPECT_NE(shifted.validate().message().find("overlap in region"), std::string::npos)
+      << shifted.validate().toString();
+}
+
 TEST(EngineLayout, VllmSharedTensorsRefuseSeveralAttentionGroupsAndOptionsElsewhere) {
   ModelSpec m = sharedModel();
   const LayerSpec attn = m.layers[0], mamba = m.layers[1];

@@ -182,21 +182,24 @@ bool interleaveCleanly(const PoolView& vx, const Footprint& x, const PoolView& v
 }
 
 // Views of different id groups that share an index space: every record of index i inside
-// [i * stride, (i + 1) * stride) in both, so only records of the same index meet (allowed
-// under joint ids: never live together).
+// the window [w + i * stride, w + (i + 1) * stride) in both, w the same multiple of the stride
+// (0, or where a layer slot starts in an allocation that holds several: vLLM 0.32 keeps all
+// of them in one buffer), so only records of the same index meet (allowed under joint ids:
+// never live together).
 bool jointlyIndexed(const PoolView& x, const PoolView& y) {
   auto group = [](const PoolView& v) { return v.role == Role::kKv ? 0 : 1 + v.state_group; };
   auto inside = [](const PoolView& v) {
-    uint64_t extent = 0;  // base + (L-1) * layer_stride + span
+    uint64_t extent = 0;  // base % stride + (L-1) * layer_stride + span
     if (__builtin_mul_overflow(v.layers.size() - 1, v.layer_stride, &extent) ||
         __builtin_add_overflow(extent, v.span(), &extent) ||
-        __builtin_add_overflow(extent, v.base, &extent)) {
+        __builtin_add_overflow(extent, v.base % v.index_stride, &extent)) {
       return false;
     }
     return extent <= v.index_stride;
   };
-  return group(x) != group(y) && x.index_stride == y.index_stride &&
-         x.num_indices == y.num_indices && inside(x) && inside(y);
+  return group(x) != group(y) && x.index_stride != 0 && x.index_stride == y.index_stride &&
+         x.num_indices == y.num_indices && x.base / x.index_stride == y.base / y.index_stride &&
+         inside(x) && inside(y);
 }
 
 }  // namespace

@@ -210,17 +210,17 @@ Status checkLayerCount(const Fields& f, size_t count, std::string_view source) {
 }
 
 // Reads layer_types into `is_attention` (sized num_hidden_layers): a name in `attention` marks an
-// attention layer, `recurrent` a recurrent one, and any other name is an error that lists
-// `expected`.
+// attention layer, a name in `recurrent` a recurrent one, and any other name is an error that
+// lists `expected`.
 Status readLayerTypes(const Fields& f, std::initializer_list<std::string_view> attention,
-                      std::string_view recurrent, std::string_view expected,
+                      std::initializer_list<std::string_view> recurrent, std::string_view expected,
                       std::vector<bool>* is_attention) {
   ASSIGN_OR_RETURN(std::vector<std::string> types, f.stringList("layer_types"));
   RETURN_IF_ERROR(checkLayerCount(f, types.size(), "layer_types"));
   for (size_t i = 0; i < types.size(); ++i) {
     if (std::find(attention.begin(), attention.end(), types[i]) != attention.end()) {
       (*is_attention)[i] = true;
-    } else if (types[i] != recurrent) {
+    } else if (std::find(recurrent.begin(), recurrent.end(), types[i]) == recurrent.end()) {
       return f.error("layer_types[" + std::to_string(i) + "]='" + types[i] + "' (expected " +
                      std::string(expected) + ")");
     }
@@ -314,7 +314,7 @@ StatusOr<std::vector<LayerSpec>> importQwen3Next(const Fields& f) {
   ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
   std::vector<bool> is_attention(n);
   if (f.has("layer_types")) {
-    RETURN_IF_ERROR(readLayerTypes(f, {"full_attention", "attention"}, "linear_attention",
+    RETURN_IF_ERROR(readLayerTypes(f, {"full_attention", "attention"}, {"linear_attention"},
                                    "linear_attention or full_attention", &is_attention));
   } else {
     // Hugging Face's rule: layer i is full attention when (i + 1) % interval == 0.
@@ -346,7 +346,11 @@ StatusOr<std::vector<LayerSpec>> importGraniteMoeHybrid(const Fields& f) {
   ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
   std::vector<bool> is_attention(n, false);  // Hugging Face: no layer_types means all mamba
   if (f.has("layer_types")) {
-    RETURN_IF_ERROR(readLayerTypes(f, {"attention"}, "mamba", "mamba or attention", &is_attention));
+    // transformers 5 spells them linear_attention / full_attention (the Qwen3-Next names).
+    RETURN_IF_ERROR(readLayerTypes(f, {"attention", "full_attention"},
+                                   {"mamba", "linear_attention"},
+                                   "mamba, linear_attention, attention or full_attention",
+                                   &is_attention));
   }
   bool any_mamba = false, any_attention = false;
   for (bool a : is_attention) (a ? any_attention : any_mamba) = true;
@@ -404,6 +408,16 @@ StatusOr<std::vector<LayerSpec>> importFalconH1(const Fields& f) {
   return std::vector<LayerSpec>(n, l);
 }
 
+// ---- Llama (attention only) ------------------------------------------------------------------
+
+// Every one of num_hidden_layers is full attention: no recurrent state, only kv. A control for
+// engines whose connector serves hybrid and plain models alike.
+StatusOr<std::vector<LayerSpec>> importLlama(const Fields& f) {
+  ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
+  ASSIGN_OR_RETURN(AttentionShape a, attentionShape(f));
+  return std::vector<LayerSpec>(n, attentionLayer(a));
+}
+
 // ---- dispatch --------------------------------------------------------------------------------
 
 struct Importer {
@@ -419,6 +433,7 @@ constexpr Importer kImporters[] = {
     {"GraniteMoeHybridForCausalLM", "granitemoehybrid", importGraniteMoeHybrid},
     {"JambaForCausalLM", "jamba", importJamba},
     {"FalconH1ForCausalLM", "falcon_h1", importFalconH1},
+    {"LlamaForCausalLM", "llama", importLlama},
 };
 
 std::string supportedList() {

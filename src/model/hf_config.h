@@ -5,9 +5,11 @@
 //                                 * attention, - and E no cache
 //   Mamba2ForCausalLM             every layer mamba2
 //   Qwen3NextForCausalLM          layer_types or full_attention_interval; linear_* -> gdn
-//   GraniteMoeHybridForCausalLM   layer_types "mamba" / "attention"; mamba_* -> mamba2
+//   GraniteMoeHybridForCausalLM   layer_types "mamba" / "attention" (transformers 5:
+//                                 "linear_attention" / "full_attention"); mamba_* -> mamba2
 //   JambaForCausalLM              attn_layer_period / attn_layer_offset; mamba_* -> mamba1
 //   FalconH1ForCausalLM           every layer attention + mamba2 in parallel
+//   LlamaForCausalLM              every layer attention (no recurrent state)
 // Attention head_dim comes from head_dim, attention_head_dim, or hidden_size /
 // num_attention_heads. KV and conv dtypes default to torch_dtype (or dtype; bf16 if absent),
 // the SSM dtype to fp32; tokens_per_block is left at its default (a serving choice).

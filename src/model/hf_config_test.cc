@@ -368,11 +368,11 @@ TEST(HfConfig, UnknownPatternCharacterIsNamedWithItsPosition) {
 
 TEST(HfConfig, UnknownArchitectureIsNamed) {
   Json j = presetJson("tiny-hybrid");
-  j["architectures"] = {"LlamaForCausalLM"};
+  j["architectures"] = {"GPT2LMHeadModel"};
   auto m = importJson(j);
   ASSERT_FALSE(m.isOk());
   EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(m.status().message().rfind("LlamaForCausalLM: unsupported architecture", 0), 0u);
+  EXPECT_EQ(m.status().message().rfind("GPT2LMHeadModel: unsupported architecture", 0), 0u);
   EXPECT_NE(m.status().message().find("NemotronHForCausalLM"), std::string::npos);
 }
 
@@ -390,11 +390,44 @@ TEST(HfConfig, MalformedJsonIsInvalidArgumentNotACrash) {
   }
 }
 
-TEST(HfConfig, SupportedArchitecturesListsAllSix) {
+TEST(HfConfig, SupportedArchitecturesListsAllSeven) {
   EXPECT_EQ(supportedArchitectures(),
             (std::vector<std::string>{"NemotronHForCausalLM", "Mamba2ForCausalLM",
                                       "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
-                                      "JambaForCausalLM", "FalconH1ForCausalLM"}));
+                                      "JambaForCausalLM", "FalconH1ForCausalLM",
+                                      "LlamaForCausalLM"}));
+}
+
+// transformers 5 writes GraniteMoeHybrid's layer_types as Qwen3-Next does (the vLLM test
+// fixtures are saved that way): the same layers as the older mamba / attention names.
+TEST(HfConfig, GraniteLayerTypesInTransformers5NamesAreTheOlderNames) {
+  Json j = presetJson("granite-4.0-h-tiny");
+  ModelSpec old_names = importOk(j);
+  std::vector<std::string> types;
+  for (const auto& t : j["layer_types"]) {
+    types.push_back(t == "attention" ? "full_attention" : "linear_attention");
+  }
+  j["layer_types"] = types;
+  EXPECT_EQ(importOk(j).layers, old_names.layers);
+  j["layer_types"][0] = "sliding_attention";
+  auto m = importJson(j);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_NE(m.status().message().find("layer_types[0]='sliding_attention'"), std::string::npos);
+}
+
+TEST(HfConfig, LlamaIsEveryLayerAttentionWithoutState) {
+  Json j = {{"architectures", {"LlamaForCausalLM"}}, {"num_hidden_layers", 2},
+            {"hidden_size", 128}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+            {"head_dim", 32}, {"torch_dtype", "float32"}};
+  ModelSpec m = importOk(j);
+  ASSERT_EQ(m.numLayers(), 2u);
+  for (const LayerSpec& l : m.layers) {
+    ASSERT_TRUE(l.hasAttention());
+    EXPECT_EQ(*l.attention, (AttentionShape{2, 32}));
+    EXPECT_EQ(l.recurrent, LayerKind::kNone);
+  }
+  j.erase("head_dim");  // hidden_size / num_attention_heads
+  EXPECT_EQ(*importOk(j).layers[0].attention, (AttentionShape{2, 32}));
 }
 
 }  // namespace
