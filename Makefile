@@ -3,7 +3,8 @@ BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHXFER_BUILD_TESTS=ON -DHXFER_BUILD_BENCHMARKS=ON
 
-.PHONY: all deps configure build test test-asan test-tsan soak demo bench fuzz format clean
+.PHONY: all deps configure build test test-asan test-tsan test-vllm vllm-venv soak demo bench fuzz \
+  format clean
 
 all: build
 
@@ -37,6 +38,23 @@ test-tsan: deps
 	  engine_transceiver_test engine_reliability_test engine_soak_test api_test hxfer_shared
 	cd build-tsan && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" UCX_MEM_MMAP_HOOK_MODE=none \
 	  ctest --output-on-failure -j $(JOBS) --timeout 900 -L '^(cache|transport|engine|api)$$'
+
+# The real-engine test (tests/vllm/README.md): vLLM CPU 0.32 prefill/decode pairs moving KV and
+# Mamba state through NIXL and through hxfer's connector must give the tokens of one instance.
+# Not part of `make test`: a 6.5 GB venv (3.2 GB download, reused), and 10-20 minutes of vLLM
+# instances on 2 cores. PYTEST_ARGS narrows it (e.g. PYTEST_ARGS='-k nixl').
+VLLM_VENV ?= $(CURDIR)/$(BUILD_DIR)/vllm-venv
+VLLM_MODELS ?= $(CURDIR)/$(BUILD_DIR)/vllm-models
+VLLM_WORK ?= $(CURDIR)/$(BUILD_DIR)/vllm-test
+vllm-venv: deps
+	@HXFER_VLLM_VENV=$(VLLM_VENV) bash tests/vllm/setup.sh
+
+$(VLLM_MODELS)/models.json: tests/vllm/make_models.py tests/vllm/constraints.txt | vllm-venv
+	$(VLLM_VENV)/bin/python tests/vllm/make_models.py $(VLLM_MODELS)
+
+test-vllm: vllm-venv $(VLLM_MODELS)/models.json
+	HXFER_VLLM_MODELS=$(VLLM_MODELS) HXFER_VLLM_WORK=$(VLLM_WORK) PYTHONDONTWRITEBYTECODE=1 \
+	  $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider -rA tests/vllm/test_vllm_pd.py $(PYTEST_ARGS)
 
 # The bounded soak, longer: every scenario of engine_soak_test (4 in-process fault runs, 4 with
 # rank kills) gets SOAK_SECONDS of faults. SOAK_SEED replays a schedule (printed at the start of
@@ -75,3 +93,9 @@ format:
 
 clean:
 	rm -rf $(BUILD_DIR)
+
+# hxfer's named layouts against the released vLLM and SGLang code, executed (tests/engines/):
+# builds its venv on first use (build/engines-venv), needs the Python module (make build).
+.PHONY: test-engines
+test-engines:
+	bash tests/engines/run.sh --json $(BUILD_DIR)/engines-conformance.json

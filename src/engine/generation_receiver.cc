@@ -819,9 +819,20 @@ void GenerationReceiver::timersLocked() {
   const auto now = Clock::now();
   for (auto& [id, sink] : sinks_) {
     if (!sink->result.terminal() && now > sink->deadline) {
+      // Say what it still waited for: a part queued for a context rank that never became
+      // reachable names that rank and its last connection error.
+      std::string waiting;
+      for (const Part& part : sink->parts) {
+        if (part.state != Part::State::kQueued || part.peer >= peers_.size()) continue;
+        const CtxPeer& peer = *peers_[part.peer];
+        if (peer.state == CtxPeer::State::kReady) continue;
+        waiting += (waiting.empty() ? "; waiting for " : ", ") + std::string("context rank ") +
+                   std::to_string(peer.rank) + " at " + peer.address + ", not connected" +
+                   (peer.last_error.isOk() ? "" : " (" + peer.last_error.toString() + ")");
+      }
       failLocked(*sink,
                  Timeout("request " + std::to_string(id) + " not complete after " +
-                         std::to_string(options_.request_timeout.count()) + " ms"),
+                         std::to_string(options_.request_timeout.count()) + " ms" + waiting),
                  FailureCause::kTimeout);
     }
   }

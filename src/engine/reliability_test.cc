@@ -957,6 +957,30 @@ TEST(Faults, ContextRankGoneRightAfterAcceptingIsRetriedAtOnce) {
   expectNoStrayBytes(**g, "gen");
 }
 
+// A request whose context rank never became reachable (the prefill instance died before its
+// decode asked) times out saying so: the rank, its address and the last connection error, not
+// only "not complete" (an engine logs this line per failed load).
+TEST(Faults, RequestWaitingForAnUnreachableContextRankTimesOutNamingIt) {
+  const ModelSpec model = tinyModel();
+  const std::string gone = uniqueName("ctx-gone");  // nothing ever listens there
+  auto g = startGeneration(model, kTp1, 0, StateLayout::kPaged, Capacity::counts(64, 16), kTp1,
+                           {shmAddress(gone)}, milliseconds(300));
+  ASSERT_TRUE(g.isOk()) << g.status().toString();
+  auto a = (*g)->start(5, 40);
+  ASSERT_TRUE(a.isOk()) << a.status().toString();
+  auto r = (*g)->rx->wait(5, deadline());
+  ASSERT_TRUE(r.isOk()) << r.status().toString();
+  ASSERT_EQ(r->state, RequestResult::State::kFailed);
+  EXPECT_EQ(r->status.code(), StatusCode::kTimeout) << r->status.toString();
+  const std::string m = r->status.message();
+  EXPECT_NE(m.find("not complete after 300 ms; waiting for context rank 0 at " + shmAddress(gone) +
+                   ", not connected ("),
+            std::string::npos)
+      << m;
+  ASSERT_TRUE((*g)->rx->release(5).isOk());
+  expectPagesFree(*(*g)->cache, "gen");
+}
+
 TEST(Faults, PeerRestartedWithAnotherLayoutIsRefusedNamingTheField) {
   LogCapture logs;
   const ModelSpec model = tinyModel();

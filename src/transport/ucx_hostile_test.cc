@@ -104,7 +104,10 @@ class RawClient {
   };
   enum class Outcome { kWelcomed, kRefused, kNoAnswer, kBadChallenge };
 
-  explicit RawClient(const std::string& address) {
+  // `err_mode`: the endpoint's error handling. The client chooses it for its own side: with
+  // NONE, UCX may give it RMA lanes a PEER endpoint does not get (tcp's put_zcopy).
+  explicit RawClient(const std::string& address,
+                     ucp_err_handling_mode_t err_mode = UCP_ERR_HANDLING_MODE_PEER) {
     ucp_config_t* cfg = nullptr;
     if (ucp_config_read(nullptr, nullptr, &cfg) != UCS_OK) return;
     ucp_config_modify(cfg, "TLS", "tcp");
@@ -141,7 +144,7 @@ class RawClient {
     ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
     ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
     ep.sockaddr.addrlen = sizeof(sa);
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_mode = err_mode;
     ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t) {
       static_cast<RawClient*>(arg)->ep_failed_ = true;
     };
@@ -480,6 +483,29 @@ TEST(UcxHostile, EmulatedPutFromAStrangerNeverLands) {
   (void)raw.putRaw(reinterpret_cast<uint64_t>(dst->data()) + 4096, Bytes(4096, 0x11), 1000ms);
   raw.progressFor(200ms);
   EXPECT_EQ(firstChangedByte(*dst), -1) << "a stranger's put landed in the pool";
+  expectHonestWriteLands(*agent, *dst, *key);
+}
+
+// The same stranger with an endpoint without error handling: UCX would then route its put over
+// tcp's own put_zcopy (an rma_bw lane), whose receiving side writes to the address in the
+// request. UCX 1.13 refuses the endpoint at the agent (error handling level mismatch: the
+// agent's endpoints handle peer errors), so the put finds no connection; it must not land.
+TEST(UcxHostile, PutFromAStrangerWithoutErrorHandlingNeverLands) {
+  auto agent = makeAgent(agentConfig("victim"));
+  ASSERT_TRUE(agent);
+  auto dst = sentinelRegion(2, 1 << 20);
+  auto key = agent->registerRegion(*dst, RegionAccess::kRemoteWritable);
+  ASSERT_TRUE(key.isOk()) << key.status().toString();
+  RawClient raw(agent->localAddress(), UCP_ERR_HANDLING_MODE_NONE);
+  ASSERT_TRUE(raw.ok());
+  raw.progressFor(200ms);  // the wireup
+  for (size_t size : {size_t{64}, size_t{4096}, size_t{256} << 10}) {
+    const bool said = raw.putRaw(reinterpret_cast<uint64_t>(dst->data()) + 4096, Bytes(size, 0x5a),
+                                 1000ms);
+    raw.progressFor(200ms);
+    EXPECT_EQ(firstChangedByte(*dst), -1)
+        << "a stranger's " << size << "-byte put landed in the pool (UCX said done: " << said << ")";
+  }
   expectHonestWriteLands(*agent, *dst, *key);
 }
 

@@ -10,7 +10,7 @@
 #   HXFER_ENGINES_BASE    auto (default) | reuse | fresh. torch is most of the cost (PyPI's Linux
 #                         torch pulls the CUDA libraries: ~2.6 GB). reuse: take torch and vLLM's
 #                         dependencies from an existing real-engine venv ($HXFER_VLLM_VENV,
-#                         build/vllm-venv or /work/venvs/vllm) through a .pth file, installing
+#                         build/vllm-venv) through a .pth file, installing
 #                         only what it lacks; fresh: install torch here; auto: reuse when one
 #                         of those venvs imports torch, else fresh.
 #   HXFER_ENGINES_PYTHON  the interpreter of a fresh venv (default /usr/bin/python3)
@@ -39,12 +39,12 @@ base_ok() {  # a venv whose python imports torch
 }
 BASE=""
 if [[ "$MODE" != fresh ]]; then
-  for c in "${HXFER_VLLM_VENV:-}" "$ROOT/build/vllm-venv" /work/venvs/vllm; do
+  for c in "${HXFER_VLLM_VENV:-}" "$ROOT/build/vllm-venv"; do
     if [[ -n "$c" ]] && base_ok "$c"; then BASE=$(cd "$c" && pwd); break; fi
   done
   if [[ -z "$BASE" && "$MODE" == reuse ]]; then
     log "HXFER_ENGINES_BASE=reuse, but no venv that imports torch at \$HXFER_VLLM_VENV," \
-      "build/vllm-venv or /work/venvs/vllm"
+      "build/vllm-venv"
     exit 2
   fi
 fi
