@@ -54,7 +54,7 @@ $(VLLM_MODELS)/models.json: tests/vllm/make_models.py tests/vllm/constraints.txt
 
 test-vllm: vllm-venv $(VLLM_MODELS)/models.json
 	HXFER_VLLM_MODELS=$(VLLM_MODELS) HXFER_VLLM_WORK=$(VLLM_WORK) PYTHONDONTWRITEBYTECODE=1 \
-	  $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider -rA tests/vllm/test_vllm_pd.py $(PYTEST_ARGS)
+	  $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider -rA tests/vllm $(PYTEST_ARGS)
 
 # The bounded soak, longer: every scenario of engine_soak_test (4 in-process fault runs, 4 with
 # rank kills) gets SOAK_SECONDS of faults. SOAK_SEED replays a schedule (printed at the start of

@@ -500,11 +500,12 @@ TEST(UcxHostile, PutFromAStrangerWithoutErrorHandlingNeverLands) {
   ASSERT_TRUE(raw.ok());
   raw.progressFor(200ms);  // the wireup
   for (size_t size : {size_t{64}, size_t{4096}, size_t{256} << 10}) {
-    const bool said = raw.putRaw(reinterpret_cast<uint64_t>(dst->data()) + 4096, Bytes(size, 0x5a),
-                                 1000ms);
+    const bool said =
+        raw.putRaw(reinterpret_cast<uint64_t>(dst->data()) + 4096, Bytes(size, 0x5a), 1000ms);
     raw.progressFor(200ms);
     EXPECT_EQ(firstChangedByte(*dst), -1)
-        << "a stranger's " << size << "-byte put landed in the pool (UCX said done: " << said << ")";
+        << "a stranger's " << size << "-byte put landed in the pool (UCX said done: " << said
+        << ")";
   }
   expectHonestWriteLands(*agent, *dst, *key);
 }

@@ -37,6 +37,10 @@ def pytest_terminal_summary(terminalreporter):
                           f"{'':>5s} {'':>7s} {'':>7s} {t['startup_s'] + t['generate_s']:7.1f}  "
                           f"{note}")
             continue
+        if r["mode"] == "prefix caching on D":
+            tr.write_line(f"{r['model']:15s} {r['mode']:16s} {r['connector']:9s} refused at "
+                          f"startup (exit {r.get('rc')})")
+            continue
         same = sum(d is None for d in div or [])
         tokens = f"{same}/{len(div or [])} identical"  # to the split reference
         m = r.get("kv_transfer_metrics") or {}

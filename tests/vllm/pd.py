@@ -169,6 +169,8 @@ def main():
     ap.add_argument("--sequential", action="store_true",
                     help="generate the prompts one after another, not as one batch")
     ap.add_argument("--no-describe", action="store_true", help="skip the worker layout report")
+    ap.add_argument("--engine-args", default="{}",
+                    help="LLM arguments over ENGINE_ARGS as JSON (e.g. enable_prefix_caching)")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -186,6 +188,7 @@ def main():
 
     kwargs = dict(ENGINE_ARGS, model=args.model, tokenizer=args.model,
                   dtype=model_dtype(args.model))
+    kwargs.update(json.loads(args.engine_args))
     if args.mode != "single":
         if not args.connector:
             ap.error(f"{args.mode} needs --connector")

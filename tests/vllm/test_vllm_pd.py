@@ -460,3 +460,25 @@ def test_prefill_instance_gone_decode_recomputes(single):
     assert int(metrics.get("Num failed transfers", 0)) == len(ref["tokens"]), metrics
     assert int(metrics.get("Num successful transfers", 0)) == 0, metrics
     assert d["tokens"] == ref["tokens"], "D recomputed, yet its tokens differ from one instance"
+
+
+def test_decode_with_prefix_caching_on_a_hybrid_is_refused_at_startup(models):
+    """vLLM CPU 0.32 has no working Mamba prefix caching (align mode), and a Mamba block per
+    position would have to be paired with P's: hxfer's connector refuses it when the decode
+    instance starts, naming the setting and the flag that turns it off, before any request."""
+    model = "nemotron_h"
+    conn = make_connector("hxfer")
+    params = WORK / f"{model}.hxfer.prefix-caching.params.json"
+    params.write_text(json.dumps({"kv_transfer_params": [{}] * len(pd.PROMPT_LENGTHS)}))
+    out = WORK / f"{model}.hxfer.prefix-caching.d.json"
+    out.unlink(missing_ok=True)
+    argv = pd_argv("decode", models / model, out, conn, params=params)
+    argv += ["--engine-args", json.dumps({"enable_prefix_caching": True})]
+    d = Proc(argv, WORK / f"{model}.hxfer.prefix-caching.d.log", base_env(conn.env("kv_consumer")))
+    rc = d.wait()
+    d.stop()
+    text = pathlib.Path(d.log).read_text(errors="replace")
+    report(model, "prefix caching on D", "hxfer", rc=rc)
+    assert rc != 0 and not out.exists(), "D started with prefix caching on a hybrid"
+    assert "hxfer.vllm: the decode instance runs mamba_cache_mode=" in text, d.tail()
+    assert "--no-enable-prefix-caching" in text, d.tail()
