@@ -150,11 +150,12 @@ class _Options:
         seconds = {}
         for k in ("lease_timeout", "request_timeout", "handshake_timeout"):
             v = get(k)
-            if not isinstance(v, (int, float)) or v <= 0:
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or v <= 0):
                 raise ValueError(f"kv_connector_extra_config[{k!r}]={v!r}: expected seconds > 0")
             seconds[k] = float(v)
         port = get("port")
-        if not isinstance(port, int) or not 0 <= port < 65536:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"kv_connector_extra_config['port']={port!r}: expected 0..65535")
         ucx = get("ucx_options")
         if ucx is not None and not isinstance(ucx, dict):
@@ -413,6 +414,7 @@ class _RecvReq:  # D: a load to start in the Receiver for P's instance
     slot: int | None
     group_slots: list[int]
     group_blocks: dict[int, list[int]]  # vLLM group id -> D's blocks loaded (for the controls)
+    failed: str | None = None  # set: not started, reported failed (vLLM waits for it anyway)
 
 
 class HxferConnectorMetadata(KVConnectorMetadata):
@@ -538,17 +540,33 @@ class _Scheduler:
         return n - 1 if self.has_mamba and n > 1 else n
 
     @staticmethod
-    def _remote_ok(params) -> bool:
-        return bool(params.get("hxfer_peers")) and params.get("hxfer_request_id") is not None
+    def _remote_problem(params) -> str | None:
+        """Why P's kv_transfer_params cannot start a load, or None. They arrive in the client's
+        request body (served mode): anything may be in them, and nothing of it may raise in the
+        engine."""
+        peers, rid = params.get("hxfer_peers"), params.get("hxfer_request_id")
+        if not peers or not isinstance(peers, list) or not all(
+                isinstance(p, str) and p for p in peers):
+            return f"hxfer_peers={peers!r} (expected P's Sender addresses, strings)"
+        if isinstance(rid, bool) or not isinstance(rid, int) or not 0 < rid < 2**63:
+            return f"hxfer_request_id={rid!r} (expected an integer in 1..2^63-1)"
+        for k in ("remote_num_tokens", "tp_size"):
+            v = params.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                return f"{k}={v!r} (expected a count)"
+        if params.get("tp_size") not in (None, 0) and params["tp_size"] != len(peers):
+            return f"tp_size={params['tp_size']} with {len(peers)} hxfer_peers"
+        return None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = request.kv_transfer_params
         if not (params and params.get("do_remote_prefill")):
             return 0, False
-        if not self._remote_ok(params):
-            logger.warning("hxfer: request %s has do_remote_prefill without hxfer_peers / "
-                           "hxfer_request_id (params from another connector?): computing it "
-                           "here", request.request_id)
+        problem = self._remote_problem(params)
+        if problem is not None:
+            logger.warning("hxfer: request %s has do_remote_prefill, but its kv_transfer_params "
+                           "cannot start a load (%s; params of another connector?): computing it "
+                           "here", request.request_id, problem)
             return 0, False
         want, remote = self._load_count(request), params.get("remote_num_tokens")
         if self.has_mamba and remote != want:
@@ -564,7 +582,7 @@ class _Scheduler:
         if not (params and params.get("do_remote_prefill")):
             return
         params["do_remote_prefill"] = False  # one load per request
-        if num_external_tokens <= 0 or not self._remote_ok(params):
+        if num_external_tokens <= 0 or self._remote_problem(params) is not None:
             return  # a local hit covers it; P's pages go at its lease
         want = min(self._load_count(request), params.get("remote_num_tokens") or 1 << 62)
         all_ids = blocks.get_block_ids()
@@ -578,17 +596,22 @@ class _Scheduler:
             else:
                 ids = clip_ssm_state_blocks(list(unhashed[g.index]), g.spec.num_speculative_blocks)
                 if not ids:
-                    logger.error("hxfer: request %s has no state block in KV cache group %d: "
-                                 "computing it here", request.request_id, g.index)
-                    return
+                    # vLLM already waits for this load (load_kv_async): it must end, failed, or
+                    # the request and its blocks wait forever.
+                    failed = (f"no state block in KV cache group {g.index} among the request's "
+                              f"new blocks")
+                    break
                 slots.append(ids[-1])
                 group_blocks[g.index] = [ids[-1]]
+        else:
+            failed = None
         self._to_recv[request.request_id] = _RecvReq(
             hxfer_id=int(params["hxfer_request_id"]),
             remote_engine_id=str(params.get("remote_engine_id")),
             peers=tuple(params["hxfer_peers"]), peer_tp=int(params.get("tp_size") or 0),
             num_tokens=want, prefix_tokens=want - num_external_tokens, blocks=attn,
-            slot=slots[0] if slots else None, group_slots=slots[1:], group_blocks=group_blocks)
+            slot=slots[0] if slots else None, group_slots=slots[1:], group_blocks=group_blocks,
+            failed=failed)
         self._loading.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output) -> HxferConnectorMetadata:
@@ -606,8 +629,7 @@ class _Scheduler:
         params = request.kv_transfer_params
         rid = request.request_id
         if rid in self._loading:  # D: aborted while its load runs; vLLM waits for the end
-            self._to_recv.pop(rid, None)
-            self._to_cancel.add(rid)
+            self._to_cancel.add(rid)  # the worker started it already (same schedule() call)
             return False, None
         if not (params and params.get("do_remote_decode")):
             return False, None
@@ -692,7 +714,6 @@ class _Worker:
         self._sent: dict[int, str] = {}  # P: hxfer id -> vLLM request id, pages in the Sender
         self._released_sends: set[str] = set()  # guarded by _lock
         self._loads: dict[str, _Loading] = {}  # D: vLLM request id -> load in flight
-        self._released_loads: set[tuple[int, int]] = set()  # (receiver, hxfer id), by _lock
         self._expired_seen = 0
         self._connected: dict[int, float | None] = {}  # Receiver index -> when it connected
 
@@ -769,16 +790,16 @@ class _Worker:
         if entry is None:
             # One Receiver per P instance (its peers are fixed); each needs a Memory of its own
             # over the same buffer (a Memory serves one Sender or Receiver at a time).
-            memory = self.memory if not self.receivers else hxfer.Memory(self.layout,
-                                                                         dict(self._pools))
+            # (kv_both: the Sender holds the first one.)
+            memory = (self.memory if self.sender is None and not self.receivers
+                      else hxfer.Memory(self.layout, dict(self._pools)))
             index = len(self.receivers)
             rx = hxfer.Receiver(
                 self.layout, memory, peers=list(r.peers), peer_tp=r.peer_tp or len(r.peers),
                 backend=self.opts.backend, token=self.opts.token,
                 instance=f"{self.instance}-decode", checksum=self.opts.checksum,
                 request_timeout=self.opts.request_timeout,
-                handshake_timeout=self.opts.handshake_timeout, ucx_options=self.opts.ucx_options,
-                on_released=lambda i: self._on_load_released(index, i))
+                handshake_timeout=self.opts.handshake_timeout, ucx_options=self.opts.ucx_options)
             entry = self.receivers[key] = (index, rx)
             self._connected[index] = None
             logger.info("hxfer: Receiver for prefill instance %s at %s; %s", r.remote_engine_id,
@@ -802,14 +823,13 @@ class _Worker:
             self.stats.data["connect_duration"].append(t1 - t0)
         logger.info("hxfer: connected to %s in %.1f ms", peers, 1e3 * (t1 - t0))
 
-    def _on_load_released(self, receiver_index: int, hxfer_id: int):  # an hxfer thread
-        with self._lock:
-            self._released_loads.add((receiver_index, hxfer_id))
-
     def _start(self, rid: str, r: _RecvReq):
+        if r.failed is not None:  # the scheduler could not describe it: nothing to start
+            self._loads[rid] = _Loading(r, None, failed=r.failed)
+            return
         try:
             index, rx = self._receiver(r)
-        except hxfer.Error as e:
+        except Exception as e:  # noqa: BLE001  hxfer.Error, or a TypeError on hostile params
             self._loads[rid] = _Loading(r, None, failed=f"no Receiver for {list(r.peers)}: {e}")
             return
         load = _Loading(r, rx, index)
@@ -817,20 +837,17 @@ class _Worker:
         try:
             rx.start(r.hxfer_id, num_tokens=r.num_tokens, blocks=r.blocks, slot=r.slot,
                      prefix_tokens=r.prefix_tokens, group_slots=r.group_slots or None)
-        except hxfer.Error as e:
+        except Exception as e:  # noqa: BLE001  hxfer.Error, or pybind refusing an argument
             load.failed = f"start: {e}"
-            if e.code == "InvalidArgument":  # refused validating its pages: it took nothing
+            # Refused before taking the pages (a bad argument, a context rank down or refused),
+            # or failed after and already freed them: nothing of this load is fenced.
+            if not rx.holds(r.hxfer_id):
                 load.rx = None
 
-    def _released(self, load: _Loading) -> bool:
-        if load.rx is None:
-            return True
-        key = (load.rx_index, load.req.hxfer_id)
-        with self._lock:
-            if key in self._released_loads:
-                self._released_loads.discard(key)
-                return True
-        return False
+    @staticmethod
+    def _released(load: _Loading) -> bool:
+        """Whether hxfer no longer fences the load's pages: no write of P can land in them."""
+        return load.rx is None or not load.rx.holds(load.req.hxfer_id)
 
     def _poll_loads(self, done: set[str], failed: set[str]):
         for rid, load in list(self._loads.items()):
@@ -840,8 +857,6 @@ class _Worker:
                     continue
                 if r.ok:
                     load.rx.release(load.req.hxfer_id)  # the pages are vLLM's again
-                    with self._lock:
-                        self._released_loads.discard((load.rx_index, load.req.hxfer_id))
                     with self._lock:
                         connected = self._connected.get(load.rx_index)
                         waited = max(0.0, connected - load.started) if connected else 0.0
@@ -1017,8 +1032,9 @@ class HxferConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.transfer_results()
 
     def get_finished(self, finished_req_ids):
-        r = self._worker.transfer_results()
-        return r.finished_sending or None, r.finished_recving or None
+        # It cannot say that a load failed: a caller would decode from pages never written.
+        raise NotImplementedError("hxfer.vllm reports transfers through get_transfer_results "
+                                  "(failed loads included); vLLM 0.32 calls only that")
 
     def get_kv_connector_stats(self):
         return self._worker.connector_stats() if self._worker is not None else None

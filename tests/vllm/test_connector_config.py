@@ -87,3 +87,138 @@ def test_transfer_stats_are_in_nixls_units_and_aggregate():
     assert r["Num failed transfers"] == 1
     assert not s.is_empty() and s.clone_and_reset().reduce()["Num successful transfers"] == 2
     assert s.is_empty()
+
+
+# ---------------------------------------------------------------------------------------------
+# The state machines of both sides, driven directly (no vLLM instance), with real hxfer peers.
+
+np = pytest.importorskip("numpy")
+import hxfer  # noqa: E402
+import time  # noqa: E402
+
+
+def _vllm_config(role="kv_consumer", tp=1):
+    return types.SimpleNamespace(
+        kv_transfer_config=types.SimpleNamespace(kv_role=role, engine_id=f"engine-{role}"),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp))
+
+
+def _request(params, n=100):
+    return types.SimpleNamespace(kv_transfer_params=params, request_id="r1",
+                                 prompt_token_ids=list(range(n)))
+
+
+@pytest.mark.parametrize("bad", [
+    {"hxfer_peers": "ucx:127.0.0.1:1", "hxfer_request_id": 5},
+    {"hxfer_peers": [7], "hxfer_request_id": 5},
+    {"hxfer_peers": ["ucx:127.0.0.1:1"], "hxfer_request_id": -5},
+    {"hxfer_peers": ["ucx:127.0.0.1:1"], "hxfer_request_id": 2**64},
+    {"hxfer_peers": ["ucx:127.0.0.1:1"], "hxfer_request_id": "5"},
+    {"hxfer_peers": ["ucx:127.0.0.1:1"], "hxfer_request_id": 5, "remote_num_tokens": "99"},
+    {"hxfer_peers": ["ucx:127.0.0.1:1"], "hxfer_request_id": 5, "tp_size": 2},
+])
+def test_hostile_kv_transfer_params_are_computed_locally_not_raised(bad):
+    """They come from the client's request body: the scheduler must neither raise nor load."""
+    sched = hv._Scheduler(_vllm_config(), None, [], hv._Options.parse({}))
+    assert sched.get_num_new_matched_tokens(_request(dict(bad, do_remote_prefill=True)), 0) == (
+        0, False)
+    good = {"do_remote_prefill": True, "hxfer_peers": ["ucx:127.0.0.1:1"], "hxfer_request_id": 5,
+            "remote_num_tokens": 100, "tp_size": 1}
+    assert sched.get_num_new_matched_tokens(_request(good), 0) == (100, True)
+
+
+def test_a_load_without_a_state_block_is_queued_failed_not_dropped():
+    """vLLM waits for every load it was told of (load_kv_async): one that cannot start must
+    still end, reported failed, or the request and its blocks wait forever."""
+    mamba = hv._Group(0, "mamba", types.SimpleNamespace(num_speculative_blocks=0), ("l.0",))
+    attn = hv._Group(1, "attention", types.SimpleNamespace(block_size=16), ("l.1",))
+    sched = hv._Scheduler(_vllm_config(), None, [mamba, attn], hv._Options.parse({}))
+    params = {"do_remote_prefill": True, "hxfer_peers": ["ucx:127.0.0.1:1"],
+              "hxfer_request_id": 5, "remote_num_tokens": 99, "tp_size": 1}
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([], list(range(1, 8))),
+                                   get_unhashed_block_ids_all_groups=lambda: ([], []))
+    sched.update_state_after_alloc(_request(params), blocks, 99)
+    r = sched.build_connector_meta(None).reqs_to_recv["r1"]
+    assert r.failed and "no state block in KV cache group 0" in r.failed
+
+
+def _memory(layout):
+    pools = {p["name"]: np.zeros(p["bytes"], np.uint8) for p in layout.pools()}
+    return hxfer.Memory(layout, pools), pools
+
+
+def _worker(layout, role="kv_consumer", **extra):
+    w = hv._Worker(_vllm_config(role), None, [],
+                   hv._Options.parse(dict({"backend": "ucx", "request_timeout": 5,
+                                           "handshake_timeout": 5}, **extra)))
+    w.layout = layout
+    w.memory, w._pools = _memory(layout)
+    return w
+
+
+def _results_until(worker, rid, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = worker.transfer_results()
+        if rid in out.finished_recving:
+            return out
+        time.sleep(0.02)
+    raise AssertionError(f"load {rid} never reported (loads in flight: {list(worker._loads)})")
+
+
+def _load(hxfer_id, address, blocks=(3, 4), slot=2):
+    return hv._RecvReq(hxfer_id=hxfer_id, remote_engine_id="P", peers=(address,), peer_tp=1,
+                       num_tokens=40, prefix_tokens=0, blocks=list(blocks), slot=slot,
+                       group_slots=[], group_blocks={})
+
+
+@pytest.fixture
+def layout():
+    return hxfer.Layout.engine("vllm", model="tiny-hybrid", tp=1, num_blocks=64, num_slots=8)
+
+
+def test_loads_after_the_prefill_instance_went_away_are_reported_failed_not_waited_for(layout):
+    """A load hxfer refuses before taking its pages (its context rank is down) is never
+    released by hxfer: it must be reported failed at once, not waited for forever."""
+    tx_mem, _ = _memory(layout)
+    tx = hxfer.Sender(layout, tx_mem, listen="127.0.0.1:0", backend="ucx", instance="p")
+    w = _worker(layout)
+    try:
+        tx.mark_ready(1, blocks=[1, 2], slot=1)
+        w._start("a", _load(1, tx.address))
+        out = _results_until(w, "a")
+        assert "a" not in out.failed_recving
+        tx.shutdown()
+        time.sleep(1.0)  # the Receiver sees its context rank go
+        for i, rid in enumerate(("b", "c")):
+            w._start(rid, _load(2 + i, tx.address, blocks=(5 + 2 * i, 6 + 2 * i), slot=3 + i))
+            out = _results_until(w, rid)
+            assert rid in out.failed_recving
+        assert not w._loads
+        assert w.stats.data["num_failed_transfers"] == 2
+    finally:
+        w.shutdown()
+        tx.shutdown()
+
+
+def test_a_kv_both_worker_loads_with_a_memory_of_its_own(layout):
+    """kv_both: the Sender holds the worker's first Memory; its Receivers need their own."""
+    tx_mem, _ = _memory(layout)
+    tx = hxfer.Sender(layout, tx_mem, listen="127.0.0.1:0", backend="ucx", instance="p")
+    w = _worker(layout, role="kv_both")
+    w.sender = hxfer.Sender(layout, w.memory, listen="127.0.0.1:0", backend="ucx",
+                            instance="both")
+    try:
+        tx.mark_ready(7, blocks=[1, 2], slot=1)
+        w._start("a", _load(7, tx.address))
+        out = _results_until(w, "a")
+        assert "a" not in out.failed_recving, w.stats.data
+    finally:
+        w.shutdown()
+        tx.shutdown()
+
+
+def test_get_finished_refuses_rather_than_hide_a_failed_load():
+    c = hv.HxferConnector.__new__(hv.HxferConnector)
+    with pytest.raises(NotImplementedError, match="get_transfer_results"):
+        c.get_finished(set())
