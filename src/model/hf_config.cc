@@ -347,10 +347,9 @@ StatusOr<std::vector<LayerSpec>> importGraniteMoeHybrid(const Fields& f) {
   std::vector<bool> is_attention(n, false);  // Hugging Face: no layer_types means all mamba
   if (f.has("layer_types")) {
     // transformers 5 spells them linear_attention / full_attention (the Qwen3-Next names).
-    RETURN_IF_ERROR(readLayerTypes(f, {"attention", "full_attention"},
-                                   {"mamba", "linear_attention"},
-                                   "mamba, linear_attention, attention or full_attention",
-                                   &is_attention));
+    RETURN_IF_ERROR(
+        readLayerTypes(f, {"attention", "full_attention"}, {"mamba", "linear_attention"},
+                       "mamba, linear_attention, attention or full_attention", &is_attention));
   }
   bool any_mamba = false, any_attention = false;
   for (bool a : is_attention) (a ? any_attention : any_mamba) = true;

@@ -391,11 +391,11 @@ TEST(HfConfig, MalformedJsonIsInvalidArgumentNotACrash) {
 }
 
 TEST(HfConfig, SupportedArchitecturesListsAllSeven) {
-  EXPECT_EQ(supportedArchitectures(),
-            (std::vector<std::string>{"NemotronHForCausalLM", "Mamba2ForCausalLM",
-                                      "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
-                                      "JambaForCausalLM", "FalconH1ForCausalLM",
-                                      "LlamaForCausalLM"}));
+  EXPECT_EQ(
+      supportedArchitectures(),
+      (std::vector<std::string>{"NemotronHForCausalLM", "Mamba2ForCausalLM", "Qwen3NextForCausalLM",
+                                "GraniteMoeHybridForCausalLM", "JambaForCausalLM",
+                                "FalconH1ForCausalLM", "LlamaForCausalLM"}));
 }
 
 // transformers 5 writes GraniteMoeHybrid's layer_types as Qwen3-Next does (the vLLM test
@@ -416,9 +416,13 @@ TEST(HfConfig, GraniteLayerTypesInTransformers5NamesAreTheOlderNames) {
 }
 
 TEST(HfConfig, LlamaIsEveryLayerAttentionWithoutState) {
-  Json j = {{"architectures", {"LlamaForCausalLM"}}, {"num_hidden_layers", 2},
-            {"hidden_size", 128}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
-            {"head_dim", 32}, {"torch_dtype", "float32"}};
+  Json j = {{"architectures", {"LlamaForCausalLM"}},
+            {"num_hidden_layers", 2},
+            {"hidden_size", 128},
+            {"num_attention_heads", 4},
+            {"num_key_value_heads", 2},
+            {"head_dim", 32},
+            {"torch_dtype", "float32"}};
   ModelSpec m = importOk(j);
   ASSERT_EQ(m.numLayers(), 2u);
   for (const LayerSpec& l : m.layers) {

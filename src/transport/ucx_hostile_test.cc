@@ -96,6 +96,31 @@ Bytes messageHeader(uint64_t seq) {
   return h;
 }
 
+// "ucx:IP:PORT" as a socket address; false when it is not one.
+bool ucxSockaddr(const std::string& address, sockaddr_in* sa) {
+  const std::string ip_port = address.substr(4);
+  const auto colon = ip_port.rfind(':');
+  *sa = sockaddr_in{};
+  sa->sin_family = AF_INET;
+  sa->sin_port = htons(static_cast<uint16_t>(std::stoi(ip_port.substr(colon + 1))));
+  return inet_pton(AF_INET, ip_port.substr(0, colon).c_str(), &sa->sin_addr) == 1;
+}
+
+// A client endpoint's parameters towards `sa` (which must outlive the ucp_ep_create call).
+ucp_ep_params_t clientEndpoint(const sockaddr_in& sa, ucp_err_handling_mode_t err_mode,
+                               ucp_err_handler_cb_t on_error, void* arg) {
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
+  ep.sockaddr.addrlen = sizeof(sa);
+  ep.err_mode = err_mode;
+  ep.err_handler.cb = on_error;
+  ep.err_handler.arg = arg;
+  return ep;
+}
+
 // A UCP client of its own (context, worker, one endpoint to the agent's listener), progressed
 // only by the test thread. Not thread-safe.
 class RawClient {
@@ -134,24 +159,12 @@ class RawClient {
       hp.arg = this;
       if (ucp_worker_set_am_recv_handler(worker_, &hp) != UCS_OK) return;
     }
-    // "ucx:IP:PORT"
-    const std::string ip_port = address.substr(4);
-    const auto colon = ip_port.rfind(':');
     sockaddr_in sa{};
-    sa.sin_family = AF_INET;
-    sa.sin_port = htons(static_cast<uint16_t>(std::stoi(ip_port.substr(colon + 1))));
-    if (inet_pton(AF_INET, ip_port.substr(0, colon).c_str(), &sa.sin_addr) != 1) return;
-    ucp_ep_params_t ep{};
-    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
-    ep.sockaddr.addrlen = sizeof(sa);
-    ep.err_mode = err_mode;
-    ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t) {
-      static_cast<RawClient*>(arg)->ep_failed_ = true;
-    };
-    ep.err_handler.arg = this;
+    if (!ucxSockaddr(address, &sa)) return;
+    ucp_ep_params_t ep = clientEndpoint(
+        sa, err_mode,
+        [](void* arg, ucp_ep_h, ucs_status_t) { static_cast<RawClient*>(arg)->ep_failed_ = true; },
+        this);
     if (ucp_ep_create(worker_, &ep, &ep_) != UCS_OK) ep_ = nullptr;
   }
 
@@ -847,29 +860,17 @@ uint64_t floodFromOneWorker(const std::string& address, int n, int stop_fd) {
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
   ucp_worker_h worker = nullptr;
   if (ucp_worker_create(context, &wp, &worker) != UCS_OK) return 0;
-  const std::string ip_port = address.substr(4);  // "ucx:IP:PORT"
-  const auto colon = ip_port.rfind(':');
   sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(static_cast<uint16_t>(std::stoi(ip_port.substr(colon + 1))));
-  if (inet_pton(AF_INET, ip_port.substr(0, colon).c_str(), &sa.sin_addr) != 1) return 0;
+  if (!ucxSockaddr(address, &sa)) return 0;
   struct Slot {
     ucp_ep_h ep = nullptr;
     bool failed = true;
   };
   std::vector<Slot> slots(static_cast<size_t>(n));  // never resized: the handlers point in
   auto open = [&](Slot& slot) {
-    ucp_ep_params_t ep{};
-    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
-    ep.sockaddr.addrlen = sizeof(sa);
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t) {
-      static_cast<Slot*>(arg)->failed = true;
-    };
-    ep.err_handler.arg = &slot;
+    ucp_ep_params_t ep = clientEndpoint(
+        sa, UCP_ERR_HANDLING_MODE_PEER,
+        [](void* arg, ucp_ep_h, ucs_status_t) { static_cast<Slot*>(arg)->failed = true; }, &slot);
     slot.failed = false;
     if (ucp_ep_create(worker, &ep, &slot.ep) != UCS_OK) {
       slot.ep = nullptr;
