@@ -4,7 +4,9 @@
 //   hxfer.Layout        Layout::engine(...) with keyword options; pools(), describe(), ...
 //   hxfer.Memory        Memory::wrap() over Python buffers, taken without a copy: anything with
 //                       the writable buffer protocol (numpy, bytearray, memoryview), a CPU torch
-//                       tensor (data_ptr()), a hxfer.SharedBuffer (shareable over shm).
+//                       tensor (data_ptr()), a hxfer.SharedBuffer (shareable over shm). CUDA
+//                       memory (a torch cuda tensor, __cuda_array_interface__, DLPack) becomes a
+//                       kCuda Buffer, which Memory::wrap refuses in this version.
 //   hxfer.SharedBuffer  SharedBuffer::allocate(); exports a writable 1-D uint8 buffer.
 //   hxfer.Sender        the context rank; a context manager.
 //   hxfer.Receiver      the generation rank; a context manager. wait()/poll() give Result.
@@ -302,6 +304,7 @@ class HeldBuffer {
       *out = sb.buffer->buffer();
       return;
     }
+    if (acquireDevice(where, out)) return;
     if (PyObject_CheckBuffer(obj.ptr())) {
       if (PyBytes_Check(obj.ptr())) throwInvalid(where + "buffer is read-only (bytes)");
       view_ = std::make_unique<Py_buffer>();
@@ -334,7 +337,7 @@ class HeldBuffer {
                                     : std::string(py::str(device));
       if (device_type != "cpu") {
         throwInvalid(where + "tensor on " + std::string(py::str(device)) +
-                     ": CUDA/device memory is not supported in this version (host memory only)");
+                     ": hxfer takes host memory and CUDA device memory, not " + device_type);
       }
       if (!obj.attr("is_contiguous")().cast<bool>()) {
         throwInvalid(where + "tensor is not contiguous; pass tensor.contiguous()");
@@ -392,6 +395,186 @@ class HeldBuffer {
   }
 
  private:
+  // DLPack's device types hxfer knows (dlpack.h's DLDeviceType) and its C structs, as the
+  // DLPack ABI fixes them (a capsule named "dltensor" holds a DLManagedTensor*).
+  static constexpr int kDLCPU = 1;
+  static constexpr int kDLCUDA = 2;
+  static constexpr int kDLCUDAHost = 3;
+  static constexpr int kDLCUDAManaged = 13;
+  struct DLDevice {
+    int32_t device_type;
+    int32_t device_id;
+  };
+  struct DLDataType {
+    uint8_t code;
+    uint8_t bits;
+    uint16_t lanes;
+  };
+  struct DLTensor {
+    void* data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t* shape;
+    int64_t* strides;
+    uint64_t byte_offset;
+  };
+
+  // REQUIRES: the GIL. Where obj_ is device memory (a torch tensor on cuda, an object with
+  // __cuda_array_interface__, or one whose __dlpack_device__ is not the CPU), fills `out` with a
+  // kCuda buffer, or throws naming the pool and what is wrong, and returns true; false for
+  // host memory. Memory::wrap decides what device memory can do.
+  bool acquireDevice(const std::string& where, hxfer::Buffer* out) {
+    py::handle obj = obj_;
+    const bool torch_like = py::hasattr(obj, "data_ptr") && py::hasattr(obj, "is_contiguous") &&
+                            py::hasattr(obj, "device") && py::hasattr(obj.attr("device"), "type");
+    const bool torch_cuda =
+        torch_like && std::string(py::str(obj.attr("device").attr("type"))) == "cuda";
+    if (torch_like && !torch_cuda) return false;  // the tensor path takes or names it
+    std::optional<std::pair<int, int>> dl;        // __dlpack_device__(): (device type, id)
+    if (!torch_like && py::hasattr(obj, "__dlpack_device__")) {
+      try {
+        py::tuple t = obj.attr("__dlpack_device__")();
+        dl = {t[0].cast<int>(), t[1].cast<int>()};
+      } catch (const py::error_already_set& e) {
+        throwInvalid(where + typeName(obj) + ".__dlpack_device__() failed: " + pyError(e));
+      } catch (const py::cast_error& e) {
+        throwInvalid(where + typeName(obj) + ".__dlpack_device__() is not (type, id): " +
+                     e.what());
+      }
+    }
+    const bool cai = !torch_like && py::hasattr(obj, "__cuda_array_interface__");
+    if (!cai && !torch_cuda && (!dl || dl->first == kDLCPU)) return false;
+    if (dl && dl->first != kDLCUDA && dl->first != kDLCUDAManaged) {
+      throwInvalid(where + typeName(obj) + " is on DLPack device type " +
+                   std::to_string(dl->first) +
+                   (dl->first == kDLCUDAHost ? " (CUDA pinned host memory: pass it as a CPU "
+                                               "tensor or numpy array)"
+                                             : "") +
+                   "; hxfer takes host memory and CUDA device memory (type 2)");
+    }
+    int device = -1;
+    uintptr_t ptr = 0;
+    uint64_t bytes = 0;
+    if (torch_cuda) {
+      py::object index = obj.attr("device").attr("index");
+      device = index.is_none() ? -1 : index.cast<int>();
+      if (!obj.attr("is_contiguous")().cast<bool>()) {
+        throwInvalid(where + "tensor is not contiguous; pass tensor.contiguous()");
+      }
+      ptr = obj.attr("data_ptr")().cast<uintptr_t>();
+      bytes = obj.attr("numel")().cast<uint64_t>() * obj.attr("element_size")().cast<uint64_t>();
+      if (py::hasattr(obj, "untyped_storage")) storage_ = obj.attr("untyped_storage")();
+      tensor_ = true;
+    } else if (cai) {
+      if (dl) device = dl->second;
+      readCudaArrayInterface(where, &ptr, &bytes);
+    } else {
+      device = dl->second;
+      readDlpack(where, &ptr, &bytes);
+    }
+    if (device < 0) {
+      throwInvalid(where + typeName(obj) +
+                   " is CUDA memory of no known device: hxfer needs the device ordinal (give "
+                   "the object a __dlpack_device__(), or pass a torch tensor)");
+    }
+    if (ptr == 0 && bytes > 0) throwInvalid(where + "CUDA buffer at address 0");
+    *out = hxfer::Buffer{reinterpret_cast<void*>(ptr), bytes, hxfer::MemoryKind::kCuda, -1};
+    out->device = device;
+    where_ = {ptr, bytes};
+    return true;
+  }
+
+  // Bytes of `shape` elements of `itemsize` when `strides` (element strides in bytes, or none)
+  // are C-contiguous; throws naming the pool otherwise.
+  static uint64_t contiguousBytes(const std::string& where, const std::vector<int64_t>& shape,
+                                  const std::vector<int64_t>* strides, uint64_t itemsize) {
+    uint64_t n = itemsize;
+    for (int64_t d : shape) {
+      if (d < 0) throwInvalid(where + "negative extent " + std::to_string(d) + " in the shape");
+      n *= static_cast<uint64_t>(d);
+    }
+    if (strides != nullptr && n > 0) {
+      if (strides->size() != shape.size()) throwInvalid(where + "strides and shape differ in rank");
+      int64_t expect = static_cast<int64_t>(itemsize);
+      for (size_t i = shape.size(); i-- > 0;) {
+        if (shape[i] != 1 && (*strides)[i] != expect) {
+          throwInvalid(where + "device buffer is not contiguous (stride " +
+                       std::to_string((*strides)[i]) + " where " + std::to_string(expect) +
+                       " would be); pass a contiguous copy");
+        }
+        expect *= shape[i];
+      }
+    }
+    return n;
+  }
+
+  void readCudaArrayInterface(const std::string& where, uintptr_t* ptr, uint64_t* bytes) {
+    try {
+      py::dict cai = obj_.attr("__cuda_array_interface__");
+      py::tuple data = cai["data"];
+      if (data[1].cast<bool>()) throwInvalid(where + "device buffer is read-only");
+      *ptr = data[0].cast<uintptr_t>();
+      const std::string typestr = cai["typestr"].cast<std::string>();
+      if (typestr.size() < 3) throwInvalid(where + "typestr '" + typestr + "' has no size");
+      const uint64_t itemsize = std::stoull(typestr.substr(2));
+      const auto shape = cai["shape"].cast<std::vector<int64_t>>();
+      std::optional<std::vector<int64_t>> strides;
+      if (cai.contains("strides") && !cai["strides"].is_none()) {
+        strides = cai["strides"].cast<std::vector<int64_t>>();
+      }
+      *bytes = contiguousBytes(where, shape, strides ? &*strides : nullptr, itemsize);
+    } catch (const py::error_already_set& e) {
+      throwInvalid(where + "malformed __cuda_array_interface__: " + pyError(e));
+    } catch (const py::cast_error& e) {
+      throwInvalid(where + "malformed __cuda_array_interface__: " + e.what());
+    } catch (const std::logic_error& e) {  // stoull
+      throwInvalid(where + "malformed __cuda_array_interface__ typestr: " + e.what());
+    }
+  }
+
+  // Reads the DLTensor of obj_.__dlpack__() without consuming it: the capsule is held (its
+  // destructor hands the tensor back to its producer when hxfer lets go of it).
+  void readDlpack(const std::string& where, uintptr_t* ptr, uint64_t* bytes) {
+    py::object capsule;
+    try {
+      capsule = obj_.attr("__dlpack__")();
+    } catch (const py::error_already_set& e) {
+      throwInvalid(where + typeName(obj_) + ".__dlpack__() failed: " + pyError(e));
+    }
+    if (!PyCapsule_IsValid(capsule.ptr(), "dltensor")) {
+      throwInvalid(where + typeName(obj_) +
+                   ".__dlpack__() gave no unconsumed capsule named 'dltensor'");
+    }
+    // A DLManagedTensor begins with its DLTensor. DLPack 1.0's versioned capsule
+    // ("dltensor_versioned") is another struct: __dlpack__() without max_version gives this one.
+    const auto* t = static_cast<const DLTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+    if (t == nullptr || t->ndim < 0 || (t->ndim > 0 && t->shape == nullptr)) {
+      throwInvalid(where + "malformed DLPack tensor");
+    }
+    if ((t->dtype.bits * uint32_t{t->dtype.lanes}) % 8 != 0) {
+      throwInvalid(where + "DLPack elements of " + std::to_string(t->dtype.bits) +
+                   " bits are not whole bytes");
+    }
+    std::vector<int64_t> shape(t->shape, t->shape + t->ndim);
+    const uint64_t itemsize = t->dtype.bits * uint64_t{t->dtype.lanes} / 8;
+    std::optional<std::vector<int64_t>> strides;
+    if (t->strides != nullptr) {
+      strides.emplace();
+      for (int i = 0; i < t->ndim; ++i) {
+        strides->push_back(t->strides[i] * static_cast<int64_t>(itemsize));  // elements -> bytes
+      }
+    }
+    *bytes = contiguousBytes(where, shape, strides ? &*strides : nullptr, itemsize);
+    *ptr = reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
+    storage_ = capsule;
+  }
+
+  // "TypeError: message", without the traceback pybind11 appends to what().
+  static std::string pyError(const py::error_already_set& e) {
+    return std::string(py::str(e.type().attr("__name__"))) + ": " + std::string(py::str(e.value()));
+  }
+
   static std::string hex(uintptr_t v) {
     char buf[32];
     std::snprintf(buf, sizeof(buf), "%llx", static_cast<unsigned long long>(v));

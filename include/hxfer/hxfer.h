@@ -28,6 +28,7 @@
 // (shared handles), safe to copy and share.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -254,11 +255,18 @@ enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 // One engine buffer: `bytes` at `data`. `fd` (-1: none) is a memfd whose offset 0 is `data`,
 // sealed against shrinking and growing (SharedBuffer makes such); with it the shm transport can
 // share the buffer with same-host peers, without it traffic goes through UCX.
+//
+// kCuda: `data` is CUDA device memory of the device whose ordinal in this process is `device`
+// (as torch's tensor.device.index), `device_uuid` its UUID where the engine knows it (all
+// zero: not given), and `fd` is -1. No path of this version moves device memory: Memory::wrap
+// refuses such a buffer naming its pool, its device and the path that is missing.
 struct Buffer {
   void* data = nullptr;
   uint64_t bytes = 0;
   MemoryKind kind = MemoryKind::kHost;
   int fd = -1;
+  int device = -1;                        // kCuda only
+  std::array<uint8_t, 16> device_uuid{};  // kCuda only; as cudaDeviceProp::uuid
 };
 
 // Host memory the shm transport can share: a sealed memfd mapped here, pre-faulted. An engine
@@ -289,9 +297,11 @@ class SharedBuffer {
 class Memory {
  public:
   // InvalidArgument naming the pool: a pool without a buffer, a buffer for no pool, a buffer
-  // smaller than its pool (both sizes), a null pointer, MemoryKind::kCuda (host memory only in
-  // this version), an fd that does not map the buffer from offset 0. PermissionDenied: an fd
-  // that is not a memfd sealed against shrinking and growing.
+  // smaller than its pool (both sizes), a null pointer, a kind that is neither kHost nor
+  // kCuda, a kCuda buffer without a device ordinal or with an fd, an fd that does not map the
+  // buffer from offset 0. Incompatible naming the pool, the device and the missing path: a
+  // well-formed kCuda buffer (host memory only in this version). PermissionDenied: an fd that
+  // is not a memfd sealed against shrinking and growing.
   static StatusOr<Memory> wrap(const Layout& layout, const std::map<std::string, Buffer>& buffers);
 
   const Layout& layout() const;

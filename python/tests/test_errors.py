@@ -142,7 +142,7 @@ def test_tensor_off_the_cpu_is_refused_as_unsupported_device_memory(lay):
     with raises("InvalidArgument") as e:
         hxfer.Memory(lay, bufs)
     assert f"pool {pool['name']}" in e.value.message
-    assert "not supported in this version" in e.value.message
+    assert "hxfer takes host memory and CUDA device memory, not meta" in e.value.message
 
 
 def test_non_contiguous_tensor_is_refused(lay):

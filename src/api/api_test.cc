@@ -487,11 +487,39 @@ TEST(ApiMemory, RefusesAMissingPoolAnUnknownNameAShortBufferAndDeviceMemory) {
   aliased[second] = Buffer{both.data() + l->pools()[0].bytes, l->pools()[1].bytes};
   EXPECT_TRUE(Memory::wrap(*l, aliased).isOk()) << "adjacent pools do not overlap";
 
+  // Device memory: malformed buffers name the field, well-formed ones the missing path.
   auto device = buffers;
   device[first].kind = MemoryKind::kCuda;
   m = Memory::wrap(*l, device);
   ASSERT_FALSE(m.isOk());
-  EXPECT_NE(m.status().message().find("CUDA"), std::string::npos) << m.status().toString();
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument) << m.status().toString();
+  EXPECT_NE(m.status().message().find("pool " + first + ": CUDA buffer without a device"),
+            std::string::npos)
+      << m.status().toString();
+  device[first].device = 1;
+  device[first].fd = 5;
+  m = Memory::wrap(*l, device);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_NE(m.status().message().find("fd 5 given with memory of CUDA device 1"), std::string::npos)
+      << m.status().toString();
+  device[first].fd = -1;
+  device[first].device_uuid = {0x5f, 0x0a, 0x11, 0x22, 0x33, 0x44, 0x55, 0x66,
+                               0x77, 0x88, 0x99, 0xaa, 0xbb, 0xcc, 0xdd, 0xee};
+  m = Memory::wrap(*l, device);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_EQ(m.status().code(), StatusCode::kIncompatible) << m.status().toString();
+  EXPECT_NE(m.status().message().find("pool " + first +
+                                      ": memory of CUDA device 1 "
+                                      "(GPU-5f0a1122-3344-5566-7788-99aabbccddee) has no path"),
+            std::string::npos)
+      << m.status().toString();
+  EXPECT_NE(m.status().message().find("same-host CUDA transport"), std::string::npos);
+  auto unknown = buffers;
+  unknown[first].kind = static_cast<MemoryKind>(7);
+  m = Memory::wrap(*l, unknown);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_NE(m.status().message().find("unknown MemoryKind 7"), std::string::npos)
+      << m.status().toString();
 
   auto bad_fd = buffers;
   bad_fd[first].fd = 0;  // stdin: not a sealed memfd

@@ -627,6 +627,44 @@ int SharedBuffer::fd() const { return impl_->region->fd(); }
 
 // ---- Memory ----
 
+namespace {
+
+// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" as nvidia-smi prints it, or "" when all zero.
+std::string uuidText(const std::array<uint8_t, 16>& u) {
+  if (std::all_of(u.begin(), u.end(), [](uint8_t b) { return b == 0; })) return "";
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string text = "GPU-";
+  for (size_t i = 0; i < u.size(); ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) text += '-';
+    text += kDigits[u[i] >> 4];
+    text += kDigits[u[i] & 15];
+  }
+  return text;
+}
+
+// A kCuda buffer: InvalidArgument for a malformed one, Incompatible for every other (no path
+// moves device memory yet), each naming the pool and the device.
+Status refuseDeviceBuffer(const std::string& pool, const Buffer& b) {
+  if (b.device < 0) {
+    return InvalidArgument("pool " + pool + ": CUDA buffer without a device (Buffer::device is " +
+                           std::to_string(b.device) + "; give the CUDA device ordinal)");
+  }
+  const std::string uuid = uuidText(b.device_uuid);
+  const std::string device =
+      "CUDA device " + std::to_string(b.device) + (uuid.empty() ? "" : " (" + uuid + ")");
+  if (b.fd != -1) {
+    return InvalidArgument("pool " + pool + ": fd " + std::to_string(b.fd) +
+                           " given with memory of " + device +
+                           " (an fd names host memory only; give -1)");
+  }
+  return Incompatible("pool " + pool + ": memory of " + device +
+                      " has no path in this version: shm, ucx and inproc move host memory, "
+                      "and neither a same-host CUDA transport nor staging through host memory "
+                      "is built; give the pools in host memory");
+}
+
+}  // namespace
+
 StatusOr<Memory> Memory::wrap(const Layout& layout, const std::map<std::string, Buffer>& buffers) {
   const RankLayout& l = layout.impl().layout;
   for (const auto& [name, buffer] : buffers) {
@@ -644,12 +682,13 @@ StatusOr<Memory> Memory::wrap(const Layout& layout, const std::map<std::string, 
     auto it = buffers.find(spec.name);
     if (it == buffers.end()) return InvalidArgument("pool " + spec.name + " has no buffer");
     const Buffer& b = it->second;
-    if (b.kind != MemoryKind::kHost) {
-      return InvalidArgument("pool " + spec.name +
-                             ": CUDA device memory is not supported in this version (host "
-                             "memory only)");
-    }
     if (b.data == nullptr) return InvalidArgument("pool " + spec.name + ": null buffer");
+    if (b.kind == MemoryKind::kCuda) {
+      RETURN_IF_ERROR(refuseDeviceBuffer(spec.name, b));
+    } else if (b.kind != MemoryKind::kHost) {
+      return InvalidArgument("pool " + spec.name + ": unknown MemoryKind " +
+                             str(static_cast<unsigned>(b.kind)) + " (kHost 0, kCuda 1)");
+    }
     if (b.bytes < spec.length) {
       return InvalidArgument("pool " + spec.name + ": buffer is " + str(b.bytes) +
                              " bytes, the pool needs " + str(spec.length));
