@@ -98,9 +98,9 @@ void gather(const PackOp& op, const uint8_t* src, uint8_t* dst) {
 
 }  // namespace
 
-Status packScratch(const RankPlan& plan, const RankMemory& src, std::span<uint8_t> scratch) {
-  if (scratch.size() < plan.scratch_bytes) {
-    return InvalidArgument("staging area of " + std::to_string(scratch.size()) +
+Status checkPackOps(const RankPlan& plan, const RankMemory& src, uint64_t scratch_bytes) {
+  if (scratch_bytes < plan.scratch_bytes) {
+    return InvalidArgument("staging area of " + std::to_string(scratch_bytes) +
                            " bytes, the plan needs " + std::to_string(plan.scratch_bytes));
   }
   for (const PackOp& op : plan.pack_ops) {
@@ -115,6 +115,11 @@ Status packScratch(const RankPlan& plan, const RankMemory& src, std::span<uint8_
                              std::to_string(plan.scratch_bytes) + " bytes");
     }
   }
+  return OkStatus();
+}
+
+Status packScratch(const RankPlan& plan, const RankMemory& src, std::span<uint8_t> scratch) {
+  RETURN_IF_ERROR(checkPackOps(plan, src, scratch.size()));
   for (const PackOp& op : plan.pack_ops) {
     if (op.elements() == 0) continue;  // an empty box (the planner makes none)
     const uint8_t* from = src[op.src_region].data + op.src_offset;

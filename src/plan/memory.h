@@ -37,6 +37,11 @@ Status executeOps(std::span<const CopyOp> ops, const RankMemory& src, const Rank
 StatusOr<const uint8_t*> sourceBytes(const RankMemory& mem, std::span<const uint8_t> scratch,
                                      const CopyOp& op);
 
+// Whether every op of plan.pack_ops reads inside its region of `src` and writes inside a
+// staging area of `scratch_bytes` (at least plan.scratch_bytes); InvalidArgument names the
+// range that does not fit. Addresses are computed, never read.
+Status checkPackOps(const RankPlan& plan, const RankMemory& src, uint64_t scratch_bytes);
+
 // Runs plan.pack_ops from `src` into `scratch` (at least plan.scratch_bytes long), after
 // checking every range (nothing is copied when one does not fit).
 Status packScratch(const RankPlan& plan, const RankMemory& src, std::span<uint8_t> scratch);
