@@ -28,16 +28,17 @@ test-asan: deps
 	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS) --timeout 900
 
-# The concurrent layers (cache, transport, engine, api) under ThreadSanitizer. UCX's memory hooks
+# The concurrent layers (cache, transport, engine, api, device) under ThreadSanitizer. UCX's memory hooks
 # (libucm patching madvise/mmap) run inside exiting threads after TSan tore down their state
 # and crash there, so they are off for this run (they serve RDMA registration caches only).
 test-tsan: deps
 	@cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DHXFER_BUILD_TESTS=ON \
 	  -DHXFER_SANITIZE=thread >/dev/null
 	@cmake --build build-tsan -j $(JOBS) --target cache_test transport_test transport_hostile_test engine_routing_test \
-	  engine_transceiver_test engine_reliability_test engine_soak_test api_test hxfer_shared
+	  engine_transceiver_test engine_reliability_test engine_soak_test api_test hxfer_shared \
+	  device_test
 	cd build-tsan && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" UCX_MEM_MMAP_HOOK_MODE=none \
-	  ctest --output-on-failure -j $(JOBS) --timeout 900 -L '^(cache|transport|engine|api)$$'
+	  ctest --output-on-failure -j $(JOBS) --timeout 900 -L '^(cache|transport|engine|api|device)$$'
 
 # The real-engine test (tests/vllm/README.md): vLLM CPU 0.32 prefill/decode pairs moving KV and
 # Mamba state through NIXL and through hxfer's connector must give the tokens of one instance.
