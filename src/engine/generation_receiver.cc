@@ -671,6 +671,15 @@ void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
   // Only now, its Hello matched, may it write into our pools (on shm: get their fds). They
   // reach it before any TransferRequest sent below.
   if (Status s = agent_->grantWrites(peer.id); !s.isOk()) {
+    if (s.code() == StatusCode::kNotFound || s.code() == StatusCode::kUnavailable) {
+      // The connection went between its Hello and the grant: a loss like any other (its
+      // kPeerLost follows or came already), not a refusal of the context rank.
+      HXFER_LOG_WARN("generation rank {}: context rank {} lost while granting writes: {}",
+                     rankName(self_.layout), peer.rank, s.toString());
+      peerDownLocked(peer, Unavailable("connection lost while granting writes: " + s.message()),
+                     /*final=*/false);
+      return;
+    }
     refuse(s.withContext("granting writes"));
     return;
   }

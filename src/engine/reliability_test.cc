@@ -957,6 +957,30 @@ TEST(Faults, ContextRankGoneRightAfterAcceptingIsRetriedAtOnce) {
   expectNoStrayBytes(**g, "gen");
 }
 
+// A context rank whose connection goes between its Hello and the grant of our pools (the
+// transport no longer knows the peer): a loss, retried, not a refusal. It was refused for good
+// until its kPeerLost came, and every request started in between failed with NotFound.
+TEST(Faults, ContextRankLostBetweenHelloAndGrantIsRetriedNotRefused) {
+  const ModelSpec model = tinyModel();
+  const std::string ctx0 = uniqueName("ctx0");
+  auto c0 = startContext(model, kTp1, 0, ctx0, StateLayout::kPaged, Capacity::counts(128, 32));
+  ASSERT_TRUE(c0.isOk()) << c0.status().toString();
+  transport::FaultPolicy policy;
+  policy.close_nth_grant = 1;
+  auto g = startGeneration(model, kTp1, 0, StateLayout::kPaged, Capacity::counts(128, 32), kTp1,
+                           {shmAddress(ctx0)}, milliseconds(60000), [&](std::unique_ptr<Agent> a) {
+                             return transport::wrapWithFaults(std::move(a), policy);
+                           });
+  ASSERT_TRUE(g.isOk()) << g.status().toString();
+  ASSERT_TRUE((*g)->rx->waitForPeers(deadline()).isOk());
+  EXPECT_EQ(transport::faultStats(*(*g)->agent).peers_closed, 1u);
+  EXPECT_EQ((*g)->rx->metrics().handshakes_refused, 0u) << "a lost connection counted as refused";
+  EXPECT_EQ((*g)->rx->metrics().handshakes_ok, 1u);
+  for (int i = 0; i < 3; ++i) runAndVerify({g->get()}, 1 + i, 40 + 20 * i);
+  expectPagesFree(*(*g)->cache, "gen");
+  expectNoStrayBytes(**g, "gen");
+}
+
 // A request whose context rank never became reachable (the prefill instance died before its
 // decode asked) times out saying so: the rank, its address and the last connection error, not
 // only "not complete" (an engine logs this line per failed load).

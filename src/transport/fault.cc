@@ -61,7 +61,16 @@ class FaultAgent final : public Agent {
   }
   AgentStats agentStats() const override { return inner_->agentStats(); }
   void requireWriteGrants() override { inner_->requireWriteGrants(); }
-  Status grantWrites(PeerId peer) override { return inner_->grantWrites(peer); }
+  Status grantWrites(PeerId peer) override {
+    bool close = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      close = ++grants_ == policy_.close_nth_grant;
+      if (close) ++stats_.peers_closed;
+    }
+    if (close) (void)inner_->disconnect(peer);
+    return inner_->grantWrites(peer);
+  }
   void wakeEventWaiter() override { inner_->wakeEventWaiter(); }
 
   StatusOr<Transfer> postWrite(PeerId peer, std::vector<WriteOp> ops) override {
@@ -190,6 +199,7 @@ class FaultAgent final : public Agent {
   uint64_t writes_ = 0;                             // guarded by mu_
   uint64_t messages_ = 0;                           // guarded by mu_
   uint64_t connects_ = 0;                           // guarded by mu_
+  uint64_t grants_ = 0;                             // guarded by mu_
   std::map<PeerId, uint64_t> writes_per_peer_;      // guarded by mu_
   FaultStats stats_;                                // guarded by mu_
 

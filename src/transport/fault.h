@@ -39,6 +39,9 @@ struct FaultPolicy {
   // connect() calls are numbered from 1 per agent. The Nth one connects, closes the connection
   // and returns the (dead) peer id: a peer that went away right after accepting. 0 disables.
   uint64_t close_nth_connect = 0;
+  // grantWrites() calls are numbered from 1 per agent. The Nth disconnects its peer before it
+  // is forwarded: a peer lost between its hello and its grant. 0 disables.
+  uint64_t close_nth_grant = 0;
 };
 
 // Counters of what the decorator did, for test assertions.
@@ -48,7 +51,7 @@ struct FaultStats {
   uint64_t messages_dropped = 0;
   uint64_t messages_failed = 0;
   uint64_t messages_delayed = 0;
-  uint64_t peers_closed = 0;  // by close_peer_after_writes or close_nth_connect
+  uint64_t peers_closed = 0;  // by close_peer_after_writes, close_nth_connect or close_nth_grant
 };
 
 // Wraps `inner`. The returned agent owns it.
