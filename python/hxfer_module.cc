@@ -439,8 +439,7 @@ class HeldBuffer {
       } catch (const py::error_already_set& e) {
         throwInvalid(where + typeName(obj) + ".__dlpack_device__() failed: " + pyError(e));
       } catch (const py::cast_error& e) {
-        throwInvalid(where + typeName(obj) + ".__dlpack_device__() is not (type, id): " +
-                     e.what());
+        throwInvalid(where + typeName(obj) + ".__dlpack_device__() is not (type, id): " + e.what());
       }
     }
     const bool cai = !torch_like && py::hasattr(obj, "__cuda_array_interface__");

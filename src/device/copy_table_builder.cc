@@ -1,6 +1,9 @@
 #include "device/copy_table_builder.h"
 
+#include <algorithm>
 #include <limits>
+#include <numeric>
+#include <random>
 #include <string>
 
 namespace hxfer::device {
@@ -45,6 +48,21 @@ StatusOr<HostCopyTable> copyTable(std::span<const CopyOp> ops, const RankMemory&
         CopyRun{reinterpret_cast<uint64_t>(*s), reinterpret_cast<uint64_t>(*d), op.bytes});
   }
   return copyTable(runs);
+}
+
+ShuffledRuns shuffledRuns(uint64_t src, uint64_t dst, uint32_t count, uint64_t run_bytes,
+                          uint64_t seed) {
+  ShuffledRuns s;
+  s.order.resize(count);
+  std::iota(s.order.begin(), s.order.end(), 0u);
+  std::mt19937_64 rng(seed);
+  std::shuffle(s.order.begin(), s.order.end(), rng);
+  s.runs.reserve(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    s.runs.push_back(
+        CopyRun{src + uint64_t{i} * run_bytes, dst + uint64_t{s.order[i]} * run_bytes, run_bytes});
+  }
+  return s;
 }
 
 PackTable HostPackTable::view() const {

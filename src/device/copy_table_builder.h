@@ -13,6 +13,17 @@
 
 namespace hxfer::device {
 
+// The storm the batched copy is for: run i moves `run_bytes` from src + i * run_bytes to
+// dst + order[i] * run_bytes, `order` a permutation shuffled from `seed`.
+struct ShuffledRuns {
+  std::vector<uint32_t> order;
+  std::vector<CopyRun> runs;
+  // Where run i's bytes land, as an offset from dst.
+  uint64_t destinationOffset(uint32_t i) const { return uint64_t{order[i]} * runs[i].bytes; }
+};
+ShuffledRuns shuffledRuns(uint64_t src, uint64_t dst, uint32_t count, uint64_t run_bytes,
+                          uint64_t seed);
+
 // A batched copy's table in host memory; view() points into it.
 struct HostCopyTable {
   std::vector<CopyRun> runs;

@@ -82,22 +82,15 @@ TEST(DeviceIndex, AStormOfRunsIsOneTableAndMovesEveryRun) {
   std::vector<uint8_t> src(kRuns * kRun), dst(kRuns * kRun, 0);
   std::mt19937_64 rng(7);
   for (auto& b : src) b = static_cast<uint8_t>(rng());
-  std::vector<uint32_t> order(kRuns);
-  std::iota(order.begin(), order.end(), 0u);
-  std::shuffle(order.begin(), order.end(), rng);
-  std::vector<CopyRun> runs;
-  for (uint32_t i = 0; i < kRuns; ++i) {
-    runs.push_back(CopyRun{reinterpret_cast<uint64_t>(src.data() + uint64_t{i} * kRun),
-                           reinterpret_cast<uint64_t>(dst.data() + uint64_t{order[i]} * kRun),
-                           kRun});
-  }
-  auto t = copyTable(runs);
+  const ShuffledRuns storm = shuffledRuns(reinterpret_cast<uint64_t>(src.data()),
+                                          reinterpret_cast<uint64_t>(dst.data()), kRuns, kRun, 7);
+  auto t = copyTable(storm.runs);
   ASSERT_TRUE(t.isOk());
   EXPECT_EQ(t->view().num_chunks, kRuns);
   runOnHost(t->view(), 32);
   for (uint32_t i = 0; i < kRuns; i += 997) {
     ASSERT_EQ(
-        std::memcmp(dst.data() + uint64_t{order[i]} * kRun, src.data() + uint64_t{i} * kRun, kRun),
+        std::memcmp(dst.data() + storm.destinationOffset(i), src.data() + uint64_t{i} * kRun, kRun),
         0)
         << "run " << i;
   }
@@ -151,10 +144,7 @@ TEST(DeviceIndex, DimsThatContinueEachOtherMergeAndSizeOneDimsGo) {
 // threads run them give the staging area packScratch gives, bit for bit; its ops as one
 // batched copy leave the generation pages as the oracle wants them.
 TEST(DeviceIndex, PackAndBatchedCopyMoveEveryByteForEveryEnginePair) {
-  LayerSpec hybrid = mamba2Layer(8, 2, 2, 4, 4);
-  hybrid.attention = AttentionShape{4, 8};
-  const ModelSpec model = makeModel(
-      {attentionLayer(4, 8), mamba2Layer(8, 2, 2, 4, 4), hybrid, gdnLayer(2, 4, 2, 3, 3)}, 16);
+  const ModelSpec model = enginePairModel();
   int cases = 0, staged = 0;
   for (const EngineLayout& ce : allEngineLayouts()) {
     for (const EngineLayout& ge : allEngineLayouts()) {

@@ -85,9 +85,7 @@ TEST(FakeDevice, ImportsOfOtherKindsOrPastTheAllocationAreRefused) {
 // as a peer maps them: the plan's pack and batched copy on one stream land what the oracle
 // wants, for a pair that needs staging (vLLM's conv sd against ds) and one that does not.
 TEST(FakeDevice, AStreamMovesAPlanBetweenDeviceAllocations) {
-  LayerSpec hybrid = mamba2Layer(8, 2, 2, 4, 4);
-  hybrid.attention = AttentionShape{4, 8};
-  const ModelSpec model = makeModel({attentionLayer(4, 8), hybrid, gdnLayer(2, 4, 2, 3, 3)}, 16);
+  const ModelSpec model = enginePairModel();
   FakeDevice dev;
   auto stream = dev.createStream(0);
   ASSERT_TRUE(stream.isOk());

@@ -93,26 +93,22 @@ void stormCheck(double ceiling) {
   for (auto& b : host) b = static_cast<uint8_t>(rng());
   DeviceBuffer src(total), dst(total);
   cudaMemcpy(src.ptr, host.data(), total, cudaMemcpyHostToDevice);
-  std::vector<uint32_t> order(kRuns);
-  std::iota(order.begin(), order.end(), 0u);
-  std::shuffle(order.begin(), order.end(), rng);
-  std::vector<CopyRun> runs;
+  const ShuffledRuns storm = shuffledRuns(reinterpret_cast<uint64_t>(src.data()),
+                                          reinterpret_cast<uint64_t>(dst.data()), kRuns, kRun, 5);
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes(kRuns, kRun);
-  for (uint32_t i = 0; i < kRuns; ++i) {
-    runs.push_back({reinterpret_cast<uint64_t>(src.data() + uint64_t{i} * kRun),
-                    reinterpret_cast<uint64_t>(dst.data() + uint64_t{order[i]} * kRun), kRun});
-    srcs.push_back(src.data() + uint64_t{i} * kRun);
-    dsts.push_back(dst.data() + uint64_t{order[i]} * kRun);
+  for (const CopyRun& r : storm.runs) {
+    srcs.push_back(reinterpret_cast<const void*>(r.src));
+    dsts.push_back(reinterpret_cast<void*>(r.dst));
   }
-  auto table = copyTable(runs);
+  auto table = copyTable(storm.runs);
   cudaMemset(dst.ptr, 0, total);
   const double kernel_ms = bestMs(5, [&] { return copyOnDevice(*table).isOk(); });
   cudaMemcpy(back.data(), dst.ptr, total, cudaMemcpyDeviceToHost);
   bool exact = true;
   for (uint32_t i = 0; i < kRuns && exact; ++i) {
-    exact = std::memcmp(back.data() + uint64_t{order[i]} * kRun, host.data() + uint64_t{i} * kRun,
+    exact = std::memcmp(back.data() + storm.destinationOffset(i), host.data() + uint64_t{i} * kRun,
                         kRun) == 0;
   }
   const double k = gbps(total, kernel_ms);

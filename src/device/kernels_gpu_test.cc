@@ -46,22 +46,15 @@ TEST(DeviceGpu, AStormOfRunsIsOneLaunchAndMovesEveryRun) {
   DeviceBuffer src(host.size()), dst(host.size());
   ASSERT_EQ(cudaMemcpy(src.ptr, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemset(dst.ptr, 0, dst.bytes), cudaSuccess);
-  std::vector<uint32_t> order(kRuns);
-  std::iota(order.begin(), order.end(), 0u);
-  std::shuffle(order.begin(), order.end(), rng);
-  std::vector<CopyRun> runs;
-  for (uint32_t i = 0; i < kRuns; ++i) {
-    runs.push_back(CopyRun{reinterpret_cast<uint64_t>(src.data() + uint64_t{i} * kRun),
-                           reinterpret_cast<uint64_t>(dst.data() + uint64_t{order[i]} * kRun),
-                           kRun});
-  }
-  auto t = copyTable(runs);
+  const ShuffledRuns storm = shuffledRuns(reinterpret_cast<uint64_t>(src.data()),
+                                          reinterpret_cast<uint64_t>(dst.data()), kRuns, kRun, 11);
+  auto t = copyTable(storm.runs);
   ASSERT_TRUE(t.isOk());
   ASSERT_TRUE(copyOnDevice(*t).isOk());
   ASSERT_EQ(cudaMemcpy(back.data(), dst.ptr, back.size(), cudaMemcpyDeviceToHost), cudaSuccess);
   for (uint32_t i = 0; i < kRuns; ++i) {
-    ASSERT_EQ(std::memcmp(back.data() + uint64_t{order[i]} * kRun, host.data() + uint64_t{i} * kRun,
-                          kRun),
+    ASSERT_EQ(std::memcmp(back.data() + storm.destinationOffset(i),
+                          host.data() + uint64_t{i} * kRun, kRun),
               0)
         << "run " << i;
   }
@@ -71,10 +64,7 @@ TEST(DeviceGpu, AStormOfRunsIsOneLaunchAndMovesEveryRun) {
 // host's bit for bit, and the batched copy leaves the generation pages as the oracle wants.
 TEST(DeviceGpu, PackAndCopyOfEngineLayoutsMatchTheOracle) {
   SKIP_WITHOUT_GPU();
-  LayerSpec hybrid = mamba2Layer(8, 2, 2, 4, 4);
-  hybrid.attention = AttentionShape{4, 8};
-  const ModelSpec model = makeModel(
-      {attentionLayer(4, 8), mamba2Layer(8, 2, 2, 4, 4), hybrid, gdnLayer(2, 4, 2, 3, 3)}, 16);
+  const ModelSpec model = enginePairModel();
   int checked = 0;
   for (const EngineLayout& ce : allEngineLayouts()) {
     for (const EngineLayout& ge : allEngineLayouts()) {

@@ -46,6 +46,15 @@ inline ModelSpec makeModel(std::vector<LayerSpec> layers, uint32_t tokens_per_bl
   return m;
 }
 
+// The engine-pair model of the staging and device tests: attention, mamba2, a layer with
+// both, and gdn, 16 tokens per block.
+inline ModelSpec enginePairModel() {
+  LayerSpec hybrid = mamba2Layer(8, 2, 2, 4, 4);
+  hybrid.attention = AttentionShape{4, 8};
+  return makeModel(
+      {attentionLayer(4, 8), mamba2Layer(8, 2, 2, 4, 4), hybrid, gdnLayer(2, 4, 2, 3, 3)}, 16);
+}
+
 // A random tiny model: 1-8 layers of every kind (attention, mamba2, gdn, mamba1, attention +
 // mamba2 in one layer, none), each kind drawn from a palette of two shapes so that layer
 // groups span several layers. Unit counts are powers of two up to 16 (so that every tp in

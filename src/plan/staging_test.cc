@@ -30,10 +30,7 @@ TEST(Staging, RunsAreSortedJoinedAndOffsetByTheBytesBefore) {
 // context rank's part into a slot laid out from its own ops and scattering it by runs laid out
 // from a plan with other source ids leaves the generation pages as the oracle wants them.
 TEST(Staging, GatherThenScatterMovesEveryByteForEveryEnginePair) {
-  LayerSpec hybrid = mamba2Layer(8, 2, 2, 4, 4);
-  hybrid.attention = AttentionShape{4, 8};
-  const ModelSpec model = makeModel(
-      {attentionLayer(4, 8), mamba2Layer(8, 2, 2, 4, 4), hybrid, gdnLayer(2, 4, 2, 3, 3)}, 16);
+  const ModelSpec model = enginePairModel();
   int cases = 0;
   for (const EngineLayout& ce : allEngineLayouts()) {
     for (const EngineLayout& ge : allEngineLayouts()) {
