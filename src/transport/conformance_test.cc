@@ -1,4 +1,5 @@
 // Conformance suite: the same contract tests (transport.h) over every backend: inproc, shm,
+// cuda over the host fake of the device seam (its regions allocated as fake device memory),
 // ucx with active messages and ucx with put, both over TCP (set through the agent config, not
 // the environment, so the tests are hermetic). Deadlines are generous and nothing is timed:
 // these run on loaded machines.
@@ -15,6 +16,7 @@
 #include <algorithm>
 
 #include "common/coding.h"
+#include "device/fake_device.h"
 #include "transport/transport.h"
 
 namespace hxfer::transport {
@@ -28,6 +30,7 @@ struct BackendCase {
   std::string name;  // test-name suffix
   std::string backend;
   UcxMode mode = UcxMode::kAuto;
+  bool device = false;  // regions are device memory (of a FakeDevice)
 };
 
 AgentConfig plainConfig(const std::string& backend) {
@@ -36,9 +39,11 @@ AgentConfig plainConfig(const std::string& backend) {
   return config;
 }
 
-AgentConfig configFor(const BackendCase& c, const std::string& label) {
+AgentConfig configFor(const BackendCase& c, const std::string& label,
+                      std::shared_ptr<device::FakeDevice> fake = nullptr) {
   AgentConfig config;
   config.backend = c.backend;
+  config.device = std::move(fake);
   config.label = label;
   config.ucx_mode = c.mode;
   if (c.backend == "ucx") config.ucx_options = {{"TLS", "tcp"}};
@@ -48,11 +53,29 @@ AgentConfig configFor(const BackendCase& c, const std::string& label) {
   return config;
 }
 
-std::unique_ptr<Region> makeRegion(uint32_t id, uint64_t length) {
-  auto r = Region::allocate(id, length, Region::Backing::kMemfd, "conformance");
+// A test's region; device memory stays allocated until the region is gone.
+struct RegionDeleter {
+  std::shared_ptr<Region> allocation;  // the fake device's memory a borrowed region lies in
+  void operator()(Region* r) const { delete r; }
+};
+using TestRegion = std::unique_ptr<Region, RegionDeleter>;
+
+// Host memory (memfd), or device memory of `fake` when given.
+TestRegion allocateRegion(uint32_t id, uint64_t length, device::FakeDevice* fake = nullptr) {
+  if (fake == nullptr) {
+    auto r = Region::allocate(id, length, Region::Backing::kMemfd, "conformance");
+    EXPECT_TRUE(r.isOk()) << r.status().toString();
+    return TestRegion(r.isOk() ? std::move(r).value().release() : nullptr);
+  }
+  auto a = fake->allocate(0, length);
+  EXPECT_TRUE(a.isOk()) << a.status().toString();
+  if (!a.isOk()) return nullptr;
+  auto r = Region::borrow(id, (*a)->data(), length);
   EXPECT_TRUE(r.isOk()) << r.status().toString();
-  return std::move(r).value();
+  return TestRegion(r.isOk() ? std::move(r).value().release() : nullptr, RegionDeleter{*a});
 }
+
+TestRegion makeRegion(uint32_t id, uint64_t length) { return allocateRegion(id, length); }
 
 void fillPattern(Region& r, uint8_t salt) {
   for (uint64_t i = 0; i < r.length(); ++i) r.data()[i] = static_cast<uint8_t>(i * 131 + salt);
@@ -103,8 +126,19 @@ size_t countOpenFds() {
 
 class Conformance : public ::testing::TestWithParam<BackendCase> {
  protected:
+  // The device of the cuda case: declared first, so it outlives the agents and regions.
+  std::shared_ptr<device::FakeDevice> fake_ = std::make_shared<device::FakeDevice>();
+
+  device::FakeDevice* deviceOrNull() const { return GetParam().device ? fake_.get() : nullptr; }
+  AgentConfig config(const std::string& label) const {
+    return configFor(GetParam(), label, GetParam().device ? fake_ : nullptr);
+  }
+  TestRegion makeRegion(uint32_t id, uint64_t length) const {
+    return allocateRegion(id, length, deviceOrNull());
+  }
+
   std::unique_ptr<Agent> makeAgent(const std::string& label) {
-    auto a = createAgent(configFor(GetParam(), label));
+    auto a = createAgent(config(label));
     EXPECT_TRUE(a.isOk()) << a.status().toString();
     return a.isOk() ? std::move(a).value() : nullptr;
   }
@@ -148,7 +182,7 @@ class Conformance : public ::testing::TestWithParam<BackendCase> {
 
   std::unique_ptr<Agent> writer_, receiver_;
   PeerId to_receiver_ = 0, to_writer_ = 0;
-  std::unique_ptr<Region> src_, dst_;
+  TestRegion src_, dst_;
 };
 
 TEST_P(Conformance, WriteIsVisibleAtTheDestinationOnceDone) {
@@ -454,7 +488,8 @@ TEST_P(Conformance, NoFdsLeakAfterAFullCycle) {
 }
 
 std::vector<BackendCase> allBackends() {
-  std::vector<BackendCase> cases = {{"inproc", "inproc"}, {"shm", "shm"}};
+  std::vector<BackendCase> cases = {
+      {"inproc", "inproc"}, {"shm", "shm"}, {"cuda_fake", "cuda", UcxMode::kAuto, true}};
   for (const auto& b : availableBackends()) {
     if (b == "ucx") {
       cases.push_back({"ucx_am", "ucx", UcxMode::kAm});
@@ -481,11 +516,12 @@ TEST_P(CrossProcess, PeerProcessKilledMidTransferFailsWithUnavailable) {
   ASSERT_GE(child, 0);
   if (child == 0) {
     close(addr_pipe[0]);
-    auto agent = createAgent(configFor(GetParam(), "child"));
+    auto fake = GetParam().device ? std::make_shared<device::FakeDevice>() : nullptr;
+    auto agent = createAgent(configFor(GetParam(), "child", fake));
     if (!agent.isOk()) _exit(2);
-    auto region = Region::allocate(7, kLen, Region::Backing::kMemfd, "child");
-    if (!region.isOk()) _exit(3);
-    auto key = (*agent)->registerRegion(**region, RegionAccess::kRemoteWritable);
+    TestRegion region = allocateRegion(7, kLen, fake.get());
+    if (!region) _exit(3);
+    auto key = (*agent)->registerRegion(*region, RegionAccess::kRemoteWritable);
     if (!key.isOk()) _exit(4);
     const std::string addr = (*agent)->localAddress();
     if (write(addr_pipe[1], addr.data(), addr.size()) != static_cast<ssize_t>(addr.size())) {
@@ -498,7 +534,7 @@ TEST_P(CrossProcess, PeerProcessKilledMidTransferFailsWithUnavailable) {
       if (!e) _exit(6);
       if (e->kind == Event::Kind::kPeerConnected) {
         parent = e->peer;
-        if (!(*agent)->sendMessage(parent, encodeRegionKey(**region, *key)).isOk()) _exit(7);
+        if (!(*agent)->sendMessage(parent, encodeRegionKey(*region, *key)).isOk()) _exit(7);
       } else if (e->kind == Event::Kind::kMessage) {
         _exit(0);  // "go": die while the parent is writing, without any goodbye
       }
@@ -511,7 +547,7 @@ TEST_P(CrossProcess, PeerProcessKilledMidTransferFailsWithUnavailable) {
   ASSERT_GT(n, 0);
   addr.resize(static_cast<size_t>(n));
 
-  auto agent = createAgent(configFor(GetParam(), "parent"));
+  auto agent = createAgent(config("parent"));
   ASSERT_TRUE(agent.isOk()) << agent.status().toString();
   auto src = makeRegion(1, kLen);
   ASSERT_TRUE((*agent)->registerRegion(*src, RegionAccess::kLocalSource).isOk());
@@ -602,6 +638,230 @@ TEST(ShmTransport, MessagesQueuedBeforeDisconnectStillArrive) {
   }
   auto lost = waitForEvent(**b, Event::Kind::kPeerLost);
   EXPECT_TRUE(lost.has_value());
+}
+
+// A connected cuda pair over one fake device: the writer's source and the receiver's
+// destination are device allocations, the destination exported and mapped by the writer.
+struct CudaPair {
+  explicit CudaPair(device::FakeDeviceOptions options = {}, uint64_t length = 1 << 20)
+      : fake(std::make_shared<device::FakeDevice>(options)) {
+    const BackendCase c{"cuda", "cuda", UcxMode::kAuto, true};
+    auto w = createAgent(configFor(c, "writer", fake));
+    auto r = createAgent(configFor(c, "receiver", fake));
+    EXPECT_TRUE(w.isOk() && r.isOk());
+    if (!w.isOk() || !r.isOk()) return;
+    writer = std::move(w).value();
+    receiver = std::move(r).value();
+    src = allocateRegion(1, length, fake.get());
+    dst = allocateRegion(7, length, fake.get());
+    fillPattern(*src, 9);
+    std::memset(dst->data(), 0, length);
+    EXPECT_TRUE(writer->registerRegion(*src, RegionAccess::kLocalSource).isOk());
+    EXPECT_TRUE(receiver->registerRegion(*dst, RegionAccess::kRemoteWritable).isOk());
+    auto peer = writer->connect(receiver->localAddress());
+    EXPECT_TRUE(peer.isOk()) << peer.status().toString();
+    if (!peer.isOk()) return;
+    to_receiver = *peer;
+    // The region frame precedes any message: one round trip makes sure it was mapped.
+    auto connected = waitForEvent(*receiver, Event::Kind::kPeerConnected);
+    EXPECT_TRUE(connected.has_value());
+    if (!connected) return;
+    to_writer = connected->peer;
+    EXPECT_TRUE(receiver->sendMessage(to_writer, Bytes{1}).isOk());
+    EXPECT_TRUE(waitForEvent(*writer, Event::Kind::kMessage).has_value());
+    Status added = writer->addRemoteRegion(to_receiver, 7, length, {});
+    EXPECT_TRUE(added.isOk()) << added.toString();
+  }
+  std::shared_ptr<device::FakeDevice> fake;
+  std::unique_ptr<Agent> writer, receiver;
+  TestRegion src, dst;
+  PeerId to_receiver = 0, to_writer = 0;
+};
+
+TEST(CudaTransport, NeedsADeviceRuntimeAndRefusesHostMemory) {
+  auto none = createAgent(plainConfig("cuda"));
+  ASSERT_FALSE(none.isOk());
+  EXPECT_EQ(none.status().code(), StatusCode::kIncompatible) << none.status().toString();
+  EXPECT_NE(none.status().message().find("AgentConfig::device"), std::string::npos);
+
+  auto fake = std::make_shared<device::FakeDevice>();
+  auto a = createAgent(configFor({"cuda", "cuda", UcxMode::kAuto, true}, "a", fake));
+  ASSERT_TRUE(a.isOk()) << a.status().toString();
+  EXPECT_TRUE((*a)->capabilities().device_memory);
+  EXPECT_FALSE((*a)->capabilities().needs_memfd_regions);
+  EXPECT_EQ((*a)->capabilities().name, "cuda");
+  EXPECT_TRUE((*a)->localAddress().starts_with("cuda:@")) << (*a)->localAddress();
+  auto host = makeRegion(3, 4096);
+  auto s = (*a)->registerRegion(*host, RegionAccess::kRemoteWritable);
+  ASSERT_FALSE(s.isOk());
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("region id=3 is host memory"), std::string::npos)
+      << s.status().toString();
+  // A range that starts in device memory and runs past its allocation is named too.
+  auto dev = fake->allocate(0, 8192);
+  ASSERT_TRUE(dev.isOk());
+  auto past = Region::borrow(4, (*dev)->data() + 4096, 8192);
+  ASSERT_TRUE(past.isOk());
+  auto t = (*a)->registerRegion(**past, RegionAccess::kLocalSource);
+  ASSERT_FALSE(t.isOk());
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find("region id=4"), std::string::npos) << t.status().toString();
+}
+
+// The storm case: thousands of ops of one batch are one batched copy on the device, not one
+// call per op, and every record lands where its op says.
+TEST(CudaTransport, ABatchOfManyOpsIsOneDeviceCopy) {
+  CudaPair pair;
+  ASSERT_TRUE(pair.writer && pair.to_receiver);
+  constexpr uint64_t kLen = 1 << 20, kRec = 256;
+  std::vector<WriteOp> ops;
+  for (uint64_t i = 0; i < kLen / kRec; ++i)
+    ops.push_back({1, i * kRec, 7, kLen - (i + 1) * kRec, kRec});
+  const uint64_t before = pair.fake->opsRun();
+  auto t = pair.writer->postWrite(pair.to_receiver, ops);
+  ASSERT_TRUE(t.isOk()) << t.status().toString();
+  ASSERT_TRUE(t->wait(Clock::now() + kDeadline).isOk()) << t->status().toString();
+  EXPECT_EQ(pair.fake->opsRun() - before, 1u) << "one launch for " << ops.size() << " ops";
+  for (uint64_t i = 0; i < kLen / kRec; ++i) {
+    ASSERT_EQ(
+        std::memcmp(pair.dst->data() + kLen - (i + 1) * kRec, pair.src->data() + i * kRec, kRec), 0)
+        << "record " << i;
+  }
+}
+
+// A device copy that fails fails its transfer with the device's error; the stream and the
+// connection go on, and the next transfer lands.
+TEST(CudaTransport, AFailedDeviceCopyFailsItsTransferAndTheNextOneLands) {
+  device::FakeDeviceOptions options;
+  options.fail_every = 2;
+  CudaPair pair(options);
+  ASSERT_TRUE(pair.writer && pair.to_receiver);
+  std::vector<Status> results;
+  for (int i = 0; i < 3; ++i) {
+    auto t = pair.writer->postWrite(pair.to_receiver, {{1, 0, 7, 0, 4096}});
+    ASSERT_TRUE(t.isOk()) << t.status().toString();
+    results.push_back(t->wait(Clock::now() + kDeadline));
+  }
+  EXPECT_TRUE(results[0].isOk()) << results[0].toString();
+  EXPECT_EQ(results[1].code(), StatusCode::kInternal) << results[1].toString();
+  EXPECT_NE(results[1].message().find("fake device: op"), std::string::npos);
+  EXPECT_TRUE(results[2].isOk()) << results[2].toString();
+  EXPECT_EQ(std::memcmp(pair.dst->data(), pair.src->data(), 4096), 0);
+  EXPECT_TRUE(pair.writer->sendMessage(pair.to_receiver, Bytes{2}).isOk());
+}
+
+// The receiver retires its region while the writer's copy runs on the device (slowed to 300
+// ms): the writer's mapping of it is released only after that copy finished, and later writes
+// to it are refused.
+TEST(CudaTransport, ARetiredRegionStaysMappedUntilTheCopiesIntoItFinished) {
+  device::FakeDeviceOptions options;
+  options.op_delay = std::chrono::milliseconds(300);
+  CudaPair pair(options);
+  ASSERT_TRUE(pair.writer && pair.to_receiver);
+  auto t = pair.writer->postWrite(pair.to_receiver, {{1, 0, 7, 0, 1 << 20}});
+  ASSERT_TRUE(t.isOk());
+  std::this_thread::sleep_for(50ms);  // the copy is on the device now (in its delay)
+  ASSERT_TRUE(pair.receiver->deregisterRegion(7).isOk());
+  Status s = t->wait(Clock::now() + kDeadline);
+  if (s.isOk()) {
+    EXPECT_EQ(std::memcmp(pair.dst->data(), pair.src->data(), 1 << 20), 0);
+  } else {
+    EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.toString();
+  }
+  const auto deadline = Clock::now() + kDeadline;
+  StatusCode code = StatusCode::kOk;
+  while (Clock::now() < deadline) {
+    auto u = pair.writer->postWrite(pair.to_receiver, {{1, 0, 7, 0, 16}});
+    code = u.isOk() ? StatusCode::kOk : u.status().code();
+    if (!u.isOk()) break;
+    (void)u->wait(Clock::now() + kDeadline);
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(code, StatusCode::kNotFound) << "the retired region is no write target";
+}
+
+bool allZero(const Region& r) {
+  return std::all_of(r.data(), r.data() + r.length(), [](uint8_t b) { return b == 0; });
+}
+
+// vLLM's overwrite race, at the transport: a write fenced on the engine's event moves nothing
+// while the event is pending (100 ms here), and lands once it is signalled.
+TEST(CudaTransport, AWriteBehindAPendingFenceMovesNothingUntilItIsDone) {
+  CudaPair pair;
+  ASSERT_TRUE(pair.writer && pair.to_receiver);
+  auto fence = std::make_shared<device::ManualEvent>();
+  auto t = pair.writer->postWriteAfter(pair.to_receiver, {{1, 0, 7, 0, 1 << 20}}, fence);
+  ASSERT_TRUE(t.isOk()) << t.status().toString();
+  EXPECT_EQ(t->wait(Clock::now() + 100ms).code(), StatusCode::kTimeout);
+  EXPECT_EQ(t->poll(), TransferState::kInProgress);
+  EXPECT_TRUE(allZero(*pair.dst)) << "a byte moved before the fence";
+  fence->signal();
+  ASSERT_TRUE(t->wait(Clock::now() + kDeadline).isOk()) << t->status().toString();
+  EXPECT_EQ(std::memcmp(pair.dst->data(), pair.src->data(), 1 << 20), 0);
+}
+
+// A fenced write that is cancelled, or whose peer is lost, while its fence is pending ends at
+// once and never writes, even when the fence is signalled afterwards; a fence that fails
+// fails its write, naming the fence. Host backends take no fence.
+TEST(CudaTransport, AFencedWriteCancelledLostOrFailedNeverWrites) {
+  CudaPair pair;
+  ASSERT_TRUE(pair.writer && pair.to_receiver);
+  auto failing = std::make_shared<device::ManualEvent>();
+  failing->signal(Internal("engine step 12 failed"));
+  auto f = pair.writer->postWriteAfter(pair.to_receiver, {{1, 0, 7, 0, 4096}}, failing);
+  ASSERT_TRUE(f.isOk());
+  Status fs = f->wait(Clock::now() + kDeadline);
+  EXPECT_EQ(fs.code(), StatusCode::kInternal) << fs.toString();
+  EXPECT_NE(fs.message().find("fence failed: engine step 12 failed"), std::string::npos)
+      << fs.toString();
+
+  auto a = std::make_shared<device::ManualEvent>();
+  auto b = std::make_shared<device::ManualEvent>();
+  auto ta = pair.writer->postWriteAfter(pair.to_receiver, {{1, 0, 7, 0, 1 << 20}}, a);
+  auto tb = pair.writer->postWriteAfter(pair.to_receiver, {{1, 0, 7, 0, 1 << 20}}, b);
+  ASSERT_TRUE(ta.isOk() && tb.isOk());
+  ta->cancel();
+  EXPECT_EQ(ta->wait(Clock::now() + kDeadline).code(), StatusCode::kCancelled);
+  ASSERT_TRUE(pair.writer->disconnect(pair.to_receiver).isOk());
+  EXPECT_EQ(tb->wait(Clock::now() + kDeadline).code(), StatusCode::kUnavailable);
+  a->signal();
+  b->signal();
+  std::this_thread::sleep_for(100ms);
+  EXPECT_TRUE(allZero(*pair.dst)) << "a cancelled or orphaned fenced write landed";
+  EXPECT_EQ(pair.writer->postWriteAfter(pair.to_receiver, {{1, 0, 7, 0, 16}}, a).status().code(),
+            StatusCode::kUnavailable);
+  EXPECT_EQ(
+      pair.writer->postWriteAfter(pair.to_receiver, {{1, 0, 7, 0, 16}}, nullptr).status().code(),
+      StatusCode::kInvalidArgument);
+
+  auto shm = createAgent(plainConfig("shm"));
+  ASSERT_TRUE(shm.isOk());
+  auto refused = (*shm)->postWriteAfter(1, {{1, 0, 7, 0, 16}}, a);
+  EXPECT_EQ(refused.status().code(), StatusCode::kIncompatible) << refused.status().toString();
+}
+
+// A shm agent and a cuda agent share the socket protocol but not the memory: each refuses the
+// other in the handshake, and connect() says so.
+TEST(CudaTransport, ShmAndCudaAgentsRefuseEachOtherNamingBoth) {
+  auto fake = std::make_shared<device::FakeDevice>();
+  auto cuda = createAgent(configFor({"cuda", "cuda", UcxMode::kAuto, true}, "c", fake));
+  auto shm = createAgent(configFor({"shm", "shm"}, "s"));
+  ASSERT_TRUE(cuda.isOk() && shm.isOk());
+  const std::string shm_name = (*shm)->localAddress().substr(std::string("shm:@").size());
+  const std::string cuda_name = (*cuda)->localAddress().substr(std::string("cuda:@").size());
+  auto a = (*cuda)->connect("cuda:@" + shm_name);
+  ASSERT_FALSE(a.isOk());
+  EXPECT_EQ(a.status().code(), StatusCode::kIncompatible) << a.status().toString();
+  EXPECT_NE(a.status().message().find("the peer is a shm agent and this one is a cuda agent"),
+            std::string::npos)
+      << a.status().toString();
+  auto b = (*shm)->connect("shm:@" + cuda_name);
+  ASSERT_FALSE(b.isOk());
+  EXPECT_EQ(b.status().code(), StatusCode::kIncompatible) << b.status().toString();
+  EXPECT_NE(b.status().message().find("the peer is a cuda agent and this one is a shm agent"),
+            std::string::npos)
+      << b.status().toString();
+  EXPECT_EQ((*cuda)->connect((*shm)->localAddress()).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(Transport, UnknownBackendAndBadAddressesAreErrors) {

@@ -113,6 +113,12 @@ class FaultAgent final : public Agent {
     return Transfer(outer);
   }
 
+  // Fenced writes go to the inner agent as they are (no injected fault).
+  StatusOr<Transfer> postWriteAfter(PeerId peer, std::vector<WriteOp> ops,
+                                    std::shared_ptr<const device::Event> ready) override {
+    return inner_->postWriteAfter(peer, std::move(ops), std::move(ready));
+  }
+
   Status sendMessage(PeerId peer, std::span<const uint8_t> payload) override {
     bool drop = false;
     {

@@ -1,10 +1,12 @@
-// The fault-injection decorator over the inproc backend: every injected fault shows up the way
-// the engine will see it, and a seed replays the same faults.
+// The fault-injection decorator over the inproc backend and over the cuda backend on the host
+// fake of the device seam: every injected fault shows up the way the engine will see it, and a
+// seed replays the same faults.
 #include <cstring>
 
 #include <gtest/gtest.h>
 
 #include "common/coding.h"
+#include "device/fake_device.h"
 #include "transport/fault.h"
 #include "transport/transport.h"
 
@@ -16,16 +18,32 @@ using namespace std::chrono_literals;
 constexpr auto kDeadline = 30s;
 
 struct Pair {
+  std::shared_ptr<device::FakeDevice> fake;  // cuda: the device memory below lives here
+  std::shared_ptr<Region> src_memory, dst_memory;
   std::unique_ptr<Agent> writer, receiver;
   PeerId to_receiver = 0, to_writer = 0;
   std::unique_ptr<Region> src, dst;
 };
 
-// A writer wrapped with `policy` connected to a plain receiver, with a 64 KiB region each.
-Pair makePair(const FaultPolicy& policy) {
+// 64 KiB of host memory (memfd), or of the fake device's memory for cuda.
+std::unique_ptr<Region> pairRegion(Pair& p, uint32_t id, std::shared_ptr<Region>* memory) {
+  constexpr uint64_t kLen = 64 * 1024;
+  if (!p.fake) return std::move(Region::allocate(id, kLen, Region::Backing::kMemfd, "r")).value();
+  *memory = std::move(p.fake->allocate(0, kLen)).value();
+  return std::move(Region::borrow(id, (*memory)->data(), kLen)).value();
+}
+
+// A writer wrapped with `policy` connected to a plain receiver of `backend`, with a 64 KiB
+// region each.
+Pair makePair(const FaultPolicy& policy, const std::string& backend) {
   Pair p;
   AgentConfig config;
-  config.backend = "inproc";
+  config.backend = backend;
+  config.auth_token = "fault-token";
+  if (backend == "cuda") {
+    p.fake = std::make_shared<device::FakeDevice>();
+    config.device = p.fake;
+  }
   auto w = createAgent(config);
   auto r = createAgent(config);
   EXPECT_TRUE(w.isOk() && r.isOk());
@@ -41,16 +59,26 @@ Pair makePair(const FaultPolicy& policy) {
       break;
     }
   }
-  p.src = std::move(Region::allocate(1, 64 * 1024, Region::Backing::kMemfd, "src")).value();
-  p.dst = std::move(Region::allocate(2, 64 * 1024, Region::Backing::kMemfd, "dst")).value();
+  p.src = pairRegion(p, 1, &p.src_memory);
+  p.dst = pairRegion(p, 2, &p.dst_memory);
   for (uint64_t i = 0; i < p.src->length(); ++i) p.src->data()[i] = static_cast<uint8_t>(i + 1);
   std::memset(p.dst->data(), 0, p.dst->length());
   EXPECT_TRUE(p.writer->registerRegion(*p.src, RegionAccess::kLocalSource).isOk());
   auto key = p.receiver->registerRegion(*p.dst, RegionAccess::kRemoteWritable);
   EXPECT_TRUE(key.isOk());
-  EXPECT_TRUE(p.writer->addRemoteRegion(p.to_receiver, 2, p.dst->length(), *key).isOk());
+  // The key's message: once it arrived the region's handle did too (cuda maps it on arrival).
+  EXPECT_TRUE(p.receiver->sendMessage(p.to_writer, Bytes{0}).isOk());
+  auto e = p.writer->pollEvent(kDeadline);
+  EXPECT_TRUE(e.has_value() && e->kind == Event::Kind::kMessage);
+  Status added = p.writer->addRemoteRegion(p.to_receiver, 2, p.dst->length(), *key);
+  EXPECT_TRUE(added.isOk()) << added.toString();
   return p;
 }
+
+class FaultAgent : public ::testing::TestWithParam<std::string> {
+ protected:
+  Pair makePair(const FaultPolicy& policy) { return transport::makePair(policy, GetParam()); }
+};
 
 Status writeOnce(Pair& p, uint64_t offset) {
   auto t = p.writer->postWrite(p.to_receiver, {{1, offset, 2, offset, 1024}});
@@ -58,13 +86,13 @@ Status writeOnce(Pair& p, uint64_t offset) {
   return t->wait(Clock::now() + kDeadline);
 }
 
-TEST(FaultAgent, NamesItselfAfterTheInnerBackend) {
+TEST_P(FaultAgent, NamesItselfAfterTheInnerBackend) {
   Pair p = makePair(FaultPolicy{});
-  EXPECT_EQ(p.writer->capabilities().name, "fault(inproc)");
+  EXPECT_EQ(p.writer->capabilities().name, "fault(" + GetParam() + ")");
   EXPECT_TRUE(p.writer->capabilities().many_small_ops_cheap);
 }
 
-TEST(FaultAgent, FailsExactlyTheNthWriteAndMovesNoByteForIt) {
+TEST_P(FaultAgent, FailsExactlyTheNthWriteAndMovesNoByteForIt) {
   FaultPolicy policy;
   policy.fail_nth_write = 3;
   Pair p = makePair(policy);
@@ -81,8 +109,8 @@ TEST(FaultAgent, FailsExactlyTheNthWriteAndMovesNoByteForIt) {
   EXPECT_EQ(faultStats(*p.writer).writes_failed, 1u);
 }
 
-TEST(FaultAgent, SameSeedFailsTheSameWrites) {
-  auto failedIndices = [](uint64_t seed) {
+TEST_P(FaultAgent, SameSeedFailsTheSameWrites) {
+  auto failedIndices = [&](uint64_t seed) {
     FaultPolicy policy;
     policy.seed = seed;
     policy.fail_write_probability = 0.3;
@@ -99,7 +127,7 @@ TEST(FaultAgent, SameSeedFailsTheSameWrites) {
   EXPECT_LT(a.size(), 40u);
 }
 
-TEST(FaultAgent, DelayedWriteStillCompletesWithItsBytes) {
+TEST_P(FaultAgent, DelayedWriteStillCompletesWithItsBytes) {
   FaultPolicy policy;
   policy.write_delay = 50ms;
   Pair p = makePair(policy);
@@ -110,7 +138,7 @@ TEST(FaultAgent, DelayedWriteStillCompletesWithItsBytes) {
   EXPECT_EQ(faultStats(*p.writer).writes_delayed, 1u);
 }
 
-TEST(FaultAgent, DropsTheNthMessageAndKeepsTheOthersInOrder) {
+TEST_P(FaultAgent, DropsTheNthMessageAndKeepsTheOthersInOrder) {
   FaultPolicy policy;
   policy.drop_nth_message = 2;
   policy.message_delay = 5ms;
@@ -131,7 +159,7 @@ TEST(FaultAgent, DropsTheNthMessageAndKeepsTheOthersInOrder) {
   EXPECT_EQ(faultStats(*p.writer).messages_delayed, 4u);
 }
 
-TEST(FaultAgent, FailsTheNthMessageAsIfThePeerWereGone) {
+TEST_P(FaultAgent, FailsTheNthMessageAsIfThePeerWereGone) {
   FaultPolicy policy;
   policy.fail_nth_message = 2;
   Pair p = makePair(policy);
@@ -150,7 +178,7 @@ TEST(FaultAgent, FailsTheNthMessageAsIfThePeerWereGone) {
   EXPECT_EQ(faultStats(*p.writer).messages_failed, 1u);
 }
 
-TEST(FaultAgent, ClosesThePeerAbruptlyAfterNWrites) {
+TEST_P(FaultAgent, ClosesThePeerAbruptlyAfterNWrites) {
   FaultPolicy policy;
   policy.close_peer_after_writes = 2;
   Pair p = makePair(policy);
@@ -163,11 +191,13 @@ TEST(FaultAgent, ClosesThePeerAbruptlyAfterNWrites) {
   EXPECT_EQ(faultStats(*p.writer).peers_closed, 1u);
 }
 
-TEST(FaultAgent, ClosesTheNthConnectionRightAfterItWasAccepted) {
+TEST_P(FaultAgent, ClosesTheNthConnectionRightAfterItWasAccepted) {
   FaultPolicy policy;
   policy.close_nth_connect = 1;
   AgentConfig config;
-  config.backend = "inproc";
+  config.backend = GetParam();
+  config.auth_token = "fault-token";
+  config.device = std::make_shared<device::FakeDevice>();
   auto writer = wrapWithFaults(std::move(createAgent(config)).value(), policy);
   auto receiver = std::move(createAgent(config)).value();
   // The connect returns a peer that is already gone: a kPeerLost for it is queued.
@@ -192,6 +222,9 @@ TEST(FaultAgent, ClosesTheNthConnectionRightAfterItWasAccepted) {
     break;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, FaultAgent, ::testing::Values("inproc", "cuda"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace hxfer::transport

@@ -140,20 +140,23 @@ CopyWorker::~CopyWorker() {
 void CopyWorker::submit(CopyJob job) {
   std::weak_ptr<Queue> weak = q_;
   TransferCore* core = job.core.get();
-  job.core->setWaitHelper([weak, core] {
-    auto q = weak.lock();
-    if (!q) return;
-    CopyJob mine;
-    {
-      std::lock_guard<std::mutex> lock(q->mu);
-      auto it = std::find_if(q->jobs.begin(), q->jobs.end(),
-                             [&](const CopyJob& j) { return j.core.get() == core; });
-      if (it == q->jobs.end()) return;  // already running (or done) on the worker
-      mine = std::move(*it);
-      q->jobs.erase(it);
-    }
-    execute(*q, mine);
-  });
+  // A device job is not run by its waiter: it may wait for a fence that the waiting thread
+  // itself signals later, and the device does its copy anyway.
+  if (!job.device_copy)
+    job.core->setWaitHelper([weak, core] {
+      auto q = weak.lock();
+      if (!q) return;
+      CopyJob mine;
+      {
+        std::lock_guard<std::mutex> lock(q->mu);
+        auto it = std::find_if(q->jobs.begin(), q->jobs.end(),
+                               [&](const CopyJob& j) { return j.core.get() == core; });
+        if (it == q->jobs.end()) return;  // already running (or done) on the worker
+        mine = std::move(*it);
+        q->jobs.erase(it);
+      }
+      execute(*q, mine);
+    });
   std::shared_ptr<TransferCore> refused;
   {
     std::lock_guard<std::mutex> lock(q_->mu);
@@ -184,6 +187,41 @@ Status CopyWorker::copySegments(const CopyJob& job, const std::vector<CopySegmen
     std::memcpy(seg.dst->base + seg.dst_offset, seg.src, seg.bytes);
   }
   return OkStatus();
+}
+
+Status CopyWorker::copyOnDevice(const CopyJob& job) {
+  // The fence is waited for here, on the host, so that a cancel or a lost peer while it is
+  // pending ends the transfer with nothing written.
+  while (job.ready && !job.ready->done()) {
+    if (job.core->cancelRequested()) {
+      return Cancelled("transfer cancelled while it waited for its fence");
+    }
+    if (job.check) RETURN_IF_ERROR(job.check());
+    (void)job.ready->wait(std::chrono::milliseconds(5));
+  }
+  if (job.ready) {
+    if (Status s = job.ready->status(); !s.isOk()) {
+      return Status(s.code(), "the write's fence failed: " + s.message());
+    }
+  }
+  if (job.core->cancelRequested()) return Cancelled("transfer cancelled before it was launched");
+  if (job.check) RETURN_IF_ERROR(job.check());
+  // Every destination stays mapped and registered until the device finished: the copy runs
+  // asynchronously, so the guards are held for all of it (a retire waits, as for a memcpy).
+  std::vector<RegionGuard*> guards;
+  for (const CopySegment& seg : job.segments) guards.push_back(seg.dst.get());
+  std::sort(guards.begin(), guards.end());
+  guards.erase(std::unique(guards.begin(), guards.end()), guards.end());
+  std::vector<std::shared_lock<std::shared_mutex>> locks;
+  locks.reserve(guards.size());
+  for (RegionGuard* g : guards) {
+    locks.emplace_back(g->mu);
+    if (!g->alive) {
+      return Unavailable("remote region " + std::to_string(g->id) +
+                         " was deregistered by its owner before the transfer was launched");
+    }
+  }
+  return job.device_copy(job.segments);
 }
 
 namespace {
@@ -222,7 +260,9 @@ void CopyWorker::execute(Queue& q, CopyJob& job) {
   uint64_t total = 0;
   for (const CopySegment& seg : job.segments) total += seg.bytes;
   const size_t helpers = q.helpers.threads;
-  if (helpers == 0 || total < kParallelCopyBytes) {
+  if (job.device_copy) {
+    result = copyOnDevice(job);
+  } else if (helpers == 0 || total < kParallelCopyBytes) {
     result = copySegments(job, job.segments);
   } else {
     // Parts 1..n-1 go to the helpers; this thread copies part 0, then waits for the others

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "device/device_api.h"
 #include "transport/transfer_core.h"
 #include "transport/transport.h"
 
@@ -110,6 +111,12 @@ struct CopyJob {
   // finishes a job's transfer, so a terminal transfer never has a copy running: once a caller
   // sees kDone / kFailed / kCancelled, neither its source nor its destination is touched again.
   std::function<Status()> check;
+  // Set for device memory (the cuda backend): runs the whole job's segments as device work and
+  // returns once the device finished them (its event), instead of the worker's memcpy. The
+  // worker holds every destination guard (shared) around it, as around a memcpy.
+  std::function<Status(const std::vector<CopySegment>&)> device_copy;
+  // device_copy only: nothing is copied before this event is done (postWriteAfter).
+  std::shared_ptr<const device::Event> ready;
 };
 
 // One thread that runs copy jobs in FIFO order. Between segments it honours cancellation and
@@ -147,6 +154,7 @@ class CopyWorker {
   };
   static void execute(Queue& q, CopyJob& job);
   static Status copySegments(const CopyJob& job, const std::vector<CopySegment>& segments);
+  static Status copyOnDevice(const CopyJob& job);
   void run();
   std::vector<std::thread> helper_threads_;
 

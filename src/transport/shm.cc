@@ -21,6 +21,7 @@
 
 #include "common/coding.h"
 #include "common/logging.h"
+#include "device/device_api.h"
 #include "transport/auth.h"
 #include "transport/local_common.h"
 
@@ -34,9 +35,15 @@ using detail::EventQueue;
 using detail::RegionGuard;
 using detail::TransferCore;
 
-constexpr std::string_view kScheme = "shm:@";
+constexpr std::string_view kShmScheme = "shm:@";
+constexpr std::string_view kCudaScheme = "cuda:@";
 // 2: authenticated handshake, sealed memfds. 3: proofs bound to the sockets' names.
 constexpr uint32_t kProtocolVersion = 3;
+// A cuda agent speaks the same protocol over device memory; its hello and challenge carry the
+// version with this bit, so that a shm agent and a cuda agent refuse each other at once.
+constexpr uint32_t kCudaFlavor = 1u << 16;
+// A device handle's bytes (legacy IPC and fabric handles are 64 bytes).
+constexpr uint64_t kMaxDeviceHandleBytes = 64;
 constexpr uint64_t kMaxMessageBytes = 64ull << 20;
 constexpr size_t kHeaderBytes = 8;  // fixed32 type, fixed32 payload length
 // Bounds on what one peer can make us hold. Before authentication a frame is at most a
@@ -57,6 +64,10 @@ enum FrameType : uint32_t {
   kProof = 6,       // connector -> listener: proof_c[32]
   kWelcome = 7,     // listener -> connector: empty; both sides are authenticated
   kRefused = 8,     // listener -> connector: reason (text); the listener then closes
+  // cuda only: fixed32 id, fixed64 length, fixed32 handle kind, fixed64 allocation bytes,
+  // fixed64 offset, uuid[16] of the exporting device, length-prefixed handle bytes (at most
+  // 64); a posix-fd handle's fd rides along (SCM_RIGHTS).
+  kDeviceRegion = 9,
 };
 
 enum class AuthState { kAwaitHello, kAwaitProof, kAwaitChallenge, kAwaitWelcome, kDone };
@@ -137,6 +148,64 @@ struct ShmPeer {
 struct LocalRegion {
   const Region* region = nullptr;
   bool exported = false;  // RegionAccess::kRemoteWritable: its fd goes to authenticated peers
+  // cuda: the device whose memory the region is, and (exported) the handle peers map.
+  int device = -1;
+  std::shared_ptr<const device::ExportedRange> range;
+};
+
+// The device streams of a cuda agent, one per device ordinal, made on first use. Shared with
+// the copy jobs (a transfer's waiter may run its job after the agent is gone). A stream is
+// used by one thread at a time: queueing on it takes mu.
+struct DeviceLane {
+  std::shared_ptr<device::DeviceApi> api;
+  std::mutex mu;
+  std::map<int, std::unique_ptr<device::Stream>> streams;  // guarded by mu
+
+  // Queues `runs` as one batched copy on `ordinal`'s stream.
+  StatusOr<std::shared_ptr<device::Event>> copy(int ordinal,
+                                                std::span<const device::CopyRun> runs) {
+    ASSIGN_OR_RETURN(device::HostCopyTable table, device::copyTable(runs));
+    std::lock_guard<std::mutex> lock(mu);
+    auto& stream = streams[ordinal];
+    if (!stream) {
+      auto made = api->createStream(ordinal);
+      if (!made.isOk()) {
+        streams.erase(ordinal);
+        return made.status();
+      }
+      stream = std::move(made).value();
+    }
+    return stream->copy(table);
+  }
+
+  // The job's segments as one copy per source device (`devices[i]` is segment i's); returns
+  // once every copy finished, with the first error.
+  Status run(const std::vector<CopySegment>& segments, const std::vector<int>& devices) {
+    std::map<int, std::vector<device::CopyRun>> by_device;
+    for (size_t i = 0; i < segments.size(); ++i) {
+      const CopySegment& seg = segments[i];
+      by_device[devices[i]].push_back(
+          device::CopyRun{reinterpret_cast<uint64_t>(seg.src),
+                          reinterpret_cast<uint64_t>(seg.dst->base + seg.dst_offset), seg.bytes});
+    }
+    std::vector<std::shared_ptr<device::Event>> events;
+    Status first = OkStatus();
+    for (auto& [ordinal, runs] : by_device) {
+      auto e = copy(ordinal, runs);
+      if (!e.isOk()) {
+        first = e.status();
+        break;
+      }
+      events.push_back(std::move(e).value());
+    }
+    // What was queued is waited for even after an error: the destinations stay held until no
+    // copy of this job can still write.
+    for (const auto& e : events) {
+      while (!e->done()) (void)e->wait(std::chrono::milliseconds(1000));
+      if (first.isOk()) first = e->status();
+    }
+    return first;
+  }
 };
 
 class ShmAgent final : public Agent {
@@ -148,17 +217,24 @@ class ShmAgent final : public Agent {
         epoll_fd_(epoll_fd),
         wake_fd_(wake_fd),
         spare_fd_(open("/dev/null", O_RDONLY | O_CLOEXEC)) {
-    caps_.name = "shm";
+    const bool cuda = config_.backend == "cuda";
+    caps_.name = cuda ? "cuda" : "shm";
     caps_.same_host_only = true;
     caps_.one_sided = true;
-    caps_.many_small_ops_cheap = true;
-    caps_.needs_memfd_regions = true;
+    caps_.many_small_ops_cheap = true;  // cuda: one batched copy per batch, whatever its ops
+    caps_.needs_memfd_regions = !cuda;
+    caps_.device_memory = cuda;
     caps_.max_message_bytes = kMaxMessageBytes;
+    if (cuda) {
+      lane_ = std::make_shared<DeviceLane>();
+      lane_->api = config_.device;
+    }
+    log_name_ = caps_.name + " " + name_;
     if (config_.auth_token.empty()) {
       HXFER_LOG_WARN(
-          "shm {}: no auth token configured: any process of an allowed uid that finds the socket "
+          "{}: no auth token configured: any process of an allowed uid that finds the socket "
           "can connect and write into exported regions",
-          name_);
+          log_name_);
     }
     progress_ = std::thread([this] { progressLoop(); });
   }
@@ -203,7 +279,7 @@ class ShmAgent final : public Agent {
   }
 
   const Capabilities& capabilities() const override { return caps_; }
-  std::string localAddress() const override { return std::string(kScheme) + name_; }
+  std::string localAddress() const override { return std::string(scheme()) + name_; }
 
   AgentStats agentStats() const override {
     AgentStats s;
@@ -217,26 +293,54 @@ class ShmAgent final : public Agent {
 
   StatusOr<std::vector<uint8_t>> registerRegion(const Region& region,
                                                 RegionAccess access) override {
-    if (region.fd() < 0) {
+    const bool exported = access == RegionAccess::kRemoteWritable;
+    LocalRegion local{&region, exported, -1, nullptr};
+    if (lane_) {
+      ASSIGN_OR_RETURN(local, deviceRegion(region, exported));
+    } else if (region.fd() < 0) {
       return InvalidArgument("region id=" + std::to_string(region.id()) +
                              " is anonymous; the shm backend needs memfd-backed regions");
     }
-    const bool exported = access == RegionAccess::kRemoteWritable;
     std::vector<std::shared_ptr<ShmPeer>> failed;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!regions_.emplace(region.id(), LocalRegion{&region, exported}).second) {
+      auto [it, added] = regions_.emplace(region.id(), std::move(local));
+      if (!added) {
         return InvalidArgument("region id=" + std::to_string(region.id()) +
                                " is already registered");
       }
       if (exported) {
         for (auto& [id, p] : peers_) {
-          if (p->granted && !p->lost && !sendRegion(*p, region).isOk()) failed.push_back(p);
+          if (p->granted && !p->lost && !sendRegion(*p, it->second).isOk()) failed.push_back(p);
         }
       }
     }
     for (auto& p : failed) markLost(p, Unavailable("peer socket failed while sending a region"));
     return std::vector<uint8_t>{};
+  }
+
+  // cuda: which device owns `region`, and the handle peers will map when it is exported.
+  StatusOr<LocalRegion> deviceRegion(const Region& region, bool exported) {
+    const std::string what = "region id=" + std::to_string(region.id());
+    auto owner = lane_->api->owner(region.data(), region.length());
+    if (!owner.isOk()) {
+      if (owner.status().code() == StatusCode::kNotFound) {
+        return InvalidArgument(what +
+                               " is host memory; the cuda backend moves device memory (host pools "
+                               "go over shm): " +
+                               owner.status().message());
+      }
+      return Status(owner.status().code(), what + ": " + owner.status().message());
+    }
+    LocalRegion local{&region, exported, owner->ordinal, nullptr};
+    if (exported) {
+      auto range = lane_->api->exportRange(region.data(), region.length());
+      if (!range.isOk()) {
+        return Status(range.status().code(), what + ": export: " + range.status().message());
+      }
+      local.range = std::make_shared<const device::ExportedRange>(std::move(range).value());
+    }
+    return local;
   }
 
   Status deregisterRegion(uint32_t region_id) override {
@@ -262,10 +366,11 @@ class ShmAgent final : public Agent {
   }
 
   StatusOr<PeerId> connect(const std::string& address) override {
-    if (!address.starts_with(kScheme)) {
-      return InvalidArgument("shm address '" + address + "' does not start with 'shm:@'");
+    if (!address.starts_with(scheme())) {
+      return InvalidArgument(caps_.name + " address '" + address + "' does not start with '" +
+                             std::string(scheme()) + "'");
     }
-    const std::string name = address.substr(kScheme.size());
+    const std::string name = address.substr(scheme().size());
     sockaddr_un sa{};
     socklen_t len = 0;
     RETURN_IF_ERROR(abstractAddress(name, &sa, &len));
@@ -317,7 +422,7 @@ class ShmAgent final : public Agent {
       } else {
         p->in_epoll = true;
         Bytes hello;
-        putFixed32(hello, kProtocolVersion);
+        putFixed32(hello, protocolVersion());
         hello.insert(hello.end(), p->connector_nonce.begin(), p->connector_nonce.end());
         sent = sendFrame(*p, kHello, hello);
       }
@@ -385,11 +490,24 @@ class ShmAgent final : public Agent {
   }
 
   StatusOr<Transfer> postWrite(PeerId peer, std::vector<WriteOp> ops) override {
+    return post(peer, std::move(ops), nullptr);
+  }
+
+  StatusOr<Transfer> postWriteAfter(PeerId peer, std::vector<WriteOp> ops,
+                                    std::shared_ptr<const device::Event> ready) override {
+    if (!lane_) return Agent::postWriteAfter(peer, std::move(ops), std::move(ready));
+    if (!ready) return InvalidArgument("postWriteAfter without a fence event");
+    return post(peer, std::move(ops), std::move(ready));
+  }
+
+  StatusOr<Transfer> post(PeerId peer, std::vector<WriteOp> ops,
+                          std::shared_ptr<const device::Event> ready) {
     auto p = findPeer(peer);
     if (!p) return missingPeer(peer);
     if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
     CopyJob job;
     uint64_t total = 0;
+    std::vector<int> devices;  // cuda: the source device of each segment
     {
       std::lock_guard<std::mutex> lock(mu_);
       job.segments.reserve(ops.size());
@@ -400,8 +518,16 @@ class ShmAgent final : public Agent {
         RETURN_IF_ERROR(detail::validateOp(i, op, local->region->length(), (*remote)->length));
         job.segments.push_back(CopySegment{local->region->data() + op.local_offset, *remote,
                                            op.remote_offset, op.bytes});
+        if (lane_) devices.push_back(local->device);
         total += op.bytes;
       }
+    }
+    if (lane_) {
+      job.device_copy = [lane = lane_,
+                         devices = std::move(devices)](const std::vector<CopySegment>& segments) {
+        return lane->run(segments, devices);
+      };
+      job.ready = std::move(ready);
     }
     Transfer t = detail::submitCopy(copy_, std::move(job), total, ops.size(), p, peer);
     std::lock_guard<std::mutex> lock(mu_);
@@ -424,6 +550,9 @@ class ShmAgent final : public Agent {
     return events_.pop(timeout);
   }
   void wakeEventWaiter() override { events_.wake(); }
+
+  std::string_view scheme() const { return lane_ ? kCudaScheme : kShmScheme; }
+  uint32_t protocolVersion() const { return kProtocolVersion | (lane_ ? kCudaFlavor : 0u); }
 
   static Status abstractAddress(const std::string& name, sockaddr_un* sa, socklen_t* len) {
     if (name.empty() || name.size() + 1 > sizeof(sa->sun_path)) {
@@ -529,7 +658,7 @@ class ShmAgent final : public Agent {
           "peer " + std::to_string(p.id) + " is not reading: " + std::to_string(p.out_bytes) +
           " bytes queued for it and a frame of " + std::to_string(frame_bytes) +
           " would exceed max_send_queue_bytes=" + std::to_string(config_.max_send_queue_bytes);
-      HXFER_LOG_WARN("shm {}: disconnecting peer {}: {}", name_, p.id, why);
+      HXFER_LOG_WARN("{}: disconnecting peer {}: {}", log_name_, p.id, why);
       return Unavailable(why);
     }
     // Queue what the socket did not take; an fd already went with the first byte.
@@ -635,17 +764,25 @@ class ShmAgent final : public Agent {
           "peer " + std::to_string(p->id) + " read none of the " + std::to_string(bytes) +
           " bytes queued for it within " +
           "send_stall_timeout=" + std::to_string(config_.send_stall_timeout.count()) + " ms";
-      HXFER_LOG_WARN("shm {}: disconnecting peer {}: {}", name_, p->id, why);
+      HXFER_LOG_WARN("{}: disconnecting peer {}: {}", log_name_, p->id, why);
       markLost(p, Unavailable(why));
     }
     return queued;
   }
 
-  Status sendRegion(ShmPeer& p, const Region& region) {
+  Status sendRegion(ShmPeer& p, const LocalRegion& local) {
+    const Region& region = *local.region;
     Bytes payload;
     putFixed32(payload, region.id());
     putFixed64(payload, region.length());
-    return sendFrame(p, kRegion, payload, region.fd());
+    if (!local.range) return sendFrame(p, kRegion, payload, region.fd());
+    const device::ExportedRange& r = *local.range;
+    putFixed32(payload, static_cast<uint32_t>(r.kind));
+    putFixed64(payload, r.allocation_bytes);
+    putFixed64(payload, r.offset);
+    payload.insert(payload.end(), r.device.uuid.begin(), r.device.uuid.end());
+    putLengthPrefixed(payload, std::span<const uint8_t>(r.handle));
+    return sendFrame(p, kDeviceRegion, payload, r.kind == device::HandleKind::kPosixFd ? r.fd : -1);
   }
 
   static bool terminal(const Transfer& t) { return t.poll() != TransferState::kInProgress; }
@@ -681,7 +818,7 @@ class ShmAgent final : public Agent {
     if (queue_event && !exported) events_.push(Event{Event::Kind::kPeerLost, p->id, {}, why});
     uint64_t one = 1;
     (void)!write(wake_fd_, &one, sizeof(one));
-    HXFER_LOG_DEBUG("shm {}: peer {} lost: {}", name_, p->id, why.toString());
+    HXFER_LOG_DEBUG("{}: peer {} lost: {}", log_name_, p->id, why.toString());
   }
 
   // Progress thread: moves lost peers towards closed. Our end is shut only once none of our
@@ -782,9 +919,9 @@ class ShmAgent final : public Agent {
       uint64_t held = 0;
       if (unauth_log_.admit(&held)) {
         HXFER_LOG_WARN(
-            "shm {}: closing connection {}: no authentication within {} ms ({} lines like this "
+            "{}: closing connection {}: no authentication within {} ms ({} lines like this "
             "held back)",
-            name_, p->id, config_.auth_timeout.count(), held);
+            log_name_, p->id, config_.auth_timeout.count(), held);
       }
       markLost(p, PermissionDenied("no authentication within " +
                                    std::to_string(config_.auth_timeout.count()) + " ms"));
@@ -815,7 +952,7 @@ class ShmAgent final : public Agent {
       }
       int n = epoll_wait(epoll_fd_, evs, 16, wait_ms);
       if (n < 0 && errno != EINTR) {
-        HXFER_LOG_ERROR("shm {}: epoll_wait failed: {}", name_, std::strerror(errno));
+        HXFER_LOG_ERROR("{}: epoll_wait failed: {}", log_name_, std::strerror(errno));
         return;
       }
       for (int i = 0; i < n && !stop_; ++i) {
@@ -852,9 +989,9 @@ class ShmAgent final : public Agent {
           uint64_t held = 0;
           if (unauth_log_.admit(&held)) {
             HXFER_LOG_WARN(
-                "shm {}: refusing a connection: out of file descriptors ({} lines like this held "
+                "{}: refusing a connection: out of file descriptors ({} lines like this held "
                 "back)",
-                name_, held);
+                log_name_, held);
           }
           if (spare_fd_ >= 0) {
             close(spare_fd_);
@@ -870,7 +1007,7 @@ class ShmAgent final : public Agent {
         ++auth_failures_;
         uint64_t held = 0;
         if (unauth_log_.admit(&held)) {
-          HXFER_LOG_WARN("shm {}: refusing a connection: {} ({} lines like this held back)", name_,
+          HXFER_LOG_WARN("{}: refusing a connection: {} ({} lines like this held back)", log_name_,
                          s.toString(), held);
         }
         close(fd);
@@ -895,10 +1032,10 @@ class ShmAgent final : public Agent {
         uint64_t held = 0;
         if (unauth_log_.admit(&held)) {
           HXFER_LOG_WARN(
-              "shm {}: closing the oldest unauthenticated connection ({}) for a new one: "
+              "{}: closing the oldest unauthenticated connection ({}) for a new one: "
               "max_unauthenticated={} are authenticating ({} closed so far; {} lines like this "
               "held back)",
-              name_, oldest->id, config_.max_unauthenticated, n, held);
+              log_name_, oldest->id, config_.max_unauthenticated, n, held);
         }
         markLost(oldest, ResourceExhausted("closed for a newer connection: max_unauthenticated=" +
                                            std::to_string(config_.max_unauthenticated)));
@@ -1051,23 +1188,38 @@ class ShmAgent final : public Agent {
         return Corruption(std::string(frame) + " frame has " + std::to_string(payload.size()) +
                           " bytes, expected " + std::to_string(want));
       }
-      if (want >= 4 && type != kProof && loadFixed32(payload.data()) != kProtocolVersion) {
-        return Incompatible(
-            "peer shm protocol version=" + std::to_string(loadFixed32(payload.data())) +
-            " != ours=" + std::to_string(kProtocolVersion));
+      if (want >= 4 && type != kProof && loadFixed32(payload.data()) != protocolVersion()) {
+        const uint32_t theirs = loadFixed32(payload.data());
+        if ((theirs & ~kCudaFlavor) == kProtocolVersion) {
+          const std::string kind = theirs & kCudaFlavor ? "cuda" : "shm";
+          return Incompatible("the peer is a " + kind + " agent and this one is a " + caps_.name +
+                              " agent: both ends of a connection use the same backend");
+        }
+        return Incompatible("peer " + caps_.name + " protocol version=" + std::to_string(theirs) +
+                            " != ours=" + std::to_string(protocolVersion()));
       }
       return OkStatus();
     };
     constexpr size_t kN = auth::kNonceBytes;
     const std::string conn = "connection " + std::to_string(p->id);
     if (type == kHello && p->auth == AuthState::kAwaitHello) {
-      RETURN_IF_ERROR(expectSize("hello", 4 + kN));
+      if (Status v = expectSize("hello", 4 + kN); !v.isOk()) {
+        if (v.code() == StatusCode::kIncompatible) {
+          // Our version and nothing else (no nonce, no proof), so that the connector's
+          // connect() names the mismatch instead of a closed connection.
+          Bytes who;
+          putFixed32(who, protocolVersion());
+          who.resize(4 + kN + auth::kProofBytes, 0);
+          (void)sendFrame(*p, kChallenge, who);
+        }
+        return v;
+      }
       std::memcpy(p->connector_nonce.data(), payload.data() + 4, kN);
       ASSIGN_OR_RETURN(p->listener_nonce, auth::randomNonce());
       const auth::Proof proof = auth::prove(config_.auth_token, auth::Role::kListener,
                                             p->connector_nonce, p->listener_nonce, p->binding);
       Bytes challenge;
-      putFixed32(challenge, kProtocolVersion);
+      putFixed32(challenge, protocolVersion());
       challenge.insert(challenge.end(), p->listener_nonce.begin(), p->listener_nonce.end());
       challenge.insert(challenge.end(), proof.begin(), proof.end());
       p->auth = AuthState::kAwaitProof;
@@ -1137,7 +1289,7 @@ class ShmAgent final : public Agent {
     if (p.granted) return OkStatus();
     p.granted = true;
     for (auto& [id, r] : regions_) {
-      if (r.exported) RETURN_IF_ERROR(sendRegion(p, *r.region));
+      if (r.exported) RETURN_IF_ERROR(sendRegion(p, r));
     }
     return OkStatus();
   }
@@ -1177,36 +1329,25 @@ class ShmAgent final : public Agent {
         uint64_t length = 0;
         RETURN_IF_ERROR(d.getFixed32("region.id", &id));
         RETURN_IF_ERROR(d.getFixed64("region.length", &length));
+        if (lane_) {
+          return Corruption("peer " + std::to_string(p->id) +
+                            " shared host region id=" + std::to_string(id) + " with a cuda agent");
+        }
         if (p->rx_fds.empty()) {
           return Corruption("region frame id=" + std::to_string(id) + " arrived without its fd");
         }
         int fd = p->rx_fds.front();
         p->rx_fds.pop_front();
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          if (p->imported.size() >= kMaxImportedRegions && p->imported.count(id) == 0) {
-            close(fd);
-            ++peers_over_limit_;
-            return ResourceExhausted("peer " + std::to_string(p->id) + " shared more than " +
-                                     std::to_string(kMaxImportedRegions) + " regions");
-          }
+        if (Status room = roomForImport(*p, id); !room.isOk()) {
+          close(fd);
+          return room;
         }
         ASSIGN_OR_RETURN(std::shared_ptr<Region> mapped, Region::mapFd(id, fd, length));
-        auto g = std::make_shared<RegionGuard>();
-        g->id = id;
-        g->base = mapped->data();
-        g->length = length;
-        g->owner = mapped;
-        std::shared_ptr<RegionGuard> old;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          auto& slot = p->imported[id];
-          old = std::move(slot);
-          slot = g;
-        }
-        if (old) old->retire();
+        installImport(*p, id, mapped->data(), length, mapped);
         return OkStatus();
       }
+      case kDeviceRegion:
+        return importDeviceRegion(*p, d);
       case kRegionGone: {
         uint32_t id = 0;
         RETURN_IF_ERROR(d.getFixed32("region_gone.id", &id));
@@ -1233,9 +1374,91 @@ class ShmAgent final : public Agent {
     }
   }
 
+  // Whether `p` may share region `id` (a replacement always may). REQUIRES: not mu_.
+  Status roomForImport(const ShmPeer& p, uint32_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (p.imported.size() >= kMaxImportedRegions && p.imported.count(id) == 0) {
+      ++peers_over_limit_;
+      return ResourceExhausted("peer " + std::to_string(p.id) + " shared more than " +
+                               std::to_string(kMaxImportedRegions) + " regions");
+    }
+    return OkStatus();
+  }
+
+  // Makes region `id` of `p` a write target at `base`, kept mapped by `owner`; a region it
+  // replaces is retired (its copies in flight finish first).
+  void installImport(ShmPeer& p, uint32_t id, uint8_t* base, uint64_t length,
+                     std::shared_ptr<void> owner) {
+    auto g = std::make_shared<RegionGuard>();
+    g->id = id;
+    g->base = base;
+    g->length = length;
+    g->owner = std::move(owner);
+    std::shared_ptr<RegionGuard> old;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& slot = p.imported[id];
+      old = std::move(slot);
+      slot = g;
+    }
+    if (old) old->retire();
+  }
+
+  // cuda: a peer's exported device range, mapped here through the device runtime. Every field
+  // is checked before anything is mapped; the runtime checks the range against its allocation.
+  Status importDeviceRegion(ShmPeer& p, Decoder& d) {
+    if (!lane_) {
+      return Corruption("peer " + std::to_string(p.id) +
+                        " shared a device region with a shm agent");
+    }
+    uint32_t id = 0, kind = 0;
+    uint64_t length = 0;
+    device::ExportedRange range;
+    std::span<const uint8_t> uuid, handle;
+    RETURN_IF_ERROR(d.getFixed32("device_region.id", &id));
+    RETURN_IF_ERROR(d.getFixed64("device_region.length", &length));
+    RETURN_IF_ERROR(d.getFixed32("device_region.kind", &kind));
+    RETURN_IF_ERROR(d.getFixed64("device_region.allocation_bytes", &range.allocation_bytes));
+    RETURN_IF_ERROR(d.getFixed64("device_region.offset", &range.offset));
+    if (d.remaining() < range.device.uuid.size()) {
+      return Corruption("truncated reading device_region.uuid");
+    }
+    std::memcpy(range.device.uuid.data(), d.rest().data(), range.device.uuid.size());
+    Decoder rest(d.rest().subspan(range.device.uuid.size()));
+    RETURN_IF_ERROR(rest.getLengthPrefixed("device_region.handle", kMaxDeviceHandleBytes, &handle));
+    const std::string what =
+        "device region id=" + std::to_string(id) + " of peer " + std::to_string(p.id);
+    if (!rest.done()) {
+      return Corruption(what + ": " + std::to_string(rest.remaining()) + " trailing bytes");
+    }
+    if (kind < static_cast<uint32_t>(device::HandleKind::kPosixFd) ||
+        kind > static_cast<uint32_t>(device::HandleKind::kFabric)) {
+      return Corruption(what + ": handle kind=" + std::to_string(kind) + " is not 1..3");
+    }
+    range.kind = static_cast<device::HandleKind>(kind);
+    range.bytes = length;
+    range.handle.assign(handle.begin(), handle.end());
+    if (range.kind == device::HandleKind::kPosixFd) {
+      if (p.rx_fds.empty()) return Corruption(what + ": arrived without its fd");
+      range.fd = p.rx_fds.front();  // owned by `range` from here
+      p.rx_fds.pop_front();
+    }
+    RETURN_IF_ERROR(roomForImport(p, id));
+    auto mapped = lane_->api->importRange(std::move(range));
+    if (!mapped.isOk()) {
+      return Status(mapped.status().code(), what + ": " + mapped.status().message());
+    }
+    std::shared_ptr<device::Mapping> mapping(std::move(mapped).value());
+    installImport(p, id, reinterpret_cast<uint8_t*>(mapping->address()), length, mapping);
+    return OkStatus();
+  }
+
   Capabilities caps_;
   const AgentConfig config_;
   const std::string name_;
+  std::string log_name_;  // "<backend> <name>", set once in the constructor
+  // cuda: the device runtime and its streams; null for shm.
+  std::shared_ptr<DeviceLane> lane_;
   const int listen_fd_;
   const int epoll_fd_;
   const int wake_fd_;

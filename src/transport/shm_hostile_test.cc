@@ -29,6 +29,7 @@
 
 #include "cache/region.h"
 #include "common/coding.h"
+#include "device/fake_device.h"
 #include "transport/auth.h"
 #include "transport/transport.h"
 
@@ -46,8 +47,10 @@ enum : uint32_t {
   kProof = 6,
   kWelcome = 7,
   kRefused = 8,
+  kDeviceRegion = 9,
 };
 constexpr uint32_t kVersion = 3;
+constexpr uint32_t kCudaVersion = kVersion | (1u << 16);
 constexpr char kToken[] = "the-right-token";
 
 std::string uniqueName(const std::string& what) {
@@ -78,7 +81,7 @@ class RawPeer {
     for (int fd : fds_) close(fd);
   }
   static std::unique_ptr<RawPeer> connectTo(const std::string& address) {
-    const std::string name = address.substr(std::string("shm:@").size());
+    const std::string name = address.substr(address.find('@') + 1);  // shm:@ or cuda:@
     socklen_t len = 0;
     sockaddr_un sa = abstractAddr(name, &len);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -180,9 +183,10 @@ class RawPeer {
   }
 
   // Runs the connector's side of the handshake with `token`; true on welcome.
-  bool authenticate(const std::string& token, std::vector<uint8_t>* proof_sent = nullptr) {
+  bool authenticate(const std::string& token, std::vector<uint8_t>* proof_sent = nullptr,
+                    uint32_t version = kVersion) {
     auto nonce = auth::randomNonce();
-    if (!nonce.isOk() || !send(kHello, hello(*nonce))) return false;
+    if (!nonce.isOk() || !send(kHello, hello(*nonce, version))) return false;
     auto ch = read();
     if (!ch || ch->type != kChallenge || ch->payload.size() != 4 + 32 + 32) return false;
     auth::Nonce listener{};
@@ -955,6 +959,120 @@ TEST(ShmHostile, ProcessOfAnotherUidIsRefused) {
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0);
   EXPECT_TRUE(eventually([&] { return agent->agentStats().auth_failures >= 1; }));
+}
+
+// The cuda backend's device-region frame from an authenticated but hostile peer: every field
+// that does not parse or does not fit is refused before anything is mapped, the peer is
+// dropped, its fd is closed, and no region of it becomes a write target. A well-formed frame
+// (the control) is mapped.
+TEST(CudaHostile, DeviceRegionFramesThatDoNotParseOrFitAreRefused) {
+  auto fake = std::make_shared<device::FakeDevice>();
+  AgentConfig c = config("cuda-victim");
+  c.backend = "cuda";
+  c.device = fake;
+  auto agent = agentOrDie(c);
+  ASSERT_NE(agent, nullptr);
+  constexpr uint64_t kAlloc = 1 << 16;
+  auto memory = fake->allocate(0, kAlloc);
+  ASSERT_TRUE(memory.isOk());
+
+  struct Case {
+    std::string name;
+    uint32_t kind = 1;
+    uint64_t length = 4096, allocation = kAlloc, offset = 0;
+    size_t handle_bytes = 0;
+    bool with_fd = true;
+    bool truncated = false;
+    bool trailing = false;
+    bool mapped = false;  // the control
+  };
+  const std::vector<Case> cases = {
+      {"well formed", 1, 4096, kAlloc, 0, 0, true, false, false, true},
+      {"handle kind 7", 7},
+      {"handle kind 0", 0},
+      {"handle of 65 bytes", 1, 4096, kAlloc, 0, 65},
+      {"posix fd without its fd", 1, 4096, kAlloc, 0, 0, false},
+      {"range past its allocation", 1, kAlloc, kAlloc, 4096},
+      {"allocation larger than the fd", 1, 4096, kAlloc * 4, 0},
+      {"offset overflowing", 1, 4096, kAlloc, UINT64_MAX - 10},
+      {"truncated before the uuid", 1, 4096, kAlloc, 0, 0, true, true},
+      {"trailing bytes", 1, 4096, kAlloc, 0, 0, true, false, true},
+      {"legacy IPC on the fake", 2, 4096, kAlloc, 0, 64, false},
+  };
+  uint32_t id = 100;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    auto raw = RawPeer::connectTo(agent->localAddress());
+    ASSERT_NE(raw, nullptr);
+    ASSERT_TRUE(raw->authenticate(kToken, nullptr, kCudaVersion));
+    auto connected = agent->pollEvent(2000ms);
+    while (connected && connected->kind == Event::Kind::kPeerLost) {  // an earlier case's
+      connected = agent->pollEvent(2000ms);
+    }
+    ASSERT_TRUE(connected.has_value() && connected->kind == Event::Kind::kPeerConnected);
+    std::vector<uint8_t> p;
+    putFixed32(p, ++id);
+    putFixed64(p, k.length);
+    putFixed32(p, k.kind);
+    putFixed64(p, k.allocation);
+    putFixed64(p, k.offset);
+    if (!k.truncated) {
+      p.resize(p.size() + 16, 0xfa);
+      putLengthPrefixed(p, std::vector<uint8_t>(k.handle_bytes, 0x11));
+      if (k.trailing) p.push_back(0);
+    }
+    int fd = -1;
+    if (k.with_fd) {
+      auto range = fake->exportRange((*memory)->data(), 4096);
+      ASSERT_TRUE(range.isOk());
+      fd = dup(range->fd);
+    }
+    ASSERT_TRUE(raw->send(kDeviceRegion, p, fd));
+    if (fd >= 0) close(fd);  // the agent holds its own copy now, or closed it
+    ASSERT_TRUE(raw->send(kMessage, {7}));
+    if (k.mapped) {
+      auto msg = agent->pollEvent(2000ms);
+      ASSERT_TRUE(msg.has_value() && msg->kind == Event::Kind::kMessage);
+      EXPECT_TRUE(agent->addRemoteRegion(connected->peer, id, k.length, {}).isOk());
+      continue;
+    }
+    EXPECT_TRUE(raw->waitForEof()) << "the peer is dropped";
+    EXPECT_NE(agent->addRemoteRegion(connected->peer, id, k.length, {}).code(), StatusCode::kOk);
+  }
+  // A host region frame (a memfd) is no device region: refused as well.
+  auto raw = RawPeer::connectTo(agent->localAddress());
+  ASSERT_NE(raw, nullptr);
+  ASSERT_TRUE(raw->authenticate(kToken, nullptr, kCudaVersion));
+  auto host = memfdRegion(9, 4096, 0);
+  std::vector<uint8_t> p;
+  putFixed32(p, 9);
+  putFixed64(p, 4096);
+  ASSERT_TRUE(raw->send(kRegion, p, host->fd()));
+  EXPECT_TRUE(raw->waitForEof());
+}
+
+// A shm hello at a cuda agent (and the reverse) is answered with the listener's version only:
+// no nonce, no proof, no fd, and the connection closes.
+TEST(CudaHostile, AHelloOfTheOtherBackendGetsOnlyTheVersion) {
+  AgentConfig c = config("cuda-listener");
+  c.backend = "cuda";
+  c.device = std::make_shared<device::FakeDevice>();
+  auto agent = agentOrDie(c);
+  ASSERT_NE(agent, nullptr);
+  auto raw = RawPeer::connectTo(agent->localAddress());
+  ASSERT_NE(raw, nullptr);
+  auto nonce = auth::randomNonce();
+  ASSERT_TRUE(nonce.isOk());
+  ASSERT_TRUE(raw->send(kHello, raw->hello(*nonce, kVersion)));
+  auto ch = raw->read();
+  ASSERT_TRUE(ch.has_value());
+  EXPECT_EQ(ch->type, kChallenge);
+  ASSERT_EQ(ch->payload.size(), 4u + 32 + 32);
+  EXPECT_EQ(loadFixed32(ch->payload.data()), kCudaVersion);
+  EXPECT_TRUE(
+      std::all_of(ch->payload.begin() + 4, ch->payload.end(), [](uint8_t b) { return b == 0; }));
+  EXPECT_TRUE(raw->waitForEof());
+  EXPECT_EQ(raw->fdsReceived(), 0u);
 }
 
 }  // namespace

@@ -142,9 +142,23 @@ Status Transfer::status() const {
 uint64_t Transfer::bytes() const { return core_ ? core_->bytes() : 0; }
 size_t Transfer::opCount() const { return core_ ? core_->opCount() : 0; }
 
+StatusOr<Transfer> Agent::postWriteAfter(PeerId, std::vector<WriteOp>,
+                                         std::shared_ptr<const device::Event>) {
+  return Incompatible("backend '" + capabilities().name +
+                      "' moves host memory and takes no device fence (postWriteAfter)");
+}
+
 StatusOr<std::unique_ptr<Agent>> createAgent(const AgentConfig& config) {
   if (config.backend == "inproc") return createInprocAgent(config);
   if (config.backend == "shm") return createShmAgent(config);
+  if (config.backend == "cuda") {
+    if (!config.device) {
+      return Incompatible(
+          "backend 'cuda' needs a device runtime (AgentConfig::device); this build has no CUDA "
+          "implementation of the device seam yet");
+    }
+    return createShmAgent(config);
+  }
   if (config.backend == "ucx") {
 #ifdef HXFER_WITH_UCX
     return createUcxAgent(config);
@@ -152,7 +166,7 @@ StatusOr<std::unique_ptr<Agent>> createAgent(const AgentConfig& config) {
     return NotFound("backend 'ucx' is not compiled in (HXFER_WITH_UCX=OFF)");
 #endif
   }
-  return InvalidArgument("backend '" + config.backend + "' is not one of inproc, shm, ucx");
+  return InvalidArgument("backend '" + config.backend + "' is not one of inproc, shm, cuda, ucx");
 }
 
 std::vector<std::string> availableBackends() {

@@ -25,6 +25,16 @@
 //           and its length. Regions registered before a sendMessage are always mapped at the
 //           peer before that message is delivered, so "register, then send the RankInfo" needs
 //           no extra sync.
+//   cuda:   same host, device memory: the shm agent's authenticated socket, over a device
+//           runtime (AgentConfig::device, the seam in device/device_api.h). Regions are device
+//           memory (DeviceApi::owner must know them; host memory is refused). A kRemoteWritable
+//           region is exported once (DeviceApi::exportRange) and its handle travels to each
+//           granted peer in a device-region frame, a POSIX fd riding along with SCM_RIGHTS;
+//           the peer maps it (importRange) when the frame arrives. postWrite is one batched
+//           copy per source device on that device's stream (created on first use); the
+//           transfer is kDone once the copy's event is, and a mapping is released only after
+//           the copies into it finished. Address "cuda:@name". A cuda agent and a shm agent
+//           refuse each other in the handshake (Incompatible, naming both).
 //   ucx:    UCP worker + listener on ip:port (port 0 picks one; localAddress has the real one).
 //           Control = active messages. Data mode (AgentConfig::ucx_mode): kPut = ucp_put_nbx
 //           with the rkey from the key bytes + ucp_ep_flush_nbx; kAm = active-message
@@ -72,6 +82,11 @@
 #include "cache/region.h"
 #include "common/status.h"
 
+namespace hxfer::device {
+class DeviceApi;
+class Event;
+}  // namespace hxfer::device
+
 namespace hxfer::transport {
 
 using Clock = std::chrono::steady_clock;
@@ -87,6 +102,7 @@ struct Capabilities {
   bool many_small_ops_cheap = false;  // per-op cost ~ a memcpy call, fine for paged layouts
   bool needs_memfd_regions = false;   // registerRegion refuses anonymous regions
   uint64_t max_message_bytes = 0;     // sendMessage refuses larger payloads
+  bool device_memory = false;         // regions are device memory (cuda), not host memory
 };
 
 enum class UcxMode { kAuto, kPut, kAm };
@@ -94,8 +110,11 @@ std::string_view ucxModeName(UcxMode mode);
 StatusOr<UcxMode> parseUcxMode(std::string_view name);  // "auto" | "put" | "am"
 
 struct AgentConfig {
-  std::string backend;  // "inproc" | "shm" | "ucx"
-  // Where to listen. inproc: a unique name (empty: generated). shm: abstract socket name
+  std::string backend;  // "inproc" | "shm" | "cuda" | "ucx"
+  // cuda: the device runtime the agent exports, maps and copies through (required; tests
+  // give it device::FakeDevice). Other backends ignore it.
+  std::shared_ptr<device::DeviceApi> device;
+  // Where to listen. inproc: a unique name (empty: generated). shm, cuda: abstract socket name
   // (empty: generated from pid and a counter). ucx: "ip:port" (empty: "127.0.0.1:0").
   std::string listen;
   std::string label = "agent";  // used in log lines and memfd/socket names only
@@ -249,6 +268,16 @@ class Agent {
   // nothing moves. An empty batch yields a transfer that is already kDone.
   virtual StatusOr<Transfer> postWrite(PeerId peer, std::vector<WriteOp> ops) = 0;
 
+  // A postWrite whose bytes move only once `ready` is done: a device event of the engine's
+  // (its "these layers are written" on the sender's stream). The ops are checked at once as
+  // for postWrite. Until the fence is done the transfer writes nothing: cancel() ends it
+  // kCancelled and a lost peer ends it Unavailable, neither having written a byte; a fence
+  // done with an error fails the transfer with that error, naming the fence. The agent runs
+  // its writes in posting order, so a write posted after a fenced one starts after it.
+  // Backends without device memory: Incompatible.
+  virtual StatusOr<Transfer> postWriteAfter(PeerId peer, std::vector<WriteOp> ops,
+                                            std::shared_ptr<const device::Event> ready);
+
   // Sends one message; messages to one peer are delivered in send order, after all writes of
   // transfers that were kDone when the message was sent. Never waits for the peer to read: the
   // message is written without blocking or queued for the agent's own thread, so a caller may
@@ -287,10 +316,12 @@ class Agent {
   Agent() = default;
 };
 
-// Creates an agent for config.backend ("inproc", "shm", "ucx"). The ucx backend is present only
-// when built with HXFER_WITH_UCX (NotFound otherwise).
+// Creates an agent for config.backend ("inproc", "shm", "cuda", "ucx"). The ucx backend is
+// present only when built with HXFER_WITH_UCX (NotFound otherwise); cuda needs config.device
+// (Incompatible without one).
 StatusOr<std::unique_ptr<Agent>> createAgent(const AgentConfig& config);
-// Backend names compiled in, in preference order.
+// Host-memory backend names compiled in, in preference order (cuda, which needs a device
+// runtime, is not listed).
 std::vector<std::string> availableBackends();
 
 }  // namespace hxfer::transport
