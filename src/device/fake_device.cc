@@ -2,10 +2,10 @@
 
 #include <unistd.h>
 
-#include <deque>
 #include <string>
 #include <thread>
-#include <variant>
+
+#include "device/worker_stream.h"
 
 namespace hxfer::device {
 
@@ -70,119 +70,6 @@ Status ManualEvent::status() const {
   std::lock_guard lock(mu_);
   return status_;
 }
-
-// ---- FakeStream ----
-
-class FakeDevice::FakeStream : public Stream {
- public:
-  FakeStream(FakeDevice* device, int ordinal) : device_(device), ordinal_(ordinal) {
-    worker_ = std::thread([this] { run(); });
-  }
-
-  ~FakeStream() override {
-    {
-      std::lock_guard lock(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-    for (Item& item : queue_) {
-      item.done->signal(Cancelled("fake device: the stream was destroyed before this ran"));
-    }
-  }
-
-  StatusOr<std::shared_ptr<Event>> copy(const HostCopyTable& table) override {
-    return push(Item{table, std::make_shared<ManualEvent>()});
-  }
-  StatusOr<std::shared_ptr<Event>> pack(const HostPackTable& table) override {
-    return push(Item{table, std::make_shared<ManualEvent>()});
-  }
-  Status waitFor(std::shared_ptr<const Event> event) override {
-    if (!event) return InvalidArgument("fake device: waitFor without an event");
-    return push(Item{std::move(event), std::make_shared<ManualEvent>()}).status();
-  }
-  StatusOr<std::shared_ptr<Event>> record() override {
-    return push(Item{std::monostate{}, std::make_shared<ManualEvent>()});
-  }
-
- private:
-  struct Item {
-    std::variant<std::monostate, HostCopyTable, HostPackTable, std::shared_ptr<const Event>> work;
-    std::shared_ptr<ManualEvent> done;
-  };
-
-  StatusOr<std::shared_ptr<Event>> push(Item item) {
-    std::shared_ptr<Event> done = item.done;
-    {
-      std::lock_guard lock(mu_);
-      queue_.push_back(std::move(item));
-    }
-    cv_.notify_all();
-    return done;
-  }
-
-  // Runs one item; false when the stream is stopping while it waited for an event.
-  bool runOne(Item& item) {
-    if (auto* e = std::get_if<std::shared_ptr<const Event>>(&item.work)) {
-      while (!(*e)->done()) {
-        {
-          std::lock_guard lock(mu_);
-          if (stopping_) return false;
-        }
-        (void)(*e)->wait(std::chrono::milliseconds(5));
-      }
-      item.done->signal();
-      return true;
-    }
-    if (std::holds_alternative<std::monostate>(item.work)) {
-      item.done->signal(first_error_);
-      return true;
-    }
-    if (device_->options_.op_delay.count() > 0) {
-      std::this_thread::sleep_for(device_->options_.op_delay);
-    }
-    const uint64_t n = ++device_->ops_;
-    const uint64_t every = device_->options_.fail_every;
-    Status s = OkStatus();
-    if (every != 0 && n % every == 0) {
-      s = Internal("fake device: op " + std::to_string(n) + " failed (device " +
-                   std::to_string(ordinal_) + ")");
-    } else if (auto* c = std::get_if<HostCopyTable>(&item.work)) {
-      runOnHost(c->view());
-    } else {
-      runOnHost(std::get<HostPackTable>(item.work).view());
-    }
-    if (!s.isOk() && first_error_.isOk()) first_error_ = s;
-    item.done->signal(s);
-    return true;
-  }
-
-  void run() {
-    std::unique_lock lock(mu_);
-    while (true) {
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (stopping_) return;  // what is left is cancelled by the destructor
-      Item item = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      const bool finished = runOne(item);
-      lock.lock();
-      if (!finished) {
-        queue_.push_front(std::move(item));
-        return;
-      }
-    }
-  }
-
-  FakeDevice* device_;
-  const int ordinal_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Item> queue_;
-  bool stopping_ = false;
-  Status first_error_;  // of this stream's ops; the worker's alone
-  std::thread worker_;
-};
 
 // ---- FakeDevice ----
 
@@ -302,7 +189,21 @@ StatusOr<std::unique_ptr<Mapping>> FakeDevice::importRange(ExportedRange range) 
 
 StatusOr<std::unique_ptr<Stream>> FakeDevice::createStream(int ordinal) {
   RETURN_IF_ERROR(checkDevice(ordinal));
-  return std::unique_ptr<Stream>(std::make_unique<FakeStream>(this, ordinal));
+  // An op: the options' delay, then the emulated launch, or the failure the options ask for.
+  auto op = [this, ordinal](auto run) -> Status {
+    if (options_.op_delay.count() > 0) std::this_thread::sleep_for(options_.op_delay);
+    const uint64_t n = ++ops_;
+    if (options_.fail_every != 0 && n % options_.fail_every == 0) {
+      return Internal("fake device: op " + std::to_string(n) + " failed (device " +
+                      std::to_string(ordinal) + ")");
+    }
+    run();
+    return OkStatus();
+  };
+  StreamOps ops;
+  ops.copy = [op](const HostCopyTable& t) { return op([&] { runOnHost(t.view()); }); };
+  ops.pack = [op](const HostPackTable& t) { return op([&] { runOnHost(t.view()); }); };
+  return makeWorkerStream(std::move(ops));
 }
 
 StatusOr<std::unique_ptr<HostRegistration>> FakeDevice::registerHost(void* ptr, uint64_t bytes) {

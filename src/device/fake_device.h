@@ -65,8 +65,6 @@ class FakeDevice : public DeviceApi {
     uint64_t bytes = 0;
     int device = 0;
   };
-  class FakeStream;
-
   DeviceId idOf(int device) const;
   Status checkDevice(int device) const;
 

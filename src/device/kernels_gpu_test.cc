@@ -10,6 +10,7 @@
 #include <random>
 
 #include "cache/engine_layout.h"
+#include "device/cuda_device.h"
 #include "plan/local_transfer.h"
 #include "plan/oracle.h"
 #include "plan/plan_test_util.h"
@@ -127,6 +128,62 @@ TEST(DeviceGpu, PackAndCopyOfEngineLayoutsMatchTheOracle) {
     }
   }
   EXPECT_GT(checked, 0);
+}
+
+// Without a driver the CUDA device says why it cannot be had (this one runs where there is no
+// GPU, and skips where there is).
+TEST(CudaDevice, WithoutADriverSaysWhy) {
+  if (cudaDevices().isOk()) GTEST_SKIP() << "a GPU is here";
+  auto d = createCudaDevice();
+  ASSERT_FALSE(d.isOk());
+  EXPECT_EQ(d.status().code(), StatusCode::kUnavailable) << d.status().toString();
+  EXPECT_NE(d.status().message().find("no CUDA device"), std::string::npos);
+}
+
+// The seam over CUDA in one process: ownership and its errors, a legacy IPC export of
+// cudaMalloc memory at an offset, a batched copy on a stream waited for by its event, and host
+// registration.
+TEST(CudaDevice, OwnsExportsAndCopiesOnAStream) {
+  SKIP_WITHOUT_GPU();
+  auto made = createCudaDevice();
+  ASSERT_TRUE(made.isOk()) << made.status().toString();
+  DeviceApi& dev = **made;
+  constexpr uint64_t kLen = 1 << 20;
+  DeviceBuffer a(kLen), b(kLen);
+  auto owner = dev.owner(a.data() + 100, 1000);
+  ASSERT_TRUE(owner.isOk()) << owner.status().toString();
+  EXPECT_EQ(owner->ordinal, 0);
+  std::vector<uint8_t> host(kLen);
+  std::iota(host.begin(), host.end(), 0);
+  EXPECT_EQ(dev.owner(host.data(), 16).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(dev.owner(a.data() + 4096, kLen).status().code(), StatusCode::kInvalidArgument);
+
+  auto range = dev.exportRange(a.data() + 4096, 8192);
+  ASSERT_TRUE(range.isOk()) << range.status().toString();
+  EXPECT_EQ(range->kind, HandleKind::kLegacyIpc);
+  EXPECT_EQ(range->handle.size(), 64u);
+  EXPECT_EQ(range->offset, 4096u);
+  EXPECT_GE(range->allocation_bytes, kLen);
+
+  ASSERT_EQ(cudaMemcpy(a.ptr, host.data(), kLen, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(b.ptr, 0, kLen), cudaSuccess);
+  const ShuffledRuns storm = shuffledRuns(reinterpret_cast<uint64_t>(a.data()),
+                                          reinterpret_cast<uint64_t>(b.data()), 2048, 512, 5);
+  auto table = copyTable(storm.runs);
+  ASSERT_TRUE(table.isOk());
+  auto stream = dev.createStream(0);
+  ASSERT_TRUE(stream.isOk()) << stream.status().toString();
+  auto done = (*stream)->copy(*table);
+  ASSERT_TRUE(done.isOk());
+  ASSERT_TRUE((*done)->wait(std::chrono::seconds(60)).isOk()) << (*done)->status().toString();
+  std::vector<uint8_t> got(kLen);
+  ASSERT_EQ(cudaMemcpy(got.data(), b.ptr, kLen, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (uint32_t i = 0; i < 2048; ++i) {
+    ASSERT_EQ(std::memcmp(got.data() + storm.destinationOffset(i), host.data() + i * 512, 512), 0)
+        << "run " << i;
+  }
+  auto pinned = dev.registerHost(host.data(), kLen);
+  EXPECT_TRUE(pinned.isOk()) << pinned.status().toString();
 }
 
 }  // namespace
