@@ -3,15 +3,16 @@
 # build dependencies (nothing can be fetched there) while this one has no GPU:
 #
 #   scripts/gpu-check.sh --pack [DIR]   here: builds device_gpu_test and hxfer-gpu-check with
-#                                       CUDA (build-gpu/), copies them and the one shared
-#                                       library they need besides glibc into DIR (default
-#                                       .gpu-check, ignored by git: carry it)
+#                                       CUDA (build-gpu/), copies them and the shared
+#                                       libraries they need besides glibc (xxhash, and for the
+#                                       transport OpenSSL's libcrypto and UCX) into DIR
+#                                       (default .gpu-check, ignored by git: carry it)
 #   scripts/gpu-check.sh --run [DIR]    there: probes the GPU, runs the GPU tests and the check,
 #                                       prints the table and "N passed, N failed"
 #   scripts/gpu-check.sh                both, on a machine that has a GPU and the dependencies
 #
 # The binaries link C++'s runtime statically and need glibc 2.34 or later. Without a GPU the
-# run says so and exits 2. A run takes about a minute on one H100 or H200.
+# run says so and exits 2. A run takes one to two minutes on one H100 or H200.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-both}
