@@ -658,9 +658,9 @@ Status refuseDeviceBuffer(const std::string& pool, const Buffer& b) {
                            " (an fd names host memory only; give -1)");
   }
   return Incompatible("pool " + pool + ": memory of " + device +
-                      " has no path in this version: shm, ucx and inproc move host memory, "
-                      "and neither a same-host CUDA transport nor staging through host memory "
-                      "is built; give the pools in host memory");
+                      " has no path in this version: shm, ucx and inproc move host memory, the "
+                      "same-host CUDA transport is not yet reachable from the engine, and "
+                      "staging through host memory is not built; give the pools in host memory");
 }
 
 }  // namespace

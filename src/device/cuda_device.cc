@@ -62,26 +62,33 @@ struct Driver {
   }
 };
 
-// A peer's legacy IPC handle opened here.
+// A peer's legacy IPC handle opened here, in device `ordinal`'s context (closed there too:
+// the last reference may go on any thread).
 class IpcMapping : public Mapping {
  public:
-  IpcMapping(void* base, uint64_t offset, uint64_t bytes)
-      : base_(base), offset_(offset), bytes_(bytes) {}
-  ~IpcMapping() override { (void)cudaIpcCloseMemHandle(base_); }
+  IpcMapping(int ordinal, void* base, uint64_t offset, uint64_t bytes)
+      : ordinal_(ordinal), base_(base), offset_(offset), bytes_(bytes) {}
+  ~IpcMapping() override {
+    (void)cudaSetDevice(ordinal_);
+    (void)cudaIpcCloseMemHandle(base_);
+  }
   uint64_t address() const override { return reinterpret_cast<uint64_t>(base_) + offset_; }
   uint64_t bytes() const override { return bytes_; }
 
  private:
+  int ordinal_;
   void* base_;
   uint64_t offset_, bytes_;
 };
 
-// A peer's VMM allocation imported and mapped into a range reserved here.
+// A peer's VMM allocation imported and mapped into a range reserved here. Holds the driver's
+// calls by value: it may outlive the device object.
 class VmmMapping : public Mapping {
  public:
-  VmmMapping(const Driver* d, CUmemGenericAllocationHandle handle, CUdeviceptr va, uint64_t size,
-             bool mapped, uint64_t offset, uint64_t bytes)
+  VmmMapping(const Driver& d, int ordinal, CUmemGenericAllocationHandle handle, CUdeviceptr va,
+             uint64_t size, bool mapped, uint64_t offset, uint64_t bytes)
       : d_(d),
+        ordinal_(ordinal),
         handle_(handle),
         va_(va),
         size_(size),
@@ -89,15 +96,17 @@ class VmmMapping : public Mapping {
         offset_(offset),
         bytes_(bytes) {}
   ~VmmMapping() override {
-    if (mapped_) (void)d_->unmap(va_, size_);
-    if (va_ != 0) (void)d_->addressFree(va_, size_);
-    (void)d_->release(handle_);
+    (void)cudaSetDevice(ordinal_);
+    if (mapped_) (void)d_.unmap(va_, size_);
+    if (va_ != 0) (void)d_.addressFree(va_, size_);
+    (void)d_.release(handle_);
   }
   uint64_t address() const override { return static_cast<uint64_t>(va_) + offset_; }
   uint64_t bytes() const override { return bytes_; }
 
  private:
-  const Driver* d_;
+  const Driver d_;
+  int ordinal_;
   CUmemGenericAllocationHandle handle_;
   CUdeviceptr va_;
   uint64_t size_;
@@ -162,14 +171,19 @@ class CudaDevice : public DeviceApi {
     return out;
   }
 
-  StatusOr<std::unique_ptr<Mapping>> importRange(ExportedRange range) override {
+  StatusOr<std::unique_ptr<Mapping>> importRange(ExportedRange range,
+                                                 int access_ordinal = -1) override {
     if (range.offset > range.allocation_bytes ||
         range.bytes > range.allocation_bytes - range.offset) {
       return InvalidArgument("cuda: range [" + std::to_string(range.offset) + ", +" +
                              std::to_string(range.bytes) + ") runs past its allocation of " +
                              std::to_string(range.allocation_bytes) + " bytes");
     }
-    const int ordinal = localOrdinal(range.device);
+    // The mapping is made for the device whose kernels write into it: opened in its context
+    // (legacy, with lazy peer access) or made accessible to it (VMM).
+    const int ordinal = access_ordinal >= 0 && access_ordinal < static_cast<int>(devices_.size())
+                            ? access_ordinal
+                            : localOrdinal(range.device);
     RETURN_IF_ERROR(setDevice(ordinal));
     switch (range.kind) {
       case HandleKind::kLegacyIpc: {
@@ -182,8 +196,20 @@ class CudaDevice : public DeviceApi {
         void* base = nullptr;
         const cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
         if (e != cudaSuccess) return Internal("cuda: cudaIpcOpenMemHandle: " + cudaText(e));
-        return std::unique_ptr<Mapping>(
-            std::make_unique<IpcMapping>(base, range.offset, range.bytes));
+        auto mapping = std::make_unique<IpcMapping>(ordinal, base, range.offset, range.bytes);
+        // The exporter's allocation_bytes is its word only: the range must fit what was opened.
+        CUdeviceptr b = 0;
+        size_t s = 0;
+        const CUresult r = d_.getAddressRange(&b, &s, reinterpret_cast<CUdeviceptr>(base));
+        if (r != CUDA_SUCCESS) return Internal("cuda: cuMemGetAddressRange: " + driverText(r));
+        if (b != reinterpret_cast<CUdeviceptr>(base) || range.offset > s ||
+            range.bytes > s - range.offset) {
+          return InvalidArgument(
+              "cuda: range [" + std::to_string(range.offset) + ", +" + std::to_string(range.bytes) +
+              ") runs past the opened allocation of " + std::to_string(s) +
+              " bytes (the peer announced " + std::to_string(range.allocation_bytes) + ")");
+        }
+        return std::unique_ptr<Mapping>(std::move(mapping));
       }
       case HandleKind::kPosixFd: {
         if (range.fd < 0) return InvalidArgument("cuda: posix-fd range without an fd");
@@ -198,13 +224,13 @@ class CudaDevice : public DeviceApi {
         CUdeviceptr va = 0;
         r = d_.addressReserve(&va, range.allocation_bytes, 0, 0, 0);
         if (r != CUDA_SUCCESS) {
-          VmmMapping undo(&d_, handle, 0, range.allocation_bytes, false, 0, 0);
+          VmmMapping undo(d_, ordinal, handle, 0, range.allocation_bytes, false, 0, 0);
           return ResourceExhausted("cuda: cuMemAddressReserve of " +
                                    std::to_string(range.allocation_bytes) +
                                    " bytes: " + driverText(r));
         }
         r = d_.map(va, range.allocation_bytes, 0, handle, 0);
-        auto mapping = std::make_unique<VmmMapping>(&d_, handle, va, range.allocation_bytes,
+        auto mapping = std::make_unique<VmmMapping>(d_, ordinal, handle, va, range.allocation_bytes,
                                                     r == CUDA_SUCCESS, range.offset, range.bytes);
         if (r != CUDA_SUCCESS) return Internal("cuda: cuMemMap: " + driverText(r));
         CUmemAccessDesc access{};
@@ -275,6 +301,7 @@ class CudaDevice : public DeviceApi {
       return NotFound("cuda: host memory, not device memory (cudaPointerGetAttributes: type " +
                       std::to_string(static_cast<int>(attr.type)) + ")");
     }
+    RETURN_IF_ERROR(setDevice(attr.device));  // the driver call below needs its context
     CUdeviceptr b = 0;
     size_t s = 0;
     const CUresult r = d_.getAddressRange(&b, &s, reinterpret_cast<CUdeviceptr>(ptr));

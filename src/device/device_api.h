@@ -106,9 +106,12 @@ class DeviceApi {
   virtual StatusOr<DeviceId> owner(const void* ptr, uint64_t bytes) const = 0;
   // A handle for [ptr, ptr + bytes) that a peer process can map (owner()'s errors).
   virtual StatusOr<ExportedRange> exportRange(const void* ptr, uint64_t bytes) = 0;
-  // Maps a range a peer exported. InvalidArgument naming the field for a range that does not
-  // fit its allocation, Incompatible for a handle kind this device cannot import.
-  virtual StatusOr<std::unique_ptr<Mapping>> importRange(ExportedRange range) = 0;
+  // Maps a range a peer exported, for the kernels of local device `access_ordinal` to write
+  // (-1: the device the range's UUID names where this process sees it, else device 0).
+  // InvalidArgument naming the field for a range that does not fit its allocation,
+  // Incompatible for a handle kind this device cannot import.
+  virtual StatusOr<std::unique_ptr<Mapping>> importRange(ExportedRange range,
+                                                         int access_ordinal = -1) = 0;
   virtual StatusOr<std::unique_ptr<Stream>> createStream(int ordinal) = 0;
   virtual StatusOr<std::unique_ptr<HostRegistration>> registerHost(void* ptr, uint64_t bytes) = 0;
 };

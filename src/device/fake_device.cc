@@ -168,7 +168,8 @@ StatusOr<ExportedRange> FakeDevice::exportRange(const void* ptr, uint64_t bytes)
   return out;
 }
 
-StatusOr<std::unique_ptr<Mapping>> FakeDevice::importRange(ExportedRange range) {
+StatusOr<std::unique_ptr<Mapping>> FakeDevice::importRange(ExportedRange range,
+                                                           int /*access_ordinal*/) {
   if (range.kind != HandleKind::kPosixFd) {
     return Incompatible("fake device: cannot import a " + std::string(handleKindName(range.kind)) +
                         " handle (the fake exports and maps posix-fd only)");

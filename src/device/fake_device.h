@@ -52,7 +52,8 @@ class FakeDevice : public DeviceApi {
   std::string_view name() const override { return "fake"; }
   StatusOr<DeviceId> owner(const void* ptr, uint64_t bytes) const override;
   StatusOr<ExportedRange> exportRange(const void* ptr, uint64_t bytes) override;
-  StatusOr<std::unique_ptr<Mapping>> importRange(ExportedRange range) override;
+  StatusOr<std::unique_ptr<Mapping>> importRange(ExportedRange range,
+                                                 int access_ordinal = -1) override;
   StatusOr<std::unique_ptr<Stream>> createStream(int ordinal) override;
   StatusOr<std::unique_ptr<HostRegistration>> registerHost(void* ptr, uint64_t bytes) override;
 

@@ -1,8 +1,9 @@
 // hxfer-gpu-check's rows for the cuda transport between two processes: the check re-executes
 // itself as a child (CUDA is not fork-safe), which allocates a source of the given kind (legacy
 // cudaMalloc memory, or VMM memory exportable as a POSIX fd), connects to the parent's cuda
-// agent and writes the parent's region of the same kind, timed, then once behind a fence it
-// signals after 100 ms. The parent checks every byte against the pattern.
+// agent and writes the parent's region of the same kind, timed, then another pattern behind a
+// fence. The parent checks every byte: the first pattern while the fence is pending (nothing of
+// the fenced write may have landed), the second once it is done.
 #include "device/gpu_check_ipc.h"
 
 #include <cuda.h>
@@ -41,10 +42,10 @@ using TEvent = transport::Event;  // device::Event is the device's
 constexpr char kToken[] = "hxfer-gpu-check";
 constexpr uint32_t kRegionId = 7;
 
-// The bytes both processes agree on: a seeded pseudo-random pattern.
-std::vector<uint8_t> pattern(uint64_t bytes) {
+// The bytes both processes agree on: pseudo-random patterns, by number.
+std::vector<uint8_t> pattern(uint64_t bytes, uint64_t which) {
   std::vector<uint8_t> p(bytes);
-  std::mt19937_64 rng(1234);
+  std::mt19937_64 rng(1234 + which);
   for (uint64_t i = 0; i + 8 <= bytes; i += 8) {
     const uint64_t w = rng();
     std::memcpy(p.data() + i, &w, 8);
@@ -200,8 +201,10 @@ std::vector<uint8_t> text(const std::string& s) { return {s.begin(), s.end()}; }
 
 }  // namespace
 
-// The child: argv = --ipc-child ADDRESS KIND BYTES. Sends the parent "ok <best ms> <fence ok>"
-// or "error <why>", then waits for the parent to hang up.
+// The child: argv = --ipc-child ADDRESS KIND BYTES. Writes pattern 1 five times (timed), then
+// pattern 2 behind a fence: once the fenced write has waited 100 ms it asks the parent to look
+// ("check"), and signals the fence only after the parent's answer. Ends with "ok <best ms>
+// <held>" or "error <why>", then waits for the parent to hang up.
 int ipcChild(int argc, char** argv) {
   if (argc < 5) return 64;
   const std::string address = argv[2], kind = argv[3];
@@ -209,6 +212,9 @@ int ipcChild(int argc, char** argv) {
   std::string why;
   auto dev = deviceFor(kind);
   if (!dev.isOk()) return 3;
+  // The memory before the agent: the agent, destroyed first, never holds a freed region.
+  KindBuffer src(kind, bytes, **dev);
+  auto region = Region::borrow(1, src.data(), bytes);
   auto agent = cudaAgent(*dev, "gpu-check-child", &why);
   if (!agent) return 4;
   auto peer = agent->connect(address);
@@ -218,10 +224,8 @@ int ipcChild(int argc, char** argv) {
     (void)waitFor(*agent, TEvent::Kind::kMessage, 60s);  // the parent's goodbye
     return 0;
   };
-  KindBuffer src(kind, bytes, **dev);
   if (src.data() == nullptr) return report("error allocating the source: " + src.why());
-  if (!src.fill(pattern(bytes))) return report("error filling the source");
-  auto region = Region::borrow(1, src.data(), bytes);
+  if (!src.fill(pattern(bytes, 1))) return report("error filling the source");
   if (!region.isOk()) return report("error " + region.status().toString());
   auto reg = agent->registerRegion(**region, transport::RegionAccess::kLocalSource);
   if (!reg.isOk()) return report("error registering: " + reg.status().toString());
@@ -240,12 +244,19 @@ int ipcChild(int argc, char** argv) {
         best,
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
+  if (!src.fill(pattern(bytes, 2))) return report("error refilling the source");
   auto fence = std::make_shared<ManualEvent>();
   auto fenced = agent->postWriteAfter(*peer, ops, fence);
-  if (!fenced.isOk())
+  if (!fenced.isOk()) {
     return report("error posting the fenced write: " + fenced.status().toString());
+  }
   std::this_thread::sleep_for(100ms);
   const bool held = fenced->poll() == transport::TransferState::kInProgress;
+  (void)agent->sendMessage(*peer, text("check"));
+  if (!waitFor(*agent, TEvent::Kind::kMessage, 120s)) {
+    fence->signal(Cancelled("the parent did not answer"));
+    return report("error: the parent did not check");
+  }
   fence->signal();
   Status s = fenced->wait(std::chrono::steady_clock::now() + 60s);
   if (!s.isOk()) return report("error in the fenced write: " + s.toString());
@@ -261,8 +272,7 @@ IpcResult ipcCheck(const std::string& kind, uint64_t bytes) {
     r.why = dev.status().toString();
     return r;
   }
-  auto agent = cudaAgent(*dev, "gpu-check", &r.why);
-  if (!agent) return r;
+  // The memory before the agent: the agent, destroyed first, never holds a freed region.
   KindBuffer dst(kind, bytes, **dev);
   if (dst.data() == nullptr) {
     r.why = "allocating the destination: " + dst.why();
@@ -277,6 +287,8 @@ IpcResult ipcCheck(const std::string& kind, uint64_t bytes) {
     r.why = region.status().toString();
     return r;
   }
+  auto agent = cudaAgent(*dev, "gpu-check", &r.why);
+  if (!agent) return r;
   auto reg = agent->registerRegion(**region, transport::RegionAccess::kRemoteWritable);
   if (!reg.isOk()) {
     r.why = "registering the destination: " + reg.status().toString();
@@ -306,15 +318,26 @@ IpcResult ipcCheck(const std::string& kind, uint64_t bytes) {
   auto connected = waitFor(*agent, TEvent::Kind::kPeerConnected, 120s);
   if (!connected) return finish("the child did not connect");
   (void)agent->sendMessage(connected->peer, text("go"));
-  auto answer = waitFor(*agent, TEvent::Kind::kMessage, 300s);
-  if (!answer) return finish("no answer from the child");
-  const std::string said(answer->payload.begin(), answer->payload.end());
-  (void)agent->sendMessage(connected->peer, text("bye"));
-  int held = 0;
-  if (std::sscanf(said.c_str(), "ok %lf %d", &r.best_ms, &held) != 2) return finish(said);
-  r.fence_held = held == 1;
   std::vector<uint8_t> got;
-  r.exact = dst.read(&got) && got == pattern(bytes);
+  bool untouched = false;
+  for (;;) {
+    auto answer = waitFor(*agent, TEvent::Kind::kMessage, 300s);
+    if (!answer) return finish("no answer from the child");
+    const std::string said(answer->payload.begin(), answer->payload.end());
+    if (said == "check") {
+      // The fenced write waits for its event: pattern 1 of the timed writes must be all there
+      // is, every byte of it.
+      untouched = dst.read(&got) && got == pattern(bytes, 1);
+      (void)agent->sendMessage(connected->peer, text("checked"));
+      continue;
+    }
+    (void)agent->sendMessage(connected->peer, text("bye"));
+    int held = 0;
+    if (std::sscanf(said.c_str(), "ok %lf %d", &r.best_ms, &held) != 2) return finish(said);
+    r.fence_held = held == 1 && untouched;
+    break;
+  }
+  r.exact = untouched && dst.read(&got) && got == pattern(bytes, 2);
   r.ran = true;
   return finish("");
 }

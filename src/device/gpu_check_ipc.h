@@ -8,11 +8,13 @@
 namespace hxfer::device {
 
 struct IpcResult {
-  bool ran = false;         // the child wrote and reported; the figures below are real
-  bool exact = false;       // every byte of the destination is the child's pattern
-  bool fence_held = false;  // the fenced write had not finished 100 ms before its event
-  double best_ms = 0;       // best of 5 writes of the whole region, posted to done
-  std::string why;          // what went wrong when !ran
+  bool ran = false;    // the child wrote and reported; the figures below are real
+  bool exact = false;  // every byte of the destination is what the child wrote last
+  // The fenced write had not finished 100 ms after it was posted, before its event, and the
+  // destination then still held every byte of the earlier writes and none of it.
+  bool fence_held = false;
+  double best_ms = 0;  // best of 5 writes of the whole region, posted to done
+  std::string why;     // what went wrong when !ran
 };
 
 // Allocates `bytes` of `kind` ("legacy": cudaMalloc; "vmm": cuMemCreate exportable as a POSIX

@@ -158,6 +158,9 @@ struct LocalRegion {
 // used by one thread at a time: queueing on it takes mu.
 struct DeviceLane {
   std::shared_ptr<device::DeviceApi> api;
+  // The device of the first region registered here: a peer's regions are mapped for its
+  // kernels (the writer's copies run on its source region's device). -1 until then.
+  std::atomic<int> copy_device{-1};
   std::mutex mu;
   std::map<int, std::unique_ptr<device::Stream>> streams;  // guarded by mu
 
@@ -333,6 +336,8 @@ class ShmAgent final : public Agent {
       return Status(owner.status().code(), what + ": " + owner.status().message());
     }
     LocalRegion local{&region, exported, owner->ordinal, nullptr};
+    int none = -1;
+    lane_->copy_device.compare_exchange_strong(none, owner->ordinal);
     if (exported) {
       auto range = lane_->api->exportRange(region.data(), region.length());
       if (!range.isOk()) {
@@ -1444,7 +1449,7 @@ class ShmAgent final : public Agent {
       p.rx_fds.pop_front();
     }
     RETURN_IF_ERROR(roomForImport(p, id));
-    auto mapped = lane_->api->importRange(std::move(range));
+    auto mapped = lane_->api->importRange(std::move(range), lane_->copy_device.load());
     if (!mapped.isOk()) {
       return Status(mapped.status().code(), what + ": " + mapped.status().message());
     }
