@@ -780,6 +780,30 @@ TEST(CudaTransport, ARetiredRegionStaysMappedUntilTheCopiesIntoItFinished) {
   EXPECT_EQ(code, StatusCode::kNotFound) << "the retired region is no write target";
 }
 
+// The receiver retires its region while the writer's device copy into it runs (2 s on the
+// slowed fake device). The writer's socket thread does not wait for that copy: a message the
+// receiver sends after retiring arrives while the copy is still running, and the copy still
+// finishes into its mapping.
+TEST(CudaTransport, ARetiredRegionDoesNotHoldUpTheSocketDuringADeviceCopy) {
+  device::FakeDeviceOptions options;
+  options.op_delay = std::chrono::milliseconds(2000);
+  CudaPair pair(options);
+  ASSERT_TRUE(pair.writer && pair.to_receiver);
+  auto t = pair.writer->postWrite(pair.to_receiver, {{1, 0, 7, 0, 1 << 20}});
+  ASSERT_TRUE(t.isOk());
+  std::this_thread::sleep_for(200ms);  // launched: the fake device is in its delay
+  ASSERT_TRUE(pair.receiver->deregisterRegion(7).isOk());
+  ASSERT_TRUE(pair.receiver->sendMessage(pair.to_writer, Bytes{9}).isOk());
+  auto m = waitForEvent(*pair.writer, Event::Kind::kMessage);
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(t->poll(), TransferState::kInProgress)
+      << "the message waited for the device copy into the retired region";
+  ASSERT_TRUE(t->wait(Clock::now() + kDeadline).isOk()) << t->status().toString();
+  EXPECT_EQ(std::memcmp(pair.dst->data(), pair.src->data(), 1 << 20), 0);
+  auto u = pair.writer->postWrite(pair.to_receiver, {{1, 0, 7, 0, 16}});
+  EXPECT_EQ(u.status().code(), StatusCode::kNotFound) << "the retired region is no write target";
+}
+
 bool allZero(const Region& r) {
   return std::all_of(r.data(), r.data() + r.length(), [](uint8_t b) { return b == 0; });
 }

@@ -216,7 +216,7 @@ Status CopyWorker::copyOnDevice(const CopyJob& job) {
   locks.reserve(guards.size());
   for (RegionGuard* g : guards) {
     locks.emplace_back(g->mu);
-    if (!g->alive) {
+    if (!g->alive || g->retired) {
       return Unavailable("remote region " + std::to_string(g->id) +
                          " was deregistered by its owner before the transfer was launched");
     }

@@ -6,6 +6,7 @@
 // shared_ptr and synchronises writers against its owner's deregistration.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -64,10 +65,20 @@ struct RegionGuard {
   std::shared_ptr<void> owner;
   std::shared_mutex mu;
   bool alive = true;  // guarded by mu
+  // Set by retireWithoutWaiting: no copy may start into the region any more, while those
+  // already running (device copies, holding mu shared) finish and keep `owner` alive.
+  std::atomic<bool> retired{false};
 
   void retire() {
     std::unique_lock<std::shared_mutex> lock(mu);
     alive = false;
+  }
+  // retire() for a thread that must not wait for a device copy (the cuda agent's socket
+  // thread): copies check `retired` under mu before they start.
+  void retireWithoutWaiting() {
+    retired = true;
+    std::unique_lock<std::shared_mutex> lock(mu, std::try_to_lock);
+    if (lock.owns_lock()) alive = false;
   }
 };
 

@@ -1366,7 +1366,7 @@ class ShmAgent final : public Agent {
           }
           p->declared.erase(id);
         }
-        if (old) old->retire();
+        if (old) retireImport(*old);
         return OkStatus();
       }
       case kMessage:
@@ -1406,7 +1406,18 @@ class ShmAgent final : public Agent {
       old = std::move(slot);
       slot = g;
     }
-    if (old) old->retire();
+    if (old) retireImport(*old);
+  }
+
+  // A peer's region that is no write target any more. shm waits for a memcpy into it to
+  // finish; the cuda agent does not wait on its socket thread for a device copy: the copy
+  // holds the mapping until it finished, and no copy starts into the region after this.
+  void retireImport(RegionGuard& g) {
+    if (lane_) {
+      g.retireWithoutWaiting();
+    } else {
+      g.retire();
+    }
   }
 
   // cuda: a peer's exported device range, mapped here through the device runtime. Every field
