@@ -258,8 +258,10 @@ enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 //
 // kCuda: `data` is CUDA device memory of the device whose ordinal in this process is `device`
 // (as torch's tensor.device.index), `device_uuid` its UUID where the engine knows it (all
-// zero: not given), and `fd` is -1. No path of this version moves device memory: Memory::wrap
-// refuses such a buffer naming its pool, its device and the path that is missing.
+// zero: not given), and `fd` is -1. Such pools move between ranks on one host over the cuda
+// backend (docs/gpu.md): a batched device copy into the peer's mapped pages. Not built for
+// them yet: staging across hosts, packs (the two sides ordering a state record's elements
+// differently, as conv sd against ds) and checksums; each is refused naming what is missing.
 struct Buffer {
   void* data = nullptr;
   uint64_t bytes = 0;
@@ -298,15 +300,19 @@ class Memory {
  public:
   // InvalidArgument naming the pool: a pool without a buffer, a buffer for no pool, a buffer
   // smaller than its pool (both sizes), a null pointer, a kind that is neither kHost nor
-  // kCuda, a kCuda buffer without a device ordinal or with an fd, an fd that does not map the
-  // buffer from offset 0. Incompatible naming the pool, the device and the missing path: a
-  // well-formed kCuda buffer (host memory only in this version). PermissionDenied: an fd that
-  // is not a memfd sealed against shrinking and growing.
+  // kCuda, a kCuda buffer without a device ordinal or with an fd, one whose pool's bytes are
+  // not memory of the device it names (or of another UUID), pools of both kinds in one
+  // Memory, an fd that does not map the buffer from offset 0. Unavailable naming the pool and
+  // the device: a kCuda buffer where there is no CUDA (no driver or device, or a build
+  // without the toolkit). PermissionDenied: an fd that is not a memfd sealed against
+  // shrinking and growing.
   static StatusOr<Memory> wrap(const Layout& layout, const std::map<std::string, Buffer>& buffers);
 
   const Layout& layout() const;
   // Every pool has an fd (shm can share it).
   bool shareable() const;
+  // The pools are CUDA device memory (kCuda buffers): backend auto picks cuda.
+  bool device() const;
 
   struct Impl;
   Impl& impl() const { return *impl_; }
@@ -329,9 +335,9 @@ struct Metrics {
 };
 
 struct TransportOptions {
-  // "auto" | "shm" | "ucx" | "inproc" (same process only). auto: shm when the memory is
-  // shareable (Sender), the backend the peers' addresses name (Receiver). routing() says
-  // which was chosen and why.
+  // "auto" | "shm" | "ucx" | "inproc" (same process only) | "cuda" (device memory, same
+  // host). auto: cuda when the memory is device memory, shm when it is shareable (Sender),
+  // the backend the peers' addresses name (Receiver). routing() says which was chosen and why.
   std::string backend = "auto";
   // Where to listen (Sender): ucx "ip:port" (port 0 picks one), shm an abstract socket name;
   // empty, or an ip:port when shm was chosen: a generated name.
@@ -344,7 +350,8 @@ struct TransportOptions {
   // only (a context rank holds each request id for one generation instance, so two instances
   // must never share a name; an instance of several ranks must name itself).
   std::string instance;
-  // Hash every request's bytes on the sender, verify on the receiver.
+  // Hash every request's bytes on the sender, verify on the receiver. Host memory only:
+  // create() refuses it with device memory (Incompatible).
   bool checksum = false;
   // UCX settings applied on top of UCX_* environment variables, e.g. {"TLS", "tcp"}.
   std::vector<std::pair<std::string, std::string>> ucx_options;
@@ -376,7 +383,8 @@ class Sender {
   Sender(const Sender&) = delete;
   Sender& operator=(const Sender&) = delete;
 
-  // "shm:<name>", "ucx:<ip>:<port>" or "inproc:<name>": what a Receiver's peers list holds.
+  // "shm:<name>", "ucx:<ip>:<port>", "inproc:<name>" or "cuda:<name>": what a Receiver's
+  // peers list holds.
   std::string address() const;
   std::string backend() const;
   std::string routing() const;  // the backend choice and its reason, one line
@@ -442,7 +450,7 @@ struct ReceiverOptions : TransportOptions {
   // Storm control: a registered region of this many bytes into which a context rank writes a
   // request part of many small ops (NHD or token-major kv at TP mismatch) as one write, which
   // this rank then scatters into the pages; only over transports whose per-op cost is above a
-  // memcpy call (ucx). 0: never (docs/engine.md).
+  // memcpy call (ucx), never with device memory. 0: never (docs/engine.md).
   uint64_t staging_bytes = 64ull << 20;
 };
 

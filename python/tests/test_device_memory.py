@@ -1,8 +1,9 @@
 """CUDA device memory given to hxfer.Memory: torch cuda tensors, __cuda_array_interface__ and
-DLPack capsules are read as device buffers (pointer, size, device ordinal) without a GPU, and
-refused with the pool, the device and the missing path; malformed ones name what is wrong.
-The objects here are stand-ins that speak each protocol: no GPU is touched (nothing reads
-their addresses)."""
+DLPack capsules are read as device buffers (pointer, size, device ordinal) without a GPU and
+handed to the device runtime, which refuses these stand-ins naming the pool and the device:
+Unavailable where there is no CUDA (this machine), InvalidArgument where CUDA finds no device
+memory at their address. Malformed ones name what is wrong. The objects here are stand-ins
+that speak each protocol: no GPU is touched (nothing reads their addresses)."""
 
 import ctypes
 import types
@@ -13,7 +14,7 @@ import hxfer
 from pages import numpy_pools, tiny_layout
 from test_errors import raises
 
-FAKE_DEVICE_PTR = 0x7F00_0000_0000  # never dereferenced: hxfer refuses device memory first
+FAKE_DEVICE_PTR = 0x7F00_0000_0000  # never dereferenced: only the CUDA runtime looks it up
 
 
 @pytest.fixture
@@ -131,11 +132,25 @@ def refused(lay, name, obj, code):
     return e.value.message
 
 
-def test_torch_cuda_tensor_is_device_memory_without_a_path(lay):
+def refused_as_device_memory(lay, name, obj, device):
+    """`obj` reached the device runtime as memory of CUDA device `device`, which refused it."""
+    bufs = numpy_pools(lay)
+    bufs[name] = obj
+    with pytest.raises(hxfer.Error) as e:
+        hxfer.Memory(lay, bufs)
+    msg = e.value.message
+    assert f"pool {name}: " in msg, msg
+    if e.value.code == "Unavailable":  # no CUDA here
+        assert f"memory of CUDA device {device} cannot be moved here: " in msg, msg
+    else:  # CUDA, and no device memory at the stand-in's address
+        assert e.value.code == "InvalidArgument", msg
+        assert f"bytes of device memory (CUDA device {device}" in msg, msg
+    return msg
+
+
+def test_torch_cuda_tensor_goes_to_the_device_runtime(lay):
     name, n = first_pool(lay)
-    msg = refused(lay, name, CudaTensor(n, index=1), "Incompatible")
-    assert "memory of CUDA device 1 has no path in this version" in msg
-    assert "same-host CUDA transport" in msg and "host memory" in msg
+    refused_as_device_memory(lay, name, CudaTensor(n, index=1), 1)
 
 
 def test_non_contiguous_cuda_tensor_is_named(lay):
@@ -146,8 +161,7 @@ def test_non_contiguous_cuda_tensor_is_named(lay):
 
 def test_cuda_array_interface_takes_its_device_from_dlpack(lay):
     name, n = first_pool(lay)
-    msg = refused(lay, name, CudaArray(n, device=(2, 3)), "Incompatible")
-    assert "memory of CUDA device 3 has no path" in msg
+    refused_as_device_memory(lay, name, CudaArray(n, device=(2, 3)), 3)
 
 
 def test_cuda_array_interface_without_a_device_is_named(lay):
@@ -170,8 +184,7 @@ def test_malformed_cuda_array_interface_is_named(lay, kwargs, words):
 def test_dlpack_capsule_is_read_and_handed_back(lay):
     name, n = first_pool(lay)
     arr = DlpackArray((n // 4, 4), device=(2, 2))
-    msg = refused(lay, name, arr, "Incompatible")
-    assert "memory of CUDA device 2 has no path" in msg
+    refused_as_device_memory(lay, name, arr, 2)
     assert arr.released == 1, "the capsule hxfer took was not released"
 
 

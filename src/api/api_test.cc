@@ -18,6 +18,7 @@
 #include "api/api_impl.h"
 #include "cache/engine_layout.h"
 #include "cache/record_layout.h"
+#include "device/fake_device.h"
 #include "hxfer/hxfer.h"
 #include "plan/oracle.h"
 
@@ -42,19 +43,30 @@ LayoutOptions options(std::string engine, uint32_t tp, uint32_t tp_rank, uint32_
 }
 
 // One rank of an engine: its layout, the pools it allocated itself, and hxfer's view of them.
+// With `fake`, the pools are its device memory (on device `ordinal`), which the host reaches
+// only through fake->hostView().
 struct EngineRank {
   Layout layout;
   std::map<std::string, std::vector<uint8_t>> pools;
   std::map<std::string, std::shared_ptr<SharedBuffer>> shared;
   std::optional<Memory> memory;
+  std::map<std::string, std::shared_ptr<Region>> device_pools;
+  device::FakeDevice* fake = nullptr;
 
-  static EngineRank make(const LayoutOptions& o, bool shareable = false) {
+  static EngineRank make(const LayoutOptions& o, bool shareable = false,
+                         device::FakeDevice* fake = nullptr, int ordinal = 0) {
     auto l = Layout::engine(o);
     EXPECT_TRUE(l.isOk()) << l.status().toString();
-    EngineRank r{*l, {}, {}, std::nullopt};
+    EngineRank r{*l, {}, {}, std::nullopt, {}, fake};
     std::map<std::string, Buffer> buffers;
     for (const PoolInfo& p : r.layout.pools()) {
-      if (shareable) {
+      if (fake != nullptr) {
+        auto a = fake->allocate(ordinal, p.bytes);
+        EXPECT_TRUE(a.isOk()) << a.status().toString();
+        r.device_pools[p.name] = *a;
+        buffers[p.name] = Buffer{(*a)->data(), p.bytes, MemoryKind::kCuda};
+        buffers[p.name].device = ordinal;
+      } else if (shareable) {
         auto sb = SharedBuffer::allocate(p.bytes, p.name);
         EXPECT_TRUE(sb.isOk()) << sb.status().toString();
         r.shared[p.name] = *sb;
@@ -76,8 +88,9 @@ struct EngineRank {
     RankMemory mem(l.regions.size());
     for (const RegionSpec& spec : l.regions) {
       auto it = pools.find(spec.name);
-      uint8_t* data = it != pools.end() ? const_cast<uint8_t*>(it->second.data())
-                                        : static_cast<uint8_t*>(shared.at(spec.name)->data());
+      uint8_t* data = fake != nullptr     ? fake->hostView(device_pools.at(spec.name)->data())
+                      : it != pools.end() ? const_cast<uint8_t*>(it->second.data())
+                                          : static_cast<uint8_t*>(shared.at(spec.name)->data());
       mem[spec.id] = RegionMemory{data, spec.length};
     }
     return mem;
@@ -437,7 +450,7 @@ TEST(ApiLayout, ErrorsNameTheOptionAndTheValue) {
   expect(o, StatusCode::kInvalidArgument, "vllm");
 }
 
-TEST(ApiMemory, RefusesAMissingPoolAnUnknownNameAShortBufferAndDeviceMemory) {
+TEST(ApiMemory, RefusesAMissingPoolAnUnknownNameAShortBufferAndMalformedDeviceMemory) {
   auto l = Layout::engine(options("vllm", 1, 0));
   ASSERT_TRUE(l.isOk()) << l.status().toString();
   std::map<std::string, std::vector<uint8_t>> pools;
@@ -505,15 +518,32 @@ TEST(ApiMemory, RefusesAMissingPoolAnUnknownNameAShortBufferAndDeviceMemory) {
   device[first].fd = -1;
   device[first].device_uuid = {0x5f, 0x0a, 0x11, 0x22, 0x33, 0x44, 0x55, 0x66,
                                0x77, 0x88, 0x99, 0xaa, 0xbb, 0xcc, 0xdd, 0xee};
-  m = Memory::wrap(*l, device);
-  ASSERT_FALSE(m.isOk());
-  EXPECT_EQ(m.status().code(), StatusCode::kIncompatible) << m.status().toString();
-  EXPECT_NE(m.status().message().find("pool " + first +
-                                      ": memory of CUDA device 1 "
-                                      "(GPU-5f0a1122-3344-5566-7788-99aabbccddee) has no path"),
-            std::string::npos)
-      << m.status().toString();
-  EXPECT_NE(m.status().message().find("same-host CUDA transport"), std::string::npos);
+  if (!deviceRuntime().isOk()) {
+    // No CUDA here (no driver, or a build without the toolkit): said, naming pool and device.
+    m = Memory::wrap(*l, device);
+    ASSERT_FALSE(m.isOk());
+    EXPECT_EQ(m.status().code(), StatusCode::kUnavailable) << m.status().toString();
+    EXPECT_NE(m.status().message().find("pool " + first +
+                                        ": memory of CUDA device 1 "
+                                        "(GPU-5f0a1122-3344-5566-7788-99aabbccddee) cannot be "
+                                        "moved here: "),
+              std::string::npos)
+        << m.status().toString();
+  }
+  {
+    // With a runtime: host memory posing as device memory is named.
+    auto fake = std::make_shared<device::FakeDevice>(device::FakeDeviceOptions{.devices = 2});
+    setDeviceRuntimeForTesting(fake);
+    m = Memory::wrap(*l, device);
+    setDeviceRuntimeForTesting(nullptr);
+    ASSERT_FALSE(m.isOk());
+    EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument) << m.status().toString();
+    EXPECT_NE(m.status().message().find("pool " + first + ": the buffer is not " +
+                                        std::to_string(l->pools()[0].bytes) +
+                                        " bytes of device memory (CUDA device 1 (GPU-5f0a"),
+              std::string::npos)
+        << m.status().toString();
+  }
   auto unknown = buffers;
   unknown[first].kind = static_cast<MemoryKind>(7);
   m = Memory::wrap(*l, unknown);
@@ -530,9 +560,11 @@ TEST(ApiMemory, RefusesAMissingPoolAnUnknownNameAShortBufferAndDeviceMemory) {
 
 // A context instance at tp 2 in layout `ctx` and a generation instance at tp 1 in layout `gen`,
 // in one process over `backend`: the engine picks scattered pages on both sides, the oracle
-// fills the context pages and checks every generation byte.
+// fills the context pages and checks every generation byte. With `fake`, every pool is its
+// device memory (context ranks on devices 0 and 1, the generation rank on 0): a pair whose
+// plan packs is refused for the request, naming it (`packs`: whether planTransfer says so).
 void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std::string& backend,
-                    bool shareable) {
+                    bool shareable, device::FakeDevice* fake = nullptr) {
   SCOPED_TRACE(ctx.toString() + " -> " + gen.toString() + " over " + backend);
   auto side = [](const EngineLayout& e, uint32_t tp, uint32_t rank) {
     LayoutOptions o = options(std::string(engineName(e.engine)), tp, rank);
@@ -557,7 +589,7 @@ void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std:
   std::vector<std::unique_ptr<Sender>> senders;
   std::vector<std::string> addresses;
   for (uint32_t r = 0; r < 2; ++r) {
-    ctx_ranks.push_back(EngineRank::make(side(ctx, 2, r), shareable));
+    ctx_ranks.push_back(EngineRank::make(side(ctx, 2, r), shareable, fake, static_cast<int>(r)));
   }
   for (uint32_t r = 0; r < 2; ++r) {
     SenderOptions so;
@@ -572,7 +604,7 @@ void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std:
     addresses.push_back((*s)->address());
     senders.push_back(std::move(*s));
   }
-  EngineRank g = EngineRank::make(side(gen, 1, 0), shareable);
+  EngineRank g = EngineRank::make(side(gen, 1, 0), shareable, fake, 0);
   ReceiverOptions ro;
   ro.instance = "gen";
   ro.peers = addresses;
@@ -597,6 +629,24 @@ void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std:
   ASSERT_TRUE((*rx)->start(id, tokens, gen_pages).isOk());
   auto res = (*rx)->wait(id, 30s);
   ASSERT_TRUE(res.isOk()) << res.status().toString();
+  if (fake != nullptr) {
+    std::vector<Layout> ctx_layouts{ctx_ranks[0].layout, ctx_ranks[1].layout};
+    std::vector<RankPages> ctx_pages{pagesOf(ctx_layouts[0], {11, 3}, 1, 4),
+                                     pagesOf(ctx_layouts[1], {11, 3}, 1, 4)};
+    auto plan = planTransfer(ctx_layouts, ctx_pages, g.layout, gen_pages, tokens);
+    if (!plan.isOk()) {
+      ASSERT_EQ(plan.status().code(), StatusCode::kIncompatible) << plan.status().toString();
+      ASSERT_EQ(res->state, Result::State::kFailed) << "a plan that packs moved device memory";
+      EXPECT_NE(res->status.message().find("boxes"), std::string::npos) << res->status.toString();
+      EXPECT_NE(res->status.message().find("device memory, where packing is not built"),
+                std::string::npos)
+          << res->status.toString();
+      ASSERT_TRUE((*rx)->release(id).isOk());
+      EXPECT_TRUE(gen_released.waitFor(id));
+      EXPECT_TRUE(ctx_released.waitFor(id));
+      return;
+    }
+  }
   ASSERT_TRUE(res->ok()) << res->status.toString();
   EXPECT_EQ(res->aux, "tok");
   EXPECT_GT(res->bytes, 0u);
@@ -738,6 +788,115 @@ TEST(ApiRouting, AutoPicksShmForSharedBuffersAndUcxForPrivateMemorySayingWhy) {
   rx = Receiver::create(gen.layout, *gen.memory, ro);
   ASSERT_FALSE(rx.isOk());
   EXPECT_NE(rx.status().message().find("somewhere"), std::string::npos) << rx.status().toString();
+}
+
+// The fake device as the process's device runtime for one test: pools in its memory, which
+// the host cannot touch (a host read or write of a pool faults), on two devices.
+struct FakeDeviceRuntime {
+  std::shared_ptr<device::FakeDevice> fake = std::make_shared<device::FakeDevice>(
+      device::FakeDeviceOptions{.devices = 2, .host_inaccessible = true});
+  FakeDeviceRuntime() { setDeviceRuntimeForTesting(fake); }
+  ~FakeDeviceRuntime() { setDeviceRuntimeForTesting(nullptr); }
+};
+
+// Pools in device memory through the public API over cuda: every engine layout as a context
+// and as a generation, context ranks on two devices; a pair whose plan packs is refused for the
+// request (packing device memory is not built), every other pair moves every byte. Nothing on
+// the host reads or writes the pools: they fault where it does.
+TEST(ApiDevice, PoolsInDeviceMemoryMoveOverCudaInEveryEngineLayout) {
+  FakeDeviceRuntime rt;
+  const std::vector<EngineLayout> all = allEngineLayouts();
+  for (size_t i = 0; i < all.size(); ++i) {
+    moveOneRequest(all[i], all[(i + 3) % all.size()], "cuda", false, rt.fake.get());
+  }
+  moveOneRequest(sharedEngineLayouts()[1], all.front(), "cuda", false, rt.fake.get());
+  EXPECT_GT(rt.fake->opsRun(), 0u);
+}
+
+// Device memory: auto picks cuda, saying why; the host paths are refused naming what is
+// missing (shm/ucx by name, checksums, ucx peers, a mix of host and device pools, a buffer
+// on another device than it says).
+TEST(ApiDevice, AutoPicksCudaAndRefusesHostPathsNamingThem) {
+  FakeDeviceRuntime rt;
+  EngineRank ctx = EngineRank::make(options("hxfer", 1, 0), false, rt.fake.get(), 1);
+  EngineRank gen = EngineRank::make(options("hxfer", 1, 0), false, rt.fake.get(), 0);
+  EXPECT_TRUE(ctx.memory->device());
+  EXPECT_FALSE(ctx.memory->shareable());
+  SenderOptions so;
+  so.instance = "ctx";
+  so.listen = "127.0.0.1:0";  // a ucx address: not used by cuda
+  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
+  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  EXPECT_EQ((*tx)->backend(), "cuda");
+  EXPECT_NE((*tx)->routing().find("CUDA device memory"), std::string::npos) << (*tx)->routing();
+  EXPECT_EQ((*tx)->address().rfind("cuda:@", 0), 0u) << (*tx)->address();
+
+  for (const char* host : {"shm", "ucx", "inproc"}) {
+    so.backend = host;
+    auto s = Sender::create(gen.layout, *gen.memory, so);
+    ASSERT_FALSE(s.isOk()) << host;
+    EXPECT_NE(s.status().message().find(std::string("backend=") + host + " is impossible"),
+              std::string::npos)
+        << s.status().toString();
+    EXPECT_NE(s.status().message().find("CUDA device memory"), std::string::npos)
+        << s.status().toString();
+  }
+  so.backend = "auto";
+  so.checksum = true;
+  auto summed = Sender::create(gen.layout, *gen.memory, so);
+  ASSERT_FALSE(summed.isOk());
+  EXPECT_EQ(summed.status().code(), StatusCode::kIncompatible) << summed.status().toString();
+  EXPECT_NE(summed.status().message().find("checksum=true"), std::string::npos);
+  EXPECT_FALSE(gen.memory->impl().in_use) << "a refused Sender hands the memory back";
+
+  ReceiverOptions ro;
+  ro.instance = "gen";
+  ro.peers = {"ucx:127.0.0.1:1"};
+  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_FALSE(rx.isOk());
+  EXPECT_NE(rx.status().message().find("backend=ucx is impossible"), std::string::npos)
+      << rx.status().toString();
+  ro.peers = {(*tx)->address()};
+  ro.checksum = true;
+  rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_FALSE(rx.isOk());
+  EXPECT_EQ(rx.status().code(), StatusCode::kIncompatible) << rx.status().toString();
+  ro.checksum = false;
+  rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
+  EXPECT_EQ((*rx)->backend(), "cuda");
+  ASSERT_TRUE((*rx)->waitForPeers(10s).isOk());
+
+  // Host and device pools in one Memory; a buffer on another device than it names.
+  std::map<std::string, Buffer> buffers;
+  std::vector<uint8_t> host;
+  for (const PoolInfo& p : gen.layout.pools()) {
+    buffers[p.name] = Buffer{gen.device_pools.at(p.name)->data(), p.bytes, MemoryKind::kCuda};
+    buffers[p.name].device = 0;
+  }
+  const std::string first = gen.layout.pools()[0].name;
+  const std::string last = gen.layout.pools().back().name;
+  buffers[first].device = 1;
+  auto m = Memory::wrap(gen.layout, buffers);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_NE(m.status().message().find("pool " + first +
+                                      ": Buffer::device is 1, and the memory is CUDA device 0's"),
+            std::string::npos)
+      << m.status().toString();
+  buffers[first].device = 0;
+  buffers[first].device_uuid[0] = 0x42;
+  m = Memory::wrap(gen.layout, buffers);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_NE(m.status().message().find("Buffer::device_uuid is GPU-42"), std::string::npos)
+      << m.status().toString();
+  buffers[first].device_uuid = {};
+  host.assign(gen.layout.pools().back().bytes, 0);
+  buffers[last] = Buffer{host.data(), host.size()};
+  m = Memory::wrap(gen.layout, buffers);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_NE(m.status().message().find(" host memory: a Memory's pools are all host or all device"),
+            std::string::npos)
+      << m.status().toString();
 }
 
 TEST(ApiPages, MarkReadyRefusesPagesOutsideOrTwiceAndLetsRequestsSharePages) {

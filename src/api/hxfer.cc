@@ -22,6 +22,9 @@
 #include "cache/record_layout.h"
 #include "cache/region.h"
 #include "common/status.h"
+#ifdef HXFER_HAVE_CUDA_DEVICE
+#include "device/cuda_device.h"
+#endif
 #include "engine/context_sender.h"
 #include "engine/generation_receiver.h"
 #include "engine/handshake.h"
@@ -204,12 +207,13 @@ struct Routed {
 };
 
 StatusOr<Routed> route(const std::string& requested, std::optional<engine::BackendKind> implied,
-                       bool shareable) {
+                       const Memory& memory) {
   auto asked = engine::parseBackendRequest(requested);
   if (!asked.isOk()) return asked.status().withContext("backend");
   std::optional<engine::BackendKind> want = *asked ? *asked : implied;
   engine::RoutingEnvironment env = engine::probeRoutingEnvironment();
-  env.memory_shareable = shareable;
+  env.memory_shareable = memory.shareable();
+  env.memory_device = memory.device();
   env.single_process = want == engine::BackendKind::kInproc;
   engine::RoutingExplanation e = engine::explainRouting({want, std::nullopt}, env, std::nullopt);
   if (e.decisions.empty() || e.decisions[0].setting != "backend") return e.status;
@@ -219,10 +223,12 @@ StatusOr<Routed> route(const std::string& requested, std::optional<engine::Backe
 }
 
 StatusOr<std::unique_ptr<transport::Agent>> makeAgent(const TransportOptions& o,
+                                                      const Memory& memory,
                                                       engine::BackendKind backend,
                                                       std::string listen, std::string label) {
   transport::AgentConfig c;
   c.backend = std::string(engine::backendName(backend));
+  c.device = memory.impl().device;
   c.listen = std::move(listen);
   c.label = std::move(label);
   c.ucx_options = o.ucx_options;
@@ -642,25 +648,57 @@ std::string uuidText(const std::array<uint8_t, 16>& u) {
   return text;
 }
 
-// A kCuda buffer: InvalidArgument for a malformed one, Incompatible for every other (no path
-// moves device memory yet), each naming the pool and the device.
-Status refuseDeviceBuffer(const std::string& pool, const Buffer& b) {
+std::string deviceWords(const Buffer& b) {
+  const std::string uuid = uuidText(b.device_uuid);
+  return "CUDA device " + std::to_string(b.device) + (uuid.empty() ? "" : " (" + uuid + ")");
+}
+
+// A kCuda buffer checked against the device runtime: InvalidArgument for a malformed one or
+// one that is not memory of the device it names, Unavailable where no runtime is, each naming
+// the pool and the device.
+Status checkDeviceBuffer(const std::string& pool, const Buffer& b, uint64_t bytes) {
   if (b.device < 0) {
     return InvalidArgument("pool " + pool + ": CUDA buffer without a device (Buffer::device is " +
                            std::to_string(b.device) + "; give the CUDA device ordinal)");
   }
-  const std::string uuid = uuidText(b.device_uuid);
-  const std::string device =
-      "CUDA device " + std::to_string(b.device) + (uuid.empty() ? "" : " (" + uuid + ")");
+  const std::string device = deviceWords(b);
   if (b.fd != -1) {
     return InvalidArgument("pool " + pool + ": fd " + std::to_string(b.fd) +
                            " given with memory of " + device +
                            " (an fd names host memory only; give -1)");
   }
-  return Incompatible("pool " + pool + ": memory of " + device +
-                      " has no path in this version: shm, ucx and inproc move host memory, the "
-                      "same-host CUDA transport is not yet reachable from the engine, and "
-                      "staging through host memory is not built; give the pools in host memory");
+  auto rt = deviceRuntime();
+  if (!rt.isOk()) {
+    return Unavailable("pool " + pool + ": memory of " + device +
+                       " cannot be moved here: " + rt.status().message());
+  }
+  auto owner = (*rt)->owner(b.data, bytes);
+  if (!owner.isOk()) {
+    return InvalidArgument("pool " + pool + ": the buffer is not " + str(bytes) +
+                           " bytes of device memory (" + device + "): " + owner.status().message());
+  }
+  if (owner->ordinal != b.device) {
+    return InvalidArgument("pool " + pool + ": Buffer::device is " + std::to_string(b.device) +
+                           ", and the memory is CUDA device " + std::to_string(owner->ordinal) +
+                           "'s");
+  }
+  const std::string given = uuidText(b.device_uuid);
+  if (!given.empty() && owner->uuid != b.device_uuid) {
+    return InvalidArgument("pool " + pool + ": Buffer::device_uuid is " + given + ", and device " +
+                           std::to_string(b.device) + " is " + uuidText(owner->uuid));
+  }
+  return OkStatus();
+}
+
+struct RuntimeHolder {
+  std::mutex mu;
+  std::shared_ptr<device::DeviceApi> testing;                        // guarded by mu
+  std::optional<StatusOr<std::shared_ptr<device::DeviceApi>>> made;  // guarded by mu
+};
+
+RuntimeHolder& runtimeHolder() {
+  static RuntimeHolder* h = new RuntimeHolder;  // never destroyed: used until exit
+  return *h;
 }
 
 }  // namespace
@@ -678,20 +716,32 @@ StatusOr<Memory> Memory::wrap(const Layout& layout, const std::map<std::string, 
   auto impl = std::make_shared<Impl>(layout);
   impl->shareable = true;
   std::vector<std::unique_ptr<Region>> regions;
+  std::string host_pool, device_pool;  // one of each kind, to name a mix
   for (const RegionSpec& spec : l.regions) {
     auto it = buffers.find(spec.name);
     if (it == buffers.end()) return InvalidArgument("pool " + spec.name + " has no buffer");
     const Buffer& b = it->second;
     if (b.data == nullptr) return InvalidArgument("pool " + spec.name + ": null buffer");
-    if (b.kind == MemoryKind::kCuda) {
-      RETURN_IF_ERROR(refuseDeviceBuffer(spec.name, b));
-    } else if (b.kind != MemoryKind::kHost) {
+    if (b.kind != MemoryKind::kHost && b.kind != MemoryKind::kCuda) {
       return InvalidArgument("pool " + spec.name + ": unknown MemoryKind " +
                              str(static_cast<unsigned>(b.kind)) + " (kHost 0, kCuda 1)");
     }
     if (b.bytes < spec.length) {
       return InvalidArgument("pool " + spec.name + ": buffer is " + str(b.bytes) +
                              " bytes, the pool needs " + str(spec.length));
+    }
+    if (b.kind == MemoryKind::kCuda) {
+      RETURN_IF_ERROR(checkDeviceBuffer(spec.name, b, spec.length));
+      if (!impl->device) {
+        ASSIGN_OR_RETURN(impl->device, deviceRuntime());
+      }
+      if (device_pool.empty()) device_pool = spec.name + " (" + deviceWords(b) + ")";
+    } else if (host_pool.empty()) {
+      host_pool = spec.name;
+    }
+    if (!host_pool.empty() && !device_pool.empty()) {
+      return InvalidArgument("pool " + device_pool + " is device memory and pool " + host_pool +
+                             " host memory: a Memory's pools are all host or all device memory");
     }
     auto r = Region::borrow(spec.id, static_cast<uint8_t*>(b.data), spec.length, b.fd);
     if (!r.isOk()) return r.status().withContext("pool " + spec.name);
@@ -724,6 +774,28 @@ StatusOr<Memory> Memory::wrap(const Layout& layout, const std::map<std::string, 
 
 const Layout& Memory::layout() const { return impl_->layout; }
 bool Memory::shareable() const { return impl_->shareable; }
+bool Memory::device() const { return impl_->device != nullptr; }
+
+StatusOr<std::shared_ptr<device::DeviceApi>> deviceRuntime() {
+  RuntimeHolder& h = runtimeHolder();
+  std::lock_guard lock(h.mu);
+  if (h.testing) return h.testing;
+  if (!h.made) {
+#ifdef HXFER_HAVE_CUDA_DEVICE
+    h.made = device::createCudaDevice();
+#else
+    h.made = StatusOr<std::shared_ptr<device::DeviceApi>>(
+        Unavailable("this build of hxfer has no CUDA (it was built without the CUDA toolkit)"));
+#endif
+  }
+  return *h.made;
+}
+
+void setDeviceRuntimeForTesting(std::shared_ptr<device::DeviceApi> device) {
+  RuntimeHolder& h = runtimeHolder();
+  std::lock_guard lock(h.mu);
+  h.testing = std::move(device);
+}
 
 // ---- Sender ----
 
@@ -794,7 +866,7 @@ Sender::~Sender() { shutdown(); }
 StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Memory& memory,
                                                  SenderOptions o) {
   auto impl = std::make_unique<Impl>(layout, memory);
-  ASSIGN_OR_RETURN(Routed routed, route(o.backend, std::nullopt, memory.shareable()));
+  ASSIGN_OR_RETURN(Routed routed, route(o.backend, std::nullopt, memory));
   impl->backend = routed.backend;
   impl->routing = routed.reason;
   std::string listen = o.listen;
@@ -806,8 +878,8 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
   const RankLayout& l = layout.impl().layout;
   ASSIGN_OR_RETURN(o.instance,
                    engine::instanceName(o.instance, "ctx", uint64_t{l.tp} * l.pp, "instance"));
-  auto agent =
-      makeAgent(o, routed.backend, listen, o.instance + "-ctx" + str(l.pp_rank * l.tp + l.tp_rank));
+  auto agent = makeAgent(o, memory, routed.backend, listen,
+                         o.instance + "-ctx" + str(l.pp_rank * l.tp + l.tp_rank));
   if (!agent.isOk()) return agent.status();
 
   impl->dispatcher = std::make_shared<Dispatcher>(o.on_released);
@@ -944,7 +1016,7 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
   ASSIGN_OR_RETURN(engine::PeerAddresses named, engine::resolvePeerAddresses(o.peers));
   const std::optional<engine::BackendKind> implied = named.backend;
   std::vector<std::string> addresses = std::move(named.addresses);
-  ASSIGN_OR_RETURN(Routed routed, route(o.backend, implied, memory.shareable()));
+  ASSIGN_OR_RETURN(Routed routed, route(o.backend, implied, memory));
   if (implied && routed.backend != *implied) {
     return InvalidArgument("backend=" + o.backend + " but the peer addresses are " +
                            std::string(engine::backendName(*implied)));
@@ -955,9 +1027,9 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
   const RankLayout& l = layout.impl().layout;
   ASSIGN_OR_RETURN(o.instance,
                    engine::instanceName(o.instance, "gen", uint64_t{l.tp} * l.pp, "instance"));
-  auto agent =
-      makeAgent(o, routed.backend, routed.backend == engine::BackendKind::kUcx ? "127.0.0.1:0" : "",
-                o.instance + "-gen" + str(l.pp_rank * l.tp + l.tp_rank));
+  auto agent = makeAgent(o, memory, routed.backend,
+                         routed.backend == engine::BackendKind::kUcx ? "127.0.0.1:0" : "",
+                         o.instance + "-gen" + str(l.pp_rank * l.tp + l.tp_rank));
   if (!agent.isOk()) return agent.status();
 
   impl->dispatcher = std::make_shared<Dispatcher>(o.on_released);

@@ -38,11 +38,12 @@ int runConfig(const ConfigOptions& o) {
   env.peers_same_host = !o.other_host;
   env.single_process = o.single_process;
   env.ucx_cheap_small_writes = o.ucx_rma;
-  if (o.memory != "shareable" && o.memory != "private") {
+  if (o.memory != "shareable" && o.memory != "private" && o.memory != "device") {
     return reportError(
-        InvalidArgument("--memory=" + o.memory + " is not one of: shareable, private"));
+        InvalidArgument("--memory=" + o.memory + " is not one of: shareable, private, device"));
   }
   env.memory_shareable = o.memory == "shareable";
+  env.memory_device = o.memory == "device";
   const auto preference = engine::preferredStateLayout(*model);
   engine::RoutingExplanation e = engine::explainRouting({*backend, *layout}, env, preference);
 
@@ -88,7 +89,7 @@ void addConfigCommand(CLI::App& app) {
       "config", "Resolve backend and state layout (auto) for a deployment; --explain says why");
   auto o = std::make_shared<ConfigOptions>();
   addModelOptions(cmd, &o->model);
-  cmd->add_option("--backend", o->backend, "auto, shm, ucx or inproc")->default_val("auto");
+  cmd->add_option("--backend", o->backend, "auto, shm, ucx, inproc or cuda")->default_val("auto");
   cmd->add_option("--state-layout", o->state_layout, "auto, paged or layer-major")
       ->default_val("auto");
   cmd->add_flag("--explain", o->explain, "Print each decision and why");
@@ -100,7 +101,8 @@ void addConfigCommand(CLI::App& app) {
                 "UCX has real one-sided RMA here (RDMA, cuda_ipc), so small writes are cheap");
   cmd->add_option("--memory", o->memory,
                   "The pools: shareable (hxfer's own, or engine pools with a memfd) or private "
-                  "(engine memory shm cannot share; auto then picks ucx)")
+                  "(engine memory shm cannot share; auto then picks ucx) or device (CUDA "
+                  "memory; auto then picks cuda on one host)")
       ->default_val("shareable");
   cmd->callback([o] {
     const int rc = runConfig(*o);

@@ -1,7 +1,9 @@
 #include "device/fake_device.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <map>
 #include <string>
 #include <thread>
 
@@ -73,14 +75,82 @@ Status ManualEvent::status() const {
 
 // ---- FakeDevice ----
 
+// Device address ranges and the writable host mapping behind each.
+class FakeDevice::Aliases {
+ public:
+  void add(uint64_t base, uint64_t bytes, uint8_t* view) {
+    std::lock_guard lock(mu_);
+    ranges_[base] = Range{bytes, view};
+  }
+  void remove(uint64_t base) {
+    std::lock_guard lock(mu_);
+    ranges_.erase(base);
+  }
+  // The writable address of device address `a`; `a` itself where no range holds it.
+  uint64_t translate(uint64_t a) const {
+    std::lock_guard lock(mu_);
+    auto it = ranges_.upper_bound(a);
+    if (it == ranges_.begin()) return a;
+    --it;
+    if (a - it->first >= it->second.bytes) return a;
+    return reinterpret_cast<uint64_t>(it->second.view) + (a - it->first);
+  }
+  HostCopyTable translate(const HostCopyTable& t) const {
+    HostCopyTable out = t;
+    for (CopyRun& r : out.runs) {
+      r.src = translate(r.src);
+      r.dst = translate(r.dst);
+    }
+    return out;
+  }
+  HostPackTable translate(const HostPackTable& t) const {
+    HostPackTable out = t;
+    for (Pack& p : out.packs) {
+      p.src = translate(p.src);
+      p.dst = translate(p.dst);
+    }
+    return out;
+  }
+
+ private:
+  struct Range {
+    uint64_t bytes;
+    uint8_t* view;
+  };
+  mutable std::mutex mu_;
+  std::map<uint64_t, Range> ranges_;
+};
+
 namespace {
+
+// `bytes` of `fd` mapped PROT_NONE: a device address the host cannot touch.
+StatusOr<uint8_t*> mapInaccessible(int fd, uint64_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_NONE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    return ResourceExhausted("fake device: mapping " + std::to_string(bytes) +
+                             " bytes without access failed");
+  }
+  return static_cast<uint8_t*>(p);
+}
 
 class FakeMapping : public Mapping {
  public:
-  FakeMapping(std::unique_ptr<Region> region, uint64_t offset, uint64_t bytes)
-      : region_(std::move(region)), offset_(offset), bytes_(bytes) {}
+  // `address`: the imported range's device address; `guard` (host_inaccessible) the
+  // PROT_NONE mapping that holds it, registered in `aliases`.
+  FakeMapping(std::unique_ptr<Region> region, uint64_t offset, uint64_t bytes,
+              std::shared_ptr<FakeDevice::Aliases> aliases = nullptr, uint8_t* guard = nullptr)
+      : region_(std::move(region)),
+        offset_(offset),
+        bytes_(bytes),
+        aliases_(std::move(aliases)),
+        guard_(guard) {}
+  ~FakeMapping() override {
+    if (guard_ == nullptr) return;
+    aliases_->remove(reinterpret_cast<uint64_t>(guard_));
+    munmap(guard_, region_->length());
+  }
   uint64_t address() const override {
-    return reinterpret_cast<uint64_t>(region_->data()) + offset_;
+    return reinterpret_cast<uint64_t>(guard_ != nullptr ? guard_ : region_->data()) + offset_;
   }
   uint64_t bytes() const override { return bytes_; }
 
@@ -88,13 +158,16 @@ class FakeMapping : public Mapping {
   std::unique_ptr<Region> region_;
   uint64_t offset_;
   uint64_t bytes_;
+  std::shared_ptr<FakeDevice::Aliases> aliases_;
+  uint8_t* guard_;
 };
 
 class FakeRegistration : public HostRegistration {};
 
 }  // namespace
 
-FakeDevice::FakeDevice(FakeDeviceOptions options) : options_(options) {}
+FakeDevice::FakeDevice(FakeDeviceOptions options)
+    : options_(options), aliases_(std::make_shared<Aliases>()) {}
 FakeDevice::~FakeDevice() = default;
 
 DeviceId FakeDevice::idOf(int device) const {
@@ -119,6 +192,24 @@ StatusOr<std::shared_ptr<Region>> FakeDevice::allocate(int device, uint64_t byte
                    Region::allocate(0, bytes, Region::Backing::kMemfd,
                                     "hxfer-fake-device-" + std::to_string(device)));
   std::shared_ptr<Region> region(std::move(r));
+  if (options_.host_inaccessible) {
+    // The caller gets the PROT_NONE mapping (a borrowed region over it); the writable one
+    // lives as long as it, registered for the streams.
+    ASSIGN_OR_RETURN(uint8_t * guard, mapInaccessible(region->fd(), bytes));
+    auto borrowed = Region::borrow(0, guard, bytes, region->fd());
+    if (!borrowed.isOk()) {
+      munmap(guard, bytes);
+      return borrowed.status();
+    }
+    const auto base = reinterpret_cast<uint64_t>(guard);
+    aliases_->add(base, bytes, region->data());
+    region = std::shared_ptr<Region>(borrowed->release(),
+                                     [view = region, aliases = aliases_, base, bytes](Region* r) {
+                                       aliases->remove(base);
+                                       munmap(reinterpret_cast<void*>(base), bytes);
+                                       delete r;
+                                     });
+  }
   std::lock_guard lock(mu_);
   std::erase_if(allocations_, [](const Allocation& a) { return a.region.expired(); });
   allocations_.push_back(
@@ -184,8 +275,14 @@ StatusOr<std::unique_ptr<Mapping>> FakeDevice::importRange(ExportedRange range,
   const int fd = range.fd;
   range.fd = -1;  // mapFd owns it from here, on error too
   ASSIGN_OR_RETURN(std::unique_ptr<Region> region, Region::mapFd(0, fd, range.allocation_bytes));
+  if (!options_.host_inaccessible) {
+    return std::unique_ptr<Mapping>(
+        std::make_unique<FakeMapping>(std::move(region), range.offset, range.bytes));
+  }
+  ASSIGN_OR_RETURN(uint8_t * guard, mapInaccessible(region->fd(), range.allocation_bytes));
+  aliases_->add(reinterpret_cast<uint64_t>(guard), range.allocation_bytes, region->data());
   return std::unique_ptr<Mapping>(
-      std::make_unique<FakeMapping>(std::move(region), range.offset, range.bytes));
+      std::make_unique<FakeMapping>(std::move(region), range.offset, range.bytes, aliases_, guard));
 }
 
 StatusOr<std::unique_ptr<Stream>> FakeDevice::createStream(int ordinal) {
@@ -202,9 +299,22 @@ StatusOr<std::unique_ptr<Stream>> FakeDevice::createStream(int ordinal) {
     return OkStatus();
   };
   StreamOps ops;
-  ops.copy = [op](const HostCopyTable& t) { return op([&] { runOnHost(t.view()); }); };
-  ops.pack = [op](const HostPackTable& t) { return op([&] { runOnHost(t.view()); }); };
+  if (!options_.host_inaccessible) {
+    ops.copy = [op](const HostCopyTable& t) { return op([&] { runOnHost(t.view()); }); };
+    ops.pack = [op](const HostPackTable& t) { return op([&] { runOnHost(t.view()); }); };
+  } else {
+    ops.copy = [op, a = aliases_](const HostCopyTable& t) {
+      return op([&] { runOnHost(a->translate(t).view()); });
+    };
+    ops.pack = [op, a = aliases_](const HostPackTable& t) {
+      return op([&] { runOnHost(a->translate(t).view()); });
+    };
+  }
   return makeWorkerStream(std::move(ops));
+}
+
+uint8_t* FakeDevice::hostView(const void* ptr) const {
+  return reinterpret_cast<uint8_t*>(aliases_->translate(reinterpret_cast<uint64_t>(ptr)));
 }
 
 StatusOr<std::unique_ptr<HostRegistration>> FakeDevice::registerHost(void* ptr, uint64_t bytes) {

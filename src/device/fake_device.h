@@ -3,6 +3,11 @@
 // a worker thread each that runs the batched copy and the pack as a launch's threads would
 // (runOnHost), and engine events are ManualEvents a test signals when it likes. Faults: a
 // delay before each op, and ops that fail.
+//
+// With `host_inaccessible`, device memory is as out of the host's reach as a GPU's: its
+// addresses (allocations and imported ranges) are PROT_NONE mappings, so host code that reads
+// or writes them faults, while the streams copy and pack through a second, writable mapping of
+// the same memfd. Tests read and fill it through hostView().
 #pragma once
 
 #include <atomic>
@@ -23,6 +28,7 @@ struct FakeDeviceOptions {
   // Ops whose number (counted from 1 over all streams) is a multiple of this fail with
   // Internal ("fake device: op N failed"); 0: none fail.
   uint64_t fail_every = 0;
+  bool host_inaccessible = false;
 };
 
 // An event the engine side records and signals (a fence a test controls).
@@ -59,6 +65,15 @@ class FakeDevice : public DeviceApi {
 
   uint64_t opsRun() const { return ops_.load(); }
 
+  // Where the host reaches the device byte at `ptr` (an allocation's or an imported range's):
+  // the writable mapping behind it with host_inaccessible, `ptr` itself otherwise or for
+  // memory that is not the device's.
+  uint8_t* hostView(const void* ptr) const;
+
+  // The writable mappings behind device addresses (host_inaccessible), shared with the
+  // streams and the imported ranges.
+  class Aliases;
+
  private:
   struct Allocation {
     std::weak_ptr<Region> region;
@@ -73,6 +88,7 @@ class FakeDevice : public DeviceApi {
   mutable std::mutex mu_;
   std::vector<Allocation> allocations_;  // live ones (expired entries are skipped)
   std::atomic<uint64_t> ops_{0};
+  std::shared_ptr<Aliases> aliases_;
 };
 
 }  // namespace hxfer::device

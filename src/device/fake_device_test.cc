@@ -178,6 +178,48 @@ HostCopyTable oneRun(const uint8_t* src, uint8_t* dst, uint64_t n) {
 
 // The fence of the vLLM overwrite race: a write into pages the engine still uses waits for the
 // engine's "pages free" event, and lands only after it.
+// host_inaccessible: the host faults on device addresses, its own allocations' and imported
+// ones', while a stream copies between them and hostView() shows the bytes.
+TEST(FakeDevice, InaccessibleMemoryFaultsOnTheHostAndMovesOnAStream) {
+  FakeDevice dev(FakeDeviceOptions{.host_inaccessible = true});
+  auto a = dev.allocate(0, 1 << 16);
+  auto b = dev.allocate(0, 1 << 16);
+  ASSERT_TRUE(a.isOk() && b.isOk());
+  uint8_t* a_view = dev.hostView((*a)->data());
+  EXPECT_NE(a_view, (*a)->data()) << "the host reaches it through a mapping of its own";
+  std::iota(a_view, a_view + (1 << 16), uint8_t{0});
+  EXPECT_DEATH(
+      {
+        volatile uint8_t x = (*a)->data()[5];
+        (void)x;
+      },
+      "")
+      << "a host read of device memory must fault";
+  EXPECT_DEATH({ (*b)->data()[5] = 1; }, "") << "a host write of device memory must fault";
+  EXPECT_TRUE(dev.owner((*a)->data() + 10, 100).isOk());
+
+  auto range = dev.exportRange((*b)->data() + 4096, 8192);
+  ASSERT_TRUE(range.isOk()) << range.status().toString();
+  auto mapped = dev.importRange(std::move(*range));
+  ASSERT_TRUE(mapped.isOk()) << mapped.status().toString();
+  auto* m = reinterpret_cast<uint8_t*>((*mapped)->address());
+  EXPECT_DEATH({ m[0] = 1; }, "") << "an imported range is device memory too";
+
+  auto stream = dev.createStream(0);
+  ASSERT_TRUE(stream.isOk());
+  auto copied = (*stream)->copy(oneRun((*a)->data() + 100, m + 8, 5000));
+  ASSERT_TRUE(copied.isOk());
+  ASSERT_TRUE((*copied)->wait(5s).isOk()) << (*copied)->status().toString();
+  const uint8_t* b_view = dev.hostView((*b)->data());
+  for (uint32_t i = 0; i < 5000; ++i) {
+    ASSERT_EQ(b_view[4096 + 8 + i], static_cast<uint8_t>(100 + i)) << "byte " << i;
+  }
+  EXPECT_EQ(b_view[4096 + 7], 0);
+  EXPECT_EQ(b_view[4096 + 8 + 5000], 0);
+  std::vector<uint8_t> host(16, 0x5A);
+  EXPECT_EQ(dev.hostView(host.data()), host.data()) << "host memory is its own view";
+}
+
 TEST(FakeDevice, WorkBehindAFenceWaitsForTheEngineSignal) {
   FakeDevice dev;
   auto stream = dev.createStream(0);

@@ -96,6 +96,12 @@ struct ContextSender::Source {
 StatusOr<std::unique_ptr<ContextSender>> ContextSender::create(
     Options options, HybridCacheManager* cache, std::unique_ptr<transport::Agent> agent) {
   if (cache == nullptr || agent == nullptr) return InvalidArgument("cache and agent are required");
+  if (options.checksum && agent->capabilities().device_memory) {
+    return Incompatible(
+        "checksum=true: checksums read the pools on the host, and these pools "
+        "are device memory (" +
+        agent->capabilities().name + " agent); give checksum=false");
+  }
   const RankLayout& layout = cache->layout();
   if (layout.tp != options.parallel.tp || layout.pp != options.parallel.pp ||
       layout.tp_rank != options.tp_rank || layout.pp_rank != options.pp_rank) {
@@ -659,6 +665,20 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   }
   ask.sent_end = src.ready_end;
   if (plan->ops.empty()) return;
+  if (agent_->capabilities().device_memory && (ask.req.staging || !plan->pack_ops.empty())) {
+    // Both gather or pack on the host; device pools have neither path yet.
+    ask.failed =
+        Incompatible("request " + std::to_string(src.id) + " for generation rank " +
+                     std::to_string(ask.gen_rank) + ": " +
+                     (ask.req.staging ? std::string("the generation rank asked for a staged part")
+                                      : "the plan packs " + std::to_string(plan->pack_ops.size()) +
+                                            " boxes (the two sides order a state record's elements "
+                                            "differently, as conv sd against ds)") +
+                     ", and this rank's pools are device memory, where " +
+                     (ask.req.staging ? "staging" : "packing") + " is not built");
+    HXFER_LOG_WARN("context: {}", ask.failed->toString());
+    return;
+  }
   if (ask.req.staging) {
     postStagedLocked(src, ask, *plan);
     return;

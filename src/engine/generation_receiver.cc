@@ -83,6 +83,12 @@ struct GenerationReceiver::Sink {
 StatusOr<std::unique_ptr<GenerationReceiver>> GenerationReceiver::create(
     Options options, HybridCacheManager* cache, std::unique_ptr<transport::Agent> agent) {
   if (cache == nullptr || agent == nullptr) return InvalidArgument("cache and agent are required");
+  if (options.checksum && agent->capabilities().device_memory) {
+    return Incompatible(
+        "checksum=true: checksums read the pools on the host, and these pools "
+        "are device memory (" +
+        agent->capabilities().name + " agent); give checksum=false");
+  }
   // A context rank gets our pools only once its Hello matched (onHelloLocked).
   agent->requireWriteGrants();
   const RankLayout& layout = cache->layout();
@@ -111,7 +117,8 @@ StatusOr<std::unique_ptr<GenerationReceiver>> GenerationReceiver::create(
                      g->agent_->registerRegion(*region, transport::RegionAccess::kRemoteWritable));
     if (!key.empty()) g->self_.region_keys.push_back({region->id(), std::move(key)});
   }
-  if (g->options_.staging_bytes > 0) {
+  // Staging is a host-memory path: a device agent's pools are written in place.
+  if (g->options_.staging_bytes > 0 && !g->agent_->capabilities().device_memory) {
     const auto backing = g->agent_->capabilities().needs_memfd_regions
                              ? Region::Backing::kMemfd
                              : Region::Backing::kAnonymous;

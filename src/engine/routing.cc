@@ -14,6 +14,8 @@ std::string_view backendName(BackendKind b) {
       return "shm";
     case BackendKind::kUcx:
       return "ucx";
+    case BackendKind::kCuda:
+      return "cuda";
   }
   return "unknown";
 }
@@ -23,8 +25,9 @@ StatusOr<std::optional<BackendKind>> parseBackendRequest(std::string_view name) 
   if (name == "inproc") return std::optional<BackendKind>(BackendKind::kInproc);
   if (name == "shm") return std::optional<BackendKind>(BackendKind::kShm);
   if (name == "ucx") return std::optional<BackendKind>(BackendKind::kUcx);
+  if (name == "cuda") return std::optional<BackendKind>(BackendKind::kCuda);
   return InvalidArgument("backend='" + std::string(name) +
-                         "' is not one of auto, shm, ucx, inproc");
+                         "' is not one of auto, shm, ucx, inproc, cuda");
 }
 
 StatusOr<std::optional<StateLayout>> parseStateLayoutRequest(std::string_view name) {
@@ -35,7 +38,8 @@ StatusOr<std::optional<StateLayout>> parseStateLayoutRequest(std::string_view na
 }
 
 std::optional<BackendKind> addressBackend(std::string_view a) {
-  for (BackendKind b : {BackendKind::kShm, BackendKind::kUcx, BackendKind::kInproc}) {
+  for (BackendKind b :
+       {BackendKind::kShm, BackendKind::kUcx, BackendKind::kInproc, BackendKind::kCuda}) {
     const std::string scheme = std::string(backendName(b)) + ":";
     if (a.substr(0, scheme.size()) == scheme) return b;
   }
@@ -68,9 +72,10 @@ StatusOr<PeerAddresses> resolvePeerAddresses(const std::vector<std::string>& pee
   for (const std::string& a : peers) {
     const std::optional<BackendKind> b = addressBackend(a);
     if (!b) {
-      return InvalidArgument("peer address '" + a +
-                             "' names no backend: it starts with shm:, ucx: or inproc: (as a "
-                             "rank's address is given), or is a ucx ip:port");
+      return InvalidArgument(
+          "peer address '" + a +
+          "' names no backend: it starts with shm:, ucx:, inproc: or cuda: (as a "
+          "rank's address is given), or is a ucx ip:port");
     }
     if (out.backend && *b != *out.backend) {
       return InvalidArgument("peer addresses mix backends: '" + a + "' is " +
@@ -104,6 +109,7 @@ bool cheapSmallWrites(BackendKind backend, const RoutingEnvironment& env) {
   switch (backend) {
     case BackendKind::kInproc:
     case BackendKind::kShm:
+    case BackendKind::kCuda:
       return true;
     case BackendKind::kUcx:
       return env.ucx_cheap_small_writes;
@@ -121,12 +127,17 @@ bool compiled(BackendKind b, const RoutingEnvironment& env) {
       return env.shm_compiled;
     case BackendKind::kUcx:
       return env.ucx_compiled;
+    case BackendKind::kCuda:
+      return env.cuda_compiled;
   }
   return false;
 }
 
 // Empty when `b` can reach every peer; otherwise why not.
 std::string unreachableBecause(BackendKind b, const RoutingEnvironment& env) {
+  if (env.memory_device && b != BackendKind::kCuda) {
+    return "it moves host memory, and these pools are CUDA device memory";
+  }
   switch (b) {
     case BackendKind::kInproc:
       return env.single_process ? "" : "it needs every rank in one process";
@@ -137,6 +148,11 @@ std::string unreachableBecause(BackendKind b, const RoutingEnvironment& env) {
                                     "memory";
     case BackendKind::kUcx:
       return "";
+    case BackendKind::kCuda:
+      if (!env.memory_device) return "it needs CUDA device pools, and these are host memory";
+      return env.peers_same_host ? ""
+                                 : "it needs every peer on this host (device pools have no "
+                                   "path across hosts yet)";
   }
   return "unknown backend";
 }
@@ -145,7 +161,9 @@ std::string unreachableBecause(BackendKind b, const RoutingEnvironment& env) {
 std::string deploymentWords(const RoutingEnvironment& env) {
   return std::string(env.peers_same_host ? "peers=same-host" : "peers=other-host") +
          (env.single_process ? " in one process" : " in separate processes") +
-         (env.memory_shareable ? "" : ", memory=private");
+         (env.memory_device      ? ", memory=device"
+          : env.memory_shareable ? ""
+                                 : ", memory=private");
 }
 
 std::string smallWritesWords(BackendKind b, const RoutingEnvironment& env) {
@@ -154,6 +172,10 @@ std::string smallWritesWords(BackendKind b, const RoutingEnvironment& env) {
                ? "ucx has one-sided RMA (put), so many small records are cheap"
                : "ucx has no one-sided RMA here (put is emulated), so every record costs a "
                  "message";
+  }
+  if (b == BackendKind::kCuda) {
+    return "cuda copies every run of a write in one batched device copy, so many small records "
+           "are cheap";
   }
   return std::string(backendName(b)) + " copies with memcpy, so many small records are cheap";
 }
@@ -173,6 +195,23 @@ Status resolveBackend(const RoutingRequest& req, const RoutingEnvironment& env,
     out->decisions.push_back(
         {"backend", name, "requested " + name + "; compiled in and reachable"});
     *backend = b;
+    return OkStatus();
+  }
+  if (env.memory_device) {
+    if (!env.peers_same_host) {
+      return Unavailable(
+          "backend=auto finds no backend: the pools are CUDA device memory and the peers are on "
+          "another host (staging device memory through host memory is not built)");
+    }
+    if (!env.cuda_compiled) {
+      return Unavailable(
+          "backend=auto finds no backend: the pools are CUDA device memory and cuda is not "
+          "compiled in");
+    }
+    out->decisions.push_back({"backend", "cuda",
+                              "requested auto; the pools are CUDA device memory and every peer "
+                              "is on this host"});
+    *backend = BackendKind::kCuda;
     return OkStatus();
   }
   if (env.peers_same_host && env.memory_shareable && env.shm_compiled) {

@@ -3,9 +3,10 @@
 // the effective backend and state layout, with a reason for every decision.
 //
 // Order (fixed, printed by `hxfer config --explain`):
-//   1. backend: the requested one if compiled in and reachable; `auto` picks shm when every
-//      peer is on this host and the pools are shareable memory, else ucx. `auto` never picks inproc
-//      (tests and single-process tools ask for it by name).
+//   1. backend: the requested one if compiled in and reachable; `auto` picks cuda when the pools
+//      are CUDA device memory and every peer is on this host, shm when every peer is on this
+//      host and the pools are shareable memory, else ucx. `auto` never picks inproc (tests and
+//      single-process tools ask for it by name). Device pools have no path across hosts yet.
 //   2. state layout, only once the backend is known: the requested one; `auto` honours the
 //      model's preferred layout (hybrid models prefer paged) when the backend writes many small
 //      records cheaply, and falls back to layer-major otherwise.
@@ -31,14 +32,14 @@
 
 namespace hxfer::engine {
 
-enum class BackendKind : uint8_t { kInproc = 0, kShm = 1, kUcx = 2 };
-std::string_view backendName(BackendKind b);  // "inproc", "shm", "ucx"
+enum class BackendKind : uint8_t { kInproc = 0, kShm = 1, kUcx = 2, kCuda = 3 };
+std::string_view backendName(BackendKind b);  // "inproc", "shm", "ucx", "cuda"
 // "auto" -> nullopt; otherwise a backend name. Errors name the value and the choices.
 StatusOr<std::optional<BackendKind>> parseBackendRequest(std::string_view name);
 // "auto" -> nullopt; otherwise parseStateLayout().
 StatusOr<std::optional<StateLayout>> parseStateLayoutRequest(std::string_view name);
 
-// The backend a transport address names: its scheme ("shm:", "ucx:", "inproc:", as
+// The backend a transport address names: its scheme ("shm:", "ucx:", "inproc:", "cuda:", as
 // Agent::localAddress gives it), or ucx for a bare "ip:port". nullopt when it names none.
 std::optional<BackendKind> addressBackend(std::string_view address);
 // The host of a ucx address ("ucx:10.0.0.2:5000" and "10.0.0.2:5000" -> "10.0.0.2"); empty for
@@ -71,12 +72,18 @@ struct RoutingEnvironment {
   bool inproc_compiled = true;
   bool shm_compiled = true;
   bool ucx_compiled = false;
+  // The cuda transport is compiled into every build; it moves device memory where a device
+  // runtime is (the CUDA one where the build has nvcc and the host a driver).
+  bool cuda_compiled = true;
   // Every peer runs on this host (shm can reach it).
   bool peers_same_host = true;
   // The pools are shareable memory (memfd: hxfer's own pools, or engine pools taken from a
   // SharedBuffer or passed with an fd). Private engine memory cannot be handed to a peer, so
   // shm cannot reach it; ucx reaches it through its own paths.
   bool memory_shareable = true;
+  // The pools are CUDA device memory: only the same-host cuda backend moves them (inproc,
+  // shm and ucx move host memory).
+  bool memory_device = false;
   // Every rank runs in this one process (inproc can reach it).
   bool single_process = false;
   // UCX writes many small records cheaply: it selected a transport with real one-sided RMA

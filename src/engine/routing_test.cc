@@ -226,7 +226,8 @@ TEST(Routing, ParsersAcceptAutoAndNamesAndRejectOthers) {
   auto b = parseBackendRequest("auto");
   ASSERT_TRUE(b.isOk());
   EXPECT_FALSE(b->has_value());
-  for (BackendKind k : {BackendKind::kInproc, BackendKind::kShm, BackendKind::kUcx}) {
+  for (BackendKind k :
+       {BackendKind::kInproc, BackendKind::kShm, BackendKind::kUcx, BackendKind::kCuda}) {
     auto p = parseBackendRequest(backendName(k));
     ASSERT_TRUE(p.isOk());
     EXPECT_EQ(**p, k);
@@ -270,6 +271,49 @@ TEST(Routing, PrivateEngineMemoryRoutesToUcxAndRefusesShm) {
   auto back = resolveRouting({std::nullopt, std::nullopt}, e, StateLayout::kPaged);
   ASSERT_TRUE(back.isOk());
   EXPECT_EQ(back->backend, BackendKind::kShm);
+}
+
+// CUDA device pools: auto picks cuda on one host and says why; across hosts it finds no
+// backend, naming the missing staging; every host backend asked by name is refused naming the
+// memory, and cuda is refused for host memory.
+TEST(Routing, DevicePoolsRouteToCudaOnOneHostAndRefuseHostBackends) {
+  RoutingEnvironment e;
+  e.ucx_compiled = true;
+  e.memory_shareable = false;
+  e.memory_device = true;
+  RoutingExplanation x = explainRouting({std::nullopt, std::nullopt}, e, StateLayout::kPaged);
+  ASSERT_TRUE(x.routing.has_value()) << x.status.toString();
+  EXPECT_EQ(x.routing->backend, BackendKind::kCuda);
+  EXPECT_EQ(x.routing->state_layout, StateLayout::kPaged) << "one batched copy: records are cheap";
+  EXPECT_NE(x.decisions[0].reason.find("CUDA device memory"), std::string::npos)
+      << x.decisions[0].reason;
+  for (BackendKind b : {BackendKind::kShm, BackendKind::kUcx, BackendKind::kInproc}) {
+    e.single_process = b == BackendKind::kInproc;
+    auto r = resolveRouting({b, std::nullopt}, e, StateLayout::kPaged);
+    ASSERT_FALSE(r.isOk()) << backendName(b);
+    EXPECT_NE(r.status().message().find("memory=device"), std::string::npos)
+        << r.status().toString();
+    EXPECT_NE(r.status().message().find("it moves host memory"), std::string::npos)
+        << r.status().toString();
+  }
+  e.single_process = false;
+  e.peers_same_host = false;
+  auto far = resolveRouting({std::nullopt, std::nullopt}, e, StateLayout::kPaged);
+  ASSERT_FALSE(far.isOk());
+  EXPECT_EQ(far.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(far.status().message().find("staging device memory through host memory is not built"),
+            std::string::npos)
+      << far.status().toString();
+  auto cuda_far = resolveRouting({BackendKind::kCuda, std::nullopt}, e, StateLayout::kPaged);
+  ASSERT_FALSE(cuda_far.isOk());
+  EXPECT_NE(cuda_far.status().message().find("every peer on this host"), std::string::npos);
+  e.peers_same_host = true;
+  e.memory_device = false;
+  auto host = resolveRouting({BackendKind::kCuda, std::nullopt}, e, StateLayout::kPaged);
+  ASSERT_FALSE(host.isOk());
+  EXPECT_NE(host.status().message().find("it needs CUDA device pools"), std::string::npos)
+      << host.status().toString();
+  EXPECT_EQ(addressBackend("cuda:@hxfer-ctx-0"), BackendKind::kCuda);
 }
 
 }  // namespace
