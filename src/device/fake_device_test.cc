@@ -181,6 +181,7 @@ HostCopyTable oneRun(const uint8_t* src, uint8_t* dst, uint64_t n) {
 // host_inaccessible: the host faults on device addresses, its own allocations' and imported
 // ones', while a stream copies between them and hostView() shows the bytes.
 TEST(FakeDevice, InaccessibleMemoryFaultsOnTheHostAndMovesOnAStream) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // sanitizers run threads of their own
   FakeDevice dev(FakeDeviceOptions{.host_inaccessible = true});
   auto a = dev.allocate(0, 1 << 16);
   auto b = dev.allocate(0, 1 << 16);
