@@ -6,7 +6,9 @@
 //                       the writable buffer protocol (numpy, bytearray, memoryview), a CPU torch
 //                       tensor (data_ptr()), a hxfer.SharedBuffer (shareable over shm). CUDA
 //                       memory (a torch cuda tensor, __cuda_array_interface__, DLPack) becomes a
-//                       kCuda Buffer, which Memory::wrap refuses in this version.
+//                       kCuda Buffer, which Memory::wrap checks against the CUDA runtime.
+//                       mark_ready(ready_event=) and start(pages_free=) take a torch.cuda.Event
+//                       (or a cudaEvent_t as an int) for such pools.
 //   hxfer.SharedBuffer  SharedBuffer::allocate(); exports a writable 1-D uint8 buffer.
 //   hxfer.Sender        the context rank; a context manager.
 //   hxfer.Receiver      the generation rank; a context manager. wait()/poll() give Result.
@@ -157,6 +159,27 @@ std::optional<uint32_t> toSlot(const py::object& obj) {
   if (obj.is_none()) return std::nullopt;
   std::vector<uint32_t> one = toPages(py::make_tuple(obj), "slot");
   return one[0];
+}
+
+// A CUDA event the engine recorded: a torch.cuda.Event (its cuda_event, 0 until recorded) or
+// the cudaEvent_t as an int; nullopt for None. TypeError naming `what` for anything else.
+std::optional<hxfer::DeviceEvent> toDeviceEvent(const py::object& obj, const std::string& what) {
+  if (obj.is_none()) return std::nullopt;
+  py::object handle = obj;
+  if (!py::isinstance<py::int_>(obj)) {
+    if (!py::hasattr(obj, "cuda_event")) {
+      throw py::type_error(what + " must be a torch.cuda.Event or a cudaEvent_t as an int, got " +
+                           typeName(obj));
+    }
+    handle = obj.attr("cuda_event");
+  }
+  uintptr_t p = 0;
+  try {
+    p = handle.cast<uintptr_t>();
+  } catch (const py::cast_error&) {
+    throw py::type_error(what + ": the event handle is not an address, got " + typeName(handle));
+  }
+  return hxfer::DeviceEvent{reinterpret_cast<const void*>(p)};
 }
 
 // (blocks, slot) or (blocks, slot, group_slots) as RankPages; slot None where the rank holds no
@@ -1315,6 +1338,7 @@ PYBIND11_MODULE(_hxfer, m) {
       .def_property_readonly("layout", [](const PyMemory& mem) { return mem.layout; })
       .def_property_readonly("shareable",
                              [](const PyMemory& mem) { return mem.memory->shareable(); })
+      .def_property_readonly("device", [](const PyMemory& mem) { return mem.memory->device(); })
       .def_property_readonly("buffers", [](const PyMemory& mem) { return py::dict(mem.buffers); })
       .def("__repr__", [](const PyMemory& mem) {
         return "hxfer.Memory(" + std::to_string(mem.held.size()) +
@@ -1366,8 +1390,10 @@ PYBIND11_MODULE(_hxfer, m) {
       .def(
           "mark_ready",
           [](PySender& s, uint64_t id, py::object blocks, py::object slot, py::object aux,
-             py::object layers, py::object group_slots) {
+             py::object layers, py::object group_slots, py::object ready_event) {
             s.memory.cast<PyMemory&>().checkIntact();
+            const std::optional<hxfer::DeviceEvent> ready =
+                toDeviceEvent(ready_event, "ready_event");
             hxfer::RankPages pages{toPages(blocks, "blocks"), toSlot(slot)};
             if (!group_slots.is_none()) pages.group_slots = toPages(group_slots, "group_slots");
             std::string aux_bytes = toBytes(aux, "aux");
@@ -1389,14 +1415,19 @@ PYBIND11_MODULE(_hxfer, m) {
             hxfer::Status st;
             {
               py::gil_scoped_release nogil;
-              st = span ? s.impl->markReady(id, pages, *span, aux_bytes)
-                        : s.impl->markReady(id, pages, aux_bytes);
+              if (ready) {
+                st = span ? s.impl->markReady(id, pages, *span, *ready, aux_bytes)
+                          : s.impl->markReady(id, pages, *ready, aux_bytes);
+              } else {
+                st = span ? s.impl->markReady(id, pages, *span, aux_bytes)
+                          : s.impl->markReady(id, pages, aux_bytes);
+              }
             }
             throwIfError(st);
           },
           py::arg("request_id"), py::arg("blocks"), py::arg("slot") = py::none(),
           py::arg("aux") = py::bytes(""), py::arg("layers") = py::none(),
-          py::arg("group_slots") = py::none())
+          py::arg("group_slots") = py::none(), py::arg("ready_event") = py::none())
       .def(
           "cancel",
           [](PySender& s, uint64_t id) {
@@ -1472,21 +1503,27 @@ PYBIND11_MODULE(_hxfer, m) {
       .def(
           "start",
           [](PyReceiver& r, uint64_t id, uint32_t num_tokens, py::object blocks, py::object slot,
-             uint32_t prefix_tokens, py::object aux, py::object group_slots) {
+             uint32_t prefix_tokens, py::object aux, py::object group_slots,
+             py::object pages_free) {
             r.memory.cast<PyMemory&>().checkIntact();
+            const std::optional<hxfer::DeviceEvent> free_event =
+                toDeviceEvent(pages_free, "pages_free");
             hxfer::RankPages pages{toPages(blocks, "blocks"), toSlot(slot)};
             if (!group_slots.is_none()) pages.group_slots = toPages(group_slots, "group_slots");
             std::string aux_bytes = toBytes(aux, "aux");
             hxfer::Status st;
             {
               py::gil_scoped_release nogil;
-              st = r.impl->start(id, num_tokens, pages, prefix_tokens, aux_bytes);
+              st = free_event
+                       ? r.impl->start(id, num_tokens, pages, *free_event, prefix_tokens, aux_bytes)
+                       : r.impl->start(id, num_tokens, pages, prefix_tokens, aux_bytes);
             }
             throwIfError(st);
           },
           py::arg("request_id"), py::arg("num_tokens"), py::arg("blocks"),
           py::arg("slot") = py::none(), py::arg("prefix_tokens") = 0,
-          py::arg("aux") = py::bytes(""), py::arg("group_slots") = py::none())
+          py::arg("aux") = py::bytes(""), py::arg("group_slots") = py::none(),
+          py::arg("pages_free") = py::none())
       .def(
           "poll",
           [](const PyReceiver& r, uint64_t id) {

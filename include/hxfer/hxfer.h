@@ -250,6 +250,14 @@ StatusOr<TransferPlan> planTransfer(std::span<const Layout> sources,
 
 // ---- Memory ----
 
+// An event the engine recorded on its CUDA stream (a cudaEvent_t; in Python a torch.cuda.Event),
+// for pools in device memory. hxfer captures it when it is passed (its own stream waits for it
+// and records an event of hxfer's), so the engine may record it again or destroy it after the
+// call.
+struct DeviceEvent {
+  const void* cuda_event = nullptr;
+};
+
 enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 
 // One engine buffer: `bytes` at `data`. `fd` (-1: none) is a memfd whose offset 0 is `data`,
@@ -418,6 +426,15 @@ class Sender {
   Status markReady(uint64_t request_id, const RankPages& pages, std::string_view aux = {});
   Status markReady(uint64_t request_id, const RankPages& pages, LayerSpan layers,
                    std::string_view aux = {});
+  // Device pools: markReady with `ready`, the engine's event after the kernels that write the
+  // request's pages (all its layers, or `layers`). No byte of them moves before the event is
+  // done, so the engine need not synchronize its stream first; a later range's event stands
+  // for every layer up to that range. InvalidArgument: pools in host memory, a null event, one
+  // the device cannot wait for; otherwise as the forms above.
+  Status markReady(uint64_t request_id, const RankPages& pages, DeviceEvent ready,
+                   std::string_view aux = {});
+  Status markReady(uint64_t request_id, const RankPages& pages, LayerSpan layers, DeviceEvent ready,
+                   std::string_view aux = {});
   // Cancels at any point; always ok; idempotent.
   Status cancel(uint64_t request_id);
   // Whether hxfer still fences the pages of `request_id`.
@@ -493,6 +510,14 @@ class Receiver {
   // state groups; errors as Sender::markReady's form of the same).
   Status start(uint64_t request_id, uint32_t num_tokens, const RankPages& pages,
                uint32_t prefix_tokens = 0, std::string_view aux = {});
+  // Device pools: start() with `pages_free`, the engine's event after its last work on the
+  // pages (the kernels of a request that held them before). No context rank is asked, so
+  // nothing is written into them, before it is done: the engine need not synchronize first.
+  // An event done with an error fails the request naming it; one never done fails it at
+  // request_timeout. InvalidArgument: pools in host memory, a null event, one the device
+  // cannot wait for; otherwise as start().
+  Status start(uint64_t request_id, uint32_t num_tokens, const RankPages& pages,
+               DeviceEvent pages_free, uint32_t prefix_tokens = 0, std::string_view aux = {});
   // The request's state now; NotFound for an unknown or released id.
   StatusOr<Result> poll(uint64_t request_id) const;
   // Waits for a terminal state; the in-progress result when `timeout` passes first.

@@ -210,3 +210,38 @@ def test_dlpack_on_the_cpu_is_left_to_the_host_paths(lay):
     name, n = first_pool(lay)
     msg = refused(lay, name, DlpackArray((n,), device=(1, 0)), "InvalidArgument")
     assert "expected a writable buffer" in msg
+
+
+class RecordedEvent:
+    """What hxfer reads of a torch.cuda.Event: its cudaEvent_t as an int."""
+
+    def __init__(self, handle):
+        self.cuda_event = handle
+
+
+def host_pair(lay):
+    mem = hxfer.Memory(lay, numpy_pools(lay))
+    tx = hxfer.Sender(lay, mem, backend="inproc")
+    return mem, tx
+
+
+def test_events_with_host_pools_are_refused_naming_them(lay):
+    mem, tx = host_pair(lay)
+    assert not mem.device
+    with tx:
+        for ev in (RecordedEvent(0x1234), 0x1234):
+            with raises("InvalidArgument") as e:
+                tx.mark_ready(1, [0, 1], 0, ready_event=ev)
+            assert "a DeviceEvent given with pools in host memory" in e.value.message
+        assert not tx.holds(1)
+
+
+@pytest.mark.parametrize("ev, words", [
+    ("event", "ready_event must be a torch.cuda.Event or a cudaEvent_t as an int, got str"),
+    (RecordedEvent("x"), "ready_event: the event handle is not an address, got str"),
+])
+def test_events_of_the_wrong_type_are_named(lay, ev, words):
+    _, tx = host_pair(lay)
+    with tx:
+        with pytest.raises(TypeError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            tx.mark_ready(1, [0, 1], 0, ready_event=ev)

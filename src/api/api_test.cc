@@ -899,6 +899,135 @@ TEST(ApiDevice, AutoPicksCudaAndRefusesHostPathsNamingThem) {
       << m.status().toString();
 }
 
+// Whether the host view of every pool of `r` still holds `before` (pool by pool).
+bool poolsUnchanged(const EngineRank& r,
+                    const std::map<std::string, std::vector<uint8_t>>& before) {
+  for (const auto& [name, bytes] : before) {
+    const uint8_t* now = r.fake->hostView(r.device_pools.at(name)->data());
+    if (std::memcmp(now, bytes.data(), bytes.size()) != 0) return false;
+  }
+  return true;
+}
+
+std::map<std::string, std::vector<uint8_t>> snapshot(const EngineRank& r) {
+  std::map<std::string, std::vector<uint8_t>> out;
+  for (const PoolInfo& p : r.layout.pools()) {
+    const uint8_t* v = r.fake->hostView(r.device_pools.at(p.name)->data());
+    out[p.name].assign(v, v + p.bytes);
+  }
+  return out;
+}
+
+// The engine's events fence hxfer's writes into device pools: nothing moves before the context
+// side's "layers ready" event, nothing lands in generation pages before their "pages free"
+// event (vLLM's overwrite race: a step still reading a slot that a transfer overwrote); a
+// failed event fails the request naming it; events are refused for host pools, null, or not
+// the device's.
+TEST(ApiDevice, EngineEventsFenceTheWritesIntoDevicePools) {
+  FakeDeviceRuntime rt;
+  EngineRank ctx = EngineRank::make(options("vllm", 1, 0), false, rt.fake.get(), 1);
+  EngineRank gen = EngineRank::make(options("vllm", 1, 0), false, rt.fake.get(), 0);
+  Released ctx_released, gen_released;
+  SenderOptions so;
+  so.instance = "ctx";
+  so.on_released = ctx_released.callback();
+  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
+  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  auto rx = connectedReceiver(gen, **tx, &gen_released);
+  ASSERT_NE(rx, nullptr);
+  ASSERT_EQ(rx->backend(), "cuda");
+  const uint32_t tokens = 40;
+  auto move = [&](uint64_t id, const RankPages& from, const RankPages& to) {
+    EXPECT_TRUE(
+        fillRank(ctx.rankLayout(), ctx.rankMemory(), RankIds{from.blocks, *from.slot}, id).isOk());
+  };
+  auto check = [&](uint64_t id, const RankPages& to) {
+    auto report = checkRank(gen.rankLayout(), gen.rankMemory(), RankIds{to.blocks, *to.slot}, id,
+                            BlockRange{0, static_cast<uint32_t>(to.blocks.size()), tokens}, tokens);
+    ASSERT_TRUE(report.isOk()) << report.status().toString();
+    EXPECT_TRUE(report->ok()) << report->toString();
+  };
+
+  // Layers ready: the context's kernels still run, so nothing may move.
+  const RankPages ctx1{{3, 5}, 1}, gen1{{2, 7}, 3};
+  move(1, ctx1, gen1);
+  auto layers_ready = rt.fake->engineEvent();
+  ASSERT_TRUE((*tx)->markReady(1, ctx1, DeviceEvent{layers_ready.get()}, "tok").isOk());
+  const auto before1 = snapshot(gen);
+  ASSERT_TRUE(rx->start(1, tokens, gen1).isOk());
+  std::this_thread::sleep_for(200ms);
+  auto res = rx->poll(1);
+  ASSERT_TRUE(res.isOk());
+  EXPECT_EQ(res->state, Result::State::kInProgress);
+  EXPECT_TRUE(poolsUnchanged(gen, before1)) << "bytes moved before the layers were ready";
+  layers_ready->signal();
+  res = rx->wait(1, 10s);
+  ASSERT_TRUE(res.isOk() && res->ok()) << res->status.toString();
+  EXPECT_EQ(res->aux, "tok");
+  check(1, gen1);
+  ASSERT_TRUE(rx->release(1).isOk());
+
+  // Pages free: the generation engine still reads the slot and blocks it reuses.
+  const RankPages ctx2{{0, 1}, 0}, gen2{{2, 7}, 3};
+  move(2, ctx2, gen2);
+  ASSERT_TRUE((*tx)->markReady(2, ctx2).isOk());
+  auto pages_free = rt.fake->engineEvent();
+  const auto before2 = snapshot(gen);
+  ASSERT_TRUE(rx->start(2, tokens, gen2, DeviceEvent{pages_free.get()}).isOk());
+  std::this_thread::sleep_for(200ms);
+  res = rx->poll(2);
+  ASSERT_TRUE(res.isOk());
+  EXPECT_EQ(res->state, Result::State::kInProgress);
+  EXPECT_TRUE(poolsUnchanged(gen, before2)) << "a write landed in pages the engine still used";
+  pages_free->signal();
+  res = rx->wait(2, 10s);
+  ASSERT_TRUE(res.isOk() && res->ok()) << res->status.toString();
+  check(2, gen2);
+  ASSERT_TRUE(rx->release(2).isOk());
+
+  // Failed events fail their request, naming them; pages come back on both sides.
+  auto faulted = rt.fake->engineEvent();
+  ASSERT_TRUE(rx->start(3, tokens, gen2, DeviceEvent{faulted.get()}).isOk());
+  faulted->signal(Internal("illegal address in the decode step"));
+  res = rx->wait(3, 10s);
+  ASSERT_TRUE(res.isOk());
+  EXPECT_EQ(res->state, Result::State::kFailed);
+  EXPECT_NE(res->status.message().find("the engine's pages-free event"), std::string::npos)
+      << res->status.toString();
+  EXPECT_NE(res->status.message().find("illegal address"), std::string::npos);
+  EXPECT_TRUE(gen_released.waitFor(3));
+  auto bad_layers = rt.fake->engineEvent();
+  ASSERT_TRUE((*tx)->markReady(4, ctx2, DeviceEvent{bad_layers.get()}).isOk());
+  ASSERT_TRUE(rx->start(4, tokens, gen2).isOk());
+  bad_layers->signal(Internal("prefill kernel failed"));
+  res = rx->wait(4, 10s);
+  ASSERT_TRUE(res.isOk());
+  EXPECT_EQ(res->state, Result::State::kFailed);
+  EXPECT_NE(res->status.message().find("prefill kernel failed"), std::string::npos)
+      << res->status.toString();
+  EXPECT_TRUE(ctx_released.waitFor(4));
+
+  // Refused: a null event, one that is not the device's, and any event with host pools.
+  Status st = rx->start(5, tokens, gen2, DeviceEvent{});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("DeviceEvent::cuda_event is null"), std::string::npos)
+      << st.toString();
+  int not_an_event = 0;
+  st = (*tx)->markReady(5, ctx2, DeviceEvent{&not_an_event});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("not an engine event"), std::string::npos) << st.toString();
+  EXPECT_FALSE((*tx)->holds(5));
+  EngineRank host = EngineRank::make(options("vllm", 1, 0));
+  SenderOptions hso;
+  hso.backend = "inproc";
+  auto htx = Sender::create(host.layout, *host.memory, hso);
+  ASSERT_TRUE(htx.isOk());
+  st = (*htx)->markReady(1, ctx2, DeviceEvent{layers_ready.get()});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("a DeviceEvent given with pools in host memory"), std::string::npos)
+      << st.toString();
+}
+
 TEST(ApiPages, MarkReadyRefusesPagesOutsideOrTwiceAndLetsRequestsSharePages) {
   EngineRank ctx = EngineRank::make(options("trtllm-v2", 1, 0));
   Released released;

@@ -236,6 +236,20 @@ StatusOr<std::unique_ptr<transport::Agent>> makeAgent(const TransportOptions& o,
   return transport::createAgent(c);
 }
 
+// The engine's event for `what`, captured by the Memory's device runtime. InvalidArgument for
+// host pools, a null event, or one the runtime cannot wait for.
+StatusOr<std::shared_ptr<const device::Event>> captureEngineEvent(const Memory& memory,
+                                                                  const DeviceEvent& e,
+                                                                  const std::string& what) {
+  if (!memory.device()) {
+    return InvalidArgument(what + ": a DeviceEvent given with pools in host memory");
+  }
+  if (e.cuda_event == nullptr) return InvalidArgument(what + ": DeviceEvent::cuda_event is null");
+  auto captured = memory.impl().device->captureEvent(e.cuda_event);
+  if (!captured.isOk()) return captured.status().withContext(what);
+  return std::move(captured).value();
+}
+
 Metrics toMetrics(const engine::MetricsSnapshot& s, const HybridCacheManager& cache) {
   Metrics m;
   m.requests_started = s.requests_started;
@@ -857,7 +871,7 @@ struct Sender::Impl : Endpoint<engine::ContextSender> {
   // Both markReady forms; kAllLayers: the whole request at once.
   Status markReady(uint64_t request_id, std::span<const uint32_t> blocks,
                    std::optional<uint32_t> slot, std::span<const uint32_t> group_slots,
-                   LayerRange layers, std::string_view aux);
+                   LayerRange layers, std::string_view aux, const DeviceEvent* ready = nullptr);
 };
 
 Sender::Sender(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -931,11 +945,27 @@ Status Sender::markReady(uint64_t request_id, const RankPages& pages, LayerSpan 
                           LayerRange{layers.first, layers.count}, aux);
 }
 
+Status Sender::markReady(uint64_t request_id, const RankPages& pages, DeviceEvent ready,
+                         std::string_view aux) {
+  return impl_->markReady(request_id, pages.blocks, pages.slot, pages.group_slots, kAllLayers, aux,
+                          &ready);
+}
+
+Status Sender::markReady(uint64_t request_id, const RankPages& pages, LayerSpan layers,
+                         DeviceEvent ready, std::string_view aux) {
+  return impl_->markReady(request_id, pages.blocks, pages.slot, pages.group_slots,
+                          LayerRange{layers.first, layers.count}, aux, &ready);
+}
+
 Status Sender::Impl::markReady(uint64_t request_id, std::span<const uint32_t> blocks,
                                std::optional<uint32_t> slot, std::span<const uint32_t> group_slots,
-                               LayerRange layers, std::string_view aux) {
+                               LayerRange layers, std::string_view aux, const DeviceEvent* ready) {
   std::shared_lock lock(mu);
   if (stopped) return Unavailable("sender is shut down");
+  std::shared_ptr<const device::Event> event;
+  if (ready != nullptr) {
+    ASSIGN_OR_RETURN(event, captureEngineEvent(memory, *ready, "request " + str(request_id)));
+  }
   if (aux.size() > wire::kMaxAuxBytes) {
     return InvalidArgument("aux is " + str(aux.size()) + " bytes, limit " +
                            str(wire::kMaxAuxBytes));
@@ -957,7 +987,7 @@ Status Sender::Impl::markReady(uint64_t request_id, std::span<const uint32_t> bl
                                (held->slot ? str(*held->slot) : std::string("none")) + ", " +
                                str(held->group_slots.size()) + " group slots)");
       }
-      return transceiver->markReady(request_id, layers, aux_bytes);
+      return transceiver->markReady(request_id, layers, aux_bytes, std::move(event));
     }
   }
   const uint64_t tokens = uint64_t{blocks.size()} * pages.layout().tokens_per_block;
@@ -965,7 +995,7 @@ Status Sender::Impl::markReady(uint64_t request_id, std::span<const uint32_t> bl
   auto alloc =
       pages.adopt(request_id, static_cast<uint32_t>(tokens), blocks, slot, owner, 0, group_slots);
   if (!alloc.isOk()) return alloc.status();
-  Status s = transceiver->markReady(request_id, layers, aux_bytes);
+  Status s = transceiver->markReady(request_id, layers, aux_bytes, std::move(event));
   // InvalidArgument / Unavailable leave the pages with the caller: hand them back (released
   // at once: nothing was posted).
   if (s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kUnavailable) {
@@ -994,6 +1024,8 @@ struct Receiver::Impl : Endpoint<engine::GenerationReceiver> {
     std::lock_guard lock(started_mu);
     for (uint64_t id : started) (void)transceiver->release(id);
   }
+  Status start(uint64_t request_id, uint32_t num_tokens, const RankPages& rank_pages,
+               uint32_t prefix_tokens, std::string_view aux, const DeviceEvent* pages_free);
   // Requests started and not yet released, released when the Receiver is destroyed (nobody
   // could release them afterwards).
   std::mutex started_mu;
@@ -1072,15 +1104,29 @@ Status Receiver::start(uint64_t request_id, uint32_t num_tokens, std::span<const
 
 Status Receiver::start(uint64_t request_id, uint32_t num_tokens, const RankPages& rank_pages,
                        uint32_t prefix_tokens, std::string_view aux) {
-  std::shared_lock lock(impl_->mu);
-  if (impl_->stopped) return Unavailable("receiver is shut down");
-  engine::EnginePages pages{rank_pages.blocks, rank_pages.slot, impl_->owner,
-                            rank_pages.group_slots};
-  auto alloc = impl_->transceiver->startRequest(request_id, num_tokens, prefix_tokens,
-                                                Bytes(aux.begin(), aux.end()), &pages);
+  return impl_->start(request_id, num_tokens, rank_pages, prefix_tokens, aux, nullptr);
+}
+
+Status Receiver::start(uint64_t request_id, uint32_t num_tokens, const RankPages& rank_pages,
+                       DeviceEvent pages_free, uint32_t prefix_tokens, std::string_view aux) {
+  return impl_->start(request_id, num_tokens, rank_pages, prefix_tokens, aux, &pages_free);
+}
+
+Status Receiver::Impl::start(uint64_t request_id, uint32_t num_tokens, const RankPages& rank_pages,
+                             uint32_t prefix_tokens, std::string_view aux,
+                             const DeviceEvent* pages_free) {
+  std::shared_lock lock(mu);
+  if (stopped) return Unavailable("receiver is shut down");
+  std::shared_ptr<const device::Event> event;
+  if (pages_free != nullptr) {
+    ASSIGN_OR_RETURN(event, captureEngineEvent(memory, *pages_free, "request " + str(request_id)));
+  }
+  engine::EnginePages pages{rank_pages.blocks, rank_pages.slot, owner, rank_pages.group_slots};
+  auto alloc = transceiver->startRequest(request_id, num_tokens, prefix_tokens,
+                                         Bytes(aux.begin(), aux.end()), &pages, std::move(event));
   if (alloc.isOk()) {
-    std::lock_guard ids(impl_->started_mu);
-    impl_->started.insert(request_id);
+    std::lock_guard ids(started_mu);
+    started.insert(request_id);
   }
   return alloc.status();
 }

@@ -5,8 +5,12 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -123,10 +127,76 @@ class HostPin : public HostRegistration {
   void* ptr_;
 };
 
+// An event of hxfer's recorded on a capture stream behind the engine's event: done once the
+// engine's work before it is, whatever the engine does with its own event afterwards.
+class CapturedEvent : public Event {
+ public:
+  CapturedEvent(cudaEvent_t event, int ordinal) : event_(event), ordinal_(ordinal) {}
+  ~CapturedEvent() override {
+    (void)cudaSetDevice(ordinal_);
+    (void)cudaEventDestroy(event_);
+  }
+  bool done() const override { return cudaEventQuery(event_) != cudaErrorNotReady; }
+  Status status() const override {
+    const cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaSuccess || e == cudaErrorNotReady) return OkStatus();
+    return Internal("cuda: the engine's event: " + cudaText(e));
+  }
+  Status wait(std::chrono::milliseconds timeout) const override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!done()) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        return Timeout("cuda: the engine's event not done after " +
+                       std::to_string(timeout.count()) + " ms");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    return status();
+  }
+
+ private:
+  cudaEvent_t event_;
+  int ordinal_;
+};
+
 class CudaDevice : public DeviceApi {
  public:
   CudaDevice(Driver driver, std::vector<DeviceId> devices)
       : d_(driver), devices_(std::move(devices)) {}
+  ~CudaDevice() override {
+    for (const auto& [ordinal, stream] : capture_streams_) {
+      (void)cudaSetDevice(ordinal);
+      (void)cudaStreamDestroy(stream);
+    }
+  }
+
+  StatusOr<std::shared_ptr<const Event>> captureEvent(const void* engine_event) override {
+    if (engine_event == nullptr) return InvalidArgument("cuda: a null engine event");
+    int ordinal = 0;
+    cudaError_t e = cudaGetDevice(&ordinal);
+    if (e != cudaSuccess) return Internal("cuda: cudaGetDevice: " + cudaText(e));
+    std::lock_guard lock(capture_mu_);
+    cudaStream_t& stream = capture_streams_[ordinal];
+    if (stream == nullptr) {
+      e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      if (e != cudaSuccess) {
+        stream = nullptr;
+        return Internal("cuda: capture stream on device " + std::to_string(ordinal) + ": " +
+                        cudaText(e));
+      }
+    }
+    cudaEvent_t own = nullptr;
+    e = cudaEventCreateWithFlags(&own, cudaEventDisableTiming);
+    if (e != cudaSuccess) return Internal("cuda: cudaEventCreateWithFlags: " + cudaText(e));
+    auto captured = std::make_shared<CapturedEvent>(own, ordinal);
+    e = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(const_cast<void*>(engine_event)), 0);
+    if (e == cudaSuccess) e = cudaEventRecord(own, stream);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return InvalidArgument("cuda: the engine's event cannot be waited for: " + cudaText(e));
+    }
+    return std::shared_ptr<const Event>(std::move(captured));
+  }
 
   std::string_view name() const override { return "cuda"; }
 
@@ -328,6 +398,8 @@ class CudaDevice : public DeviceApi {
 
   const Driver d_;
   const std::vector<DeviceId> devices_;
+  std::mutex capture_mu_;
+  std::map<int, cudaStream_t> capture_streams_;  // guarded by capture_mu_; one per device
 };
 
 }  // namespace

@@ -114,6 +114,11 @@ class DeviceApi {
                                                          int access_ordinal = -1) = 0;
   virtual StatusOr<std::unique_ptr<Stream>> createStream(int ordinal) = 0;
   virtual StatusOr<std::unique_ptr<HostRegistration>> registerHost(void* ptr, uint64_t bytes) = 0;
+  // The engine's event `engine_event` (a cudaEvent_t; the fake's: one of its engineEvent()s)
+  // as recorded at this call: done once the work recorded before it on the engine's stream
+  // is. The engine may record it again or destroy it after the call. InvalidArgument for one
+  // this device cannot wait for.
+  virtual StatusOr<std::shared_ptr<const Event>> captureEvent(const void* engine_event) = 0;
 };
 
 }  // namespace hxfer::device

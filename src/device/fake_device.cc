@@ -313,6 +313,26 @@ StatusOr<std::unique_ptr<Stream>> FakeDevice::createStream(int ordinal) {
   return makeWorkerStream(std::move(ops));
 }
 
+StatusOr<std::shared_ptr<const Event>> FakeDevice::captureEvent(const void* engine_event) {
+  std::lock_guard lock(mu_);
+  auto it = events_.find(engine_event);
+  std::shared_ptr<ManualEvent> e = it == events_.end() ? nullptr : it->second.lock();
+  if (!e) {
+    return InvalidArgument(
+        "fake device: " + std::to_string(reinterpret_cast<uint64_t>(engine_event)) +
+        " is not an engine event of this device");
+  }
+  return std::shared_ptr<const Event>(std::move(e));
+}
+
+std::shared_ptr<ManualEvent> FakeDevice::engineEvent() {
+  auto e = std::make_shared<ManualEvent>();
+  std::lock_guard lock(mu_);
+  std::erase_if(events_, [](const auto& kv) { return kv.second.expired(); });
+  events_[e.get()] = e;
+  return e;
+}
+
 uint8_t* FakeDevice::hostView(const void* ptr) const {
   return reinterpret_cast<uint8_t*>(aliases_->translate(reinterpret_cast<uint64_t>(ptr)));
 }

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -62,6 +63,12 @@ class FakeDevice : public DeviceApi {
                                                  int access_ordinal = -1) override;
   StatusOr<std::unique_ptr<Stream>> createStream(int ordinal) override;
   StatusOr<std::unique_ptr<HostRegistration>> registerHost(void* ptr, uint64_t bytes) override;
+  // One of engineEvent()'s, by its address while it lives.
+  StatusOr<std::shared_ptr<const Event>> captureEvent(const void* engine_event) override;
+
+  // An engine event: its address is what the engine passes (as it would a cudaEvent_t), and
+  // the test signals it.
+  std::shared_ptr<ManualEvent> engineEvent();
 
   uint64_t opsRun() const { return ops_.load(); }
 
@@ -87,6 +94,7 @@ class FakeDevice : public DeviceApi {
   const FakeDeviceOptions options_;
   mutable std::mutex mu_;
   std::vector<Allocation> allocations_;  // live ones (expired entries are skipped)
+  std::map<const void*, std::weak_ptr<ManualEvent>> events_;  // engineEvent()s
   std::atomic<uint64_t> ops_{0};
   std::shared_ptr<Aliases> aliases_;
 };

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/logging.h"
+#include "device/device_api.h"
 #include "engine/handshake.h"
 #include "plan/staging.h"
 
@@ -84,6 +85,9 @@ struct ContextSender::Source {
   std::optional<std::vector<uint32_t>> expected;  // gen global ranks that will ask
   std::set<uint32_t> finished;                    // gen ranks answered or gone
   Bytes aux;                                      // from markReady, sent with every ok Done
+  // The engine's event from the latest markReady that gave one: no write of the request
+  // starts before it is done (device pools).
+  std::shared_ptr<const device::Event> ready_event;
   size_t postedCount() const {
     return std::count_if(asks.begin(), asks.end(),
                          [](const Ask& a) { return a.state == Ask::State::kPosted; });
@@ -188,8 +192,13 @@ Status ContextSender::markReady(uint64_t request_id, Bytes aux) {
   return markReady(request_id, kAllLayers, std::move(aux));
 }
 
-Status ContextSender::markReady(uint64_t request_id, LayerRange layers, Bytes aux) {
+Status ContextSender::markReady(uint64_t request_id, LayerRange layers, Bytes aux,
+                                std::shared_ptr<const device::Event> ready) {
   const std::string what = "request " + std::to_string(request_id);
+  if (ready && !agent_->capabilities().device_memory) {
+    return InvalidArgument(what + ": a device event given with pools in host memory (" +
+                           agent_->capabilities().name + " agent)");
+  }
   if (aux.size() > wire::kMaxAuxBytes) {
     return InvalidArgument(what + ": aux is " + std::to_string(aux.size()) + " bytes, limit " +
                            std::to_string(wire::kMaxAuxBytes));
@@ -248,6 +257,7 @@ Status ContextSender::markReady(uint64_t request_id, LayerRange layers, Bytes au
   src.ready_end = end;
   src.progress_at = Clock::now();
   if (!aux.empty()) src.aux = std::move(aux);
+  if (ready) src.ready_event = std::move(ready);
   if (end == stage_.end()) {
     src.ready = true;
     src.ready_at = src.progress_at;
@@ -711,15 +721,22 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
     const uint32_t from = op.src_region == kScratchRegion ? scratch->id() : op.src_region;
     ops.push_back({from, op.src_offset, op.dst_region, op.dst_offset, op.bytes});
   }
-  if (Status st = postLocked(ask, std::move(ops), std::move(scratch), plan->bytes); !st.isOk()) {
+  if (Status st = postLocked(ask, std::move(ops), std::move(scratch), plan->bytes, src.ready_event);
+      !st.isOk()) {
     ask.failed = st;
   }
 }
 
 Status ContextSender::postLocked(Ask& ask, std::vector<transport::WriteOp> ops,
-                                 std::unique_ptr<Region> area, uint64_t bytes) {
+                                 std::unique_ptr<Region> area, uint64_t bytes,
+                                 std::shared_ptr<const device::Event> after) {
   const size_t n = ops.size();
-  auto t = agent_->postWrite(ask.peer, std::move(ops));
+  if (after && after->done() && !after->status().isOk()) {
+    releaseScratchLocked(std::move(area));
+    return after->status().withContext("the engine's layers-ready event");
+  }
+  auto t = after && !after->done() ? agent_->postWriteAfter(ask.peer, std::move(ops), after)
+                                   : agent_->postWrite(ask.peer, std::move(ops));
   if (!t.isOk()) {
     releaseScratchLocked(std::move(area));
     return t.status();

@@ -125,7 +125,11 @@ class ContextSender {
   // layers of the pages. InvalidArgument naming the range (empty, past this rank's layers,
   // marked already, leaving a gap); after the request ended between ranges (cancelled by
   // generation, timed out), the next call frees the pages and returns that status.
-  Status markReady(uint64_t request_id, LayerRange layers, Bytes aux = {});
+  // `ready` (device pools only: InvalidArgument otherwise): the engine's event after the work
+  // that writes these layers; no byte of the request is written to a peer before it is done
+  // (Agent::postWriteAfter). A later call's event stands for every layer up to its range.
+  Status markReady(uint64_t request_id, LayerRange layers, Bytes aux = {},
+                   std::shared_ptr<const device::Event> ready = nullptr);
 
   // Cancels `request_id` at any point (before markReady too: a later markReady then frees the
   // pages and returns Cancelled). Always ok; idempotent.
@@ -185,8 +189,9 @@ class ContextSender {
   StatusOr<RankPlan> planAskLocked(const Source& src, const Ask& ask, LayerRange layers) const;
   // Posts `ops` as one piece of `ask` (`area`, a registered local source the ops read, is
   // released once the write is terminal, or now when posting fails).
+  // `after`: the engine's event the write waits for (nullptr or done: none).
   Status postLocked(Ask& ask, std::vector<transport::WriteOp> ops, std::unique_ptr<Region> area,
-                    uint64_t bytes);
+                    uint64_t bytes, std::shared_ptr<const device::Event> after = nullptr);
   // The checksum of a streamed request part (options_.checksum), over every piece's bytes.
   StatusOr<uint64_t> checksumAskLocked(const Source& src, const Ask& ask) const;
   void answerLocked(Source& src, Ask& ask, const Status& status, uint64_t bytes,

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "common/logging.h"
+#include "device/device_api.h"
 #include "engine/handshake.h"
 #include "plan/staging.h"
 
@@ -68,8 +69,10 @@ struct GenerationReceiver::Sink {
   std::vector<Part> parts;
   RequestResult result;
   std::optional<uint32_t> aux_rank;  // the context rank result.aux came from
-  bool pages_freed = false;          // by the receiver (failure) or release()
-  bool released = false;             // forgotten by the caller; kept while parts are in flight
+  // The engine's "pages free" event while it is pending: no part is sent before it is done.
+  std::shared_ptr<const device::Event> pages_free;
+  bool pages_freed = false;  // by the receiver (failure) or release()
+  bool released = false;     // forgotten by the caller; kept while parts are in flight
   bool anyInFlight() const {
     return std::any_of(parts.begin(), parts.end(), [](const Part& p) { return p.in_flight; });
   }
@@ -269,11 +272,16 @@ void GenerationReceiver::sendLocked(transport::PeerId peer, const wire::Message&
   }
 }
 
-StatusOr<Allocation> GenerationReceiver::startRequest(uint64_t request_id, uint32_t num_tokens,
-                                                      uint32_t prefix_tokens, Bytes aux,
-                                                      const EnginePages* pages) {
+StatusOr<Allocation> GenerationReceiver::startRequest(
+    uint64_t request_id, uint32_t num_tokens, uint32_t prefix_tokens, Bytes aux,
+    const EnginePages* pages, std::shared_ptr<const device::Event> pages_free) {
   std::lock_guard lock(mu_);
   if (stop_) return Unavailable("receiver is shut down");
+  if (pages_free && !agent_->capabilities().device_memory) {
+    return InvalidArgument("request " + std::to_string(request_id) +
+                           ": a device event given with pools in host memory (" +
+                           agent_->capabilities().name + " agent)");
+  }
   if (sinks_.count(request_id)) {
     return InvalidArgument("request " + std::to_string(request_id) + " is already known");
   }
@@ -315,10 +323,16 @@ StatusOr<Allocation> GenerationReceiver::startRequest(uint64_t request_id, uint3
   sink->aux = std::move(aux);
   sink->start = Clock::now();
   sink->deadline = sink->start + options_.request_timeout;
+  if (pages_free && !pages_free->done()) sink->pages_free = std::move(pages_free);
   for (size_t i = 0; i < peers_.size(); ++i) sink->parts.push_back(Part{i});
   Sink& s = *sink;
   sinks_[request_id] = std::move(sink);
+  if (pages_free && !pages_free->status().isOk()) {
+    failLocked(s, pages_free->status().withContext("the engine's pages-free event"),
+               FailureCause::kOther);
+  }
   for (Part& part : s.parts) {
+    if (s.pages_free) break;  // sent once the engine let go of the pages (timersLocked)
     CtxPeer& peer = *peers_[part.peer];
     if (peer.state == CtxPeer::State::kReady && !s.result.terminal()) sendPartLocked(s, part, peer);
   }
@@ -703,7 +717,7 @@ void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
       std::find_if(peers_.begin(), peers_.end(), [&](const auto& p) { return p.get() == &peer; }) -
       peers_.begin();
   for (auto& [id, sink] : sinks_) {
-    if (sink->result.terminal()) continue;
+    if (sink->result.terminal() || sink->pages_free) continue;
     for (Part& p : sink->parts) {
       if (p.peer == index && p.state == Part::State::kQueued && !sink->result.terminal()) {
         sendPartLocked(*sink, p, peer);
@@ -832,6 +846,24 @@ void GenerationReceiver::finishConnectLocked(CtxPeer& peer, StatusOr<transport::
 }
 
 void GenerationReceiver::timersLocked() {
+  // Requests whose pages the engine has let go of since: ask the context ranks now.
+  for (auto& [id, sink] : sinks_) {
+    if (!sink->pages_free || sink->result.terminal() || !sink->pages_free->done()) continue;
+    const Status freed = sink->pages_free->status();
+    sink->pages_free.reset();
+    if (!freed.isOk()) {
+      failLocked(*sink, freed.withContext("the engine's pages-free event"), FailureCause::kOther);
+      continue;
+    }
+    for (Part& part : sink->parts) {
+      CtxPeer& peer = *peers_[part.peer];
+      if (part.state == Part::State::kQueued && peer.state == CtxPeer::State::kReady &&
+          !sink->result.terminal()) {
+        sendPartLocked(*sink, part, peer);
+      }
+    }
+    completeIfDoneLocked(*sink);
+  }
   const auto now = Clock::now();
   for (auto& [id, sink] : sinks_) {
     if (!sink->result.terminal() && now > sink->deadline) {

@@ -115,9 +115,14 @@ class GenerationReceiver {
   // With `pages` (engine-driven allocation), the engine's blocks and slot are adopted instead
   // (HybridCacheManager::adopt; only the first blocksFor(num_tokens) blocks are touched and
   // fenced) and its errors returned: a page still fenced by an earlier request is refused.
+  // `pages_free` (device pools only: InvalidArgument otherwise): the engine's event after its
+  // last work on the pages; no context rank is asked, so nothing is written into them, before
+  // it is done. One done with an error fails the request naming it; one never done fails it
+  // at request_timeout.
   StatusOr<Allocation> startRequest(uint64_t request_id, uint32_t num_tokens,
                                     uint32_t prefix_tokens = 0, Bytes aux = {},
-                                    const EnginePages* pages = nullptr);
+                                    const EnginePages* pages = nullptr,
+                                    std::shared_ptr<const device::Event> pages_free = nullptr);
   // The request's state now; NotFound for an unknown (or released) id.
   StatusOr<RequestResult> poll(uint64_t request_id) const;
   // Waits for a terminal state; the in-progress result when the deadline passes first.
