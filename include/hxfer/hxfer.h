@@ -267,9 +267,10 @@ enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 // kCuda: `data` is CUDA device memory of the device whose ordinal in this process is `device`
 // (as torch's tensor.device.index), `device_uuid` its UUID where the engine knows it (all
 // zero: not given), and `fd` is -1. Such pools move between ranks on one host over the cuda
-// backend (docs/gpu.md): a batched device copy into the peer's mapped pages. Not built for
-// them yet: staging across hosts, packs (the two sides ordering a state record's elements
-// differently, as conv sd against ds) and checksums; each is refused naming what is missing.
+// backend (docs/gpu.md): a batched device copy into the peer's mapped pages, after a pack on
+// the context rank's device where the two sides order a state record's elements differently.
+// Not built for them yet: staging across hosts and checksums; each is refused naming what is
+// missing.
 struct Buffer {
   void* data = nullptr;
   uint64_t bytes = 0;

@@ -561,10 +561,11 @@ TEST(ApiMemory, RefusesAMissingPoolAnUnknownNameAShortBufferAndMalformedDeviceMe
 // A context instance at tp 2 in layout `ctx` and a generation instance at tp 1 in layout `gen`,
 // in one process over `backend`: the engine picks scattered pages on both sides, the oracle
 // fills the context pages and checks every generation byte. With `fake`, every pool is its
-// device memory (context ranks on devices 0 and 1, the generation rank on 0): a pair whose
-// plan packs is refused for the request, naming it (`packs`: whether planTransfer says so).
+// device memory (context ranks on devices 0 and 1, the generation rank on 0), and a pair whose
+// plan packs is packed on the context rank's device (`*packed`: whether planTransfer says the
+// pair packs).
 void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std::string& backend,
-                    bool shareable, device::FakeDevice* fake = nullptr) {
+                    bool shareable, device::FakeDevice* fake = nullptr, bool* packed = nullptr) {
   SCOPED_TRACE(ctx.toString() + " -> " + gen.toString() + " over " + backend);
   auto side = [](const EngineLayout& e, uint32_t tp, uint32_t rank) {
     LayoutOptions o = options(std::string(engineName(e.engine)), tp, rank);
@@ -626,27 +627,16 @@ void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std:
     ASSERT_TRUE(senders[r]->markReady(id, ctx_pages, r == 0 ? "tok" : "").isOk());
     EXPECT_TRUE(senders[r]->holds(id));
   }
-  ASSERT_TRUE((*rx)->start(id, tokens, gen_pages).isOk());
-  auto res = (*rx)->wait(id, 30s);
-  ASSERT_TRUE(res.isOk()) << res.status().toString();
-  if (fake != nullptr) {
+  if (packed != nullptr) {
     std::vector<Layout> ctx_layouts{ctx_ranks[0].layout, ctx_ranks[1].layout};
     std::vector<RankPages> ctx_pages{pagesOf(ctx_layouts[0], {11, 3}, 1, 4),
                                      pagesOf(ctx_layouts[1], {11, 3}, 1, 4)};
     auto plan = planTransfer(ctx_layouts, ctx_pages, g.layout, gen_pages, tokens);
-    if (!plan.isOk()) {
-      ASSERT_EQ(plan.status().code(), StatusCode::kIncompatible) << plan.status().toString();
-      ASSERT_EQ(res->state, Result::State::kFailed) << "a plan that packs moved device memory";
-      EXPECT_NE(res->status.message().find("boxes"), std::string::npos) << res->status.toString();
-      EXPECT_NE(res->status.message().find("device memory, where packing is not built"),
-                std::string::npos)
-          << res->status.toString();
-      ASSERT_TRUE((*rx)->release(id).isOk());
-      EXPECT_TRUE(gen_released.waitFor(id));
-      EXPECT_TRUE(ctx_released.waitFor(id));
-      return;
-    }
+    *packed = plan.status().code() == StatusCode::kIncompatible;
   }
+  ASSERT_TRUE((*rx)->start(id, tokens, gen_pages).isOk());
+  auto res = (*rx)->wait(id, 30s);
+  ASSERT_TRUE(res.isOk()) << res.status().toString();
   ASSERT_TRUE(res->ok()) << res->status.toString();
   EXPECT_EQ(res->aux, "tok");
   EXPECT_GT(res->bytes, 0u);
@@ -800,16 +790,20 @@ struct FakeDeviceRuntime {
 };
 
 // Pools in device memory through the public API over cuda: every engine layout as a context
-// and as a generation, context ranks on two devices; a pair whose plan packs is refused for the
-// request (packing device memory is not built), every other pair moves every byte. Nothing on
-// the host reads or writes the pools: they fault where it does.
+// and as a generation, context ranks on two devices, every byte moved; pairs that order a
+// state record's elements differently (conv sd against ds) are packed on the device first.
+// Nothing on the host reads or writes the pools: they fault where it does.
 TEST(ApiDevice, PoolsInDeviceMemoryMoveOverCudaInEveryEngineLayout) {
   FakeDeviceRuntime rt;
   const std::vector<EngineLayout> all = allEngineLayouts();
+  size_t packing_pairs = 0;
   for (size_t i = 0; i < all.size(); ++i) {
-    moveOneRequest(all[i], all[(i + 3) % all.size()], "cuda", false, rt.fake.get());
+    bool packed = false;
+    moveOneRequest(all[i], all[(i + 3) % all.size()], "cuda", false, rt.fake.get(), &packed);
+    packing_pairs += packed ? 1 : 0;
   }
   moveOneRequest(sharedEngineLayouts()[1], all.front(), "cuda", false, rt.fake.get());
+  EXPECT_GT(packing_pairs, 0u) << "no pair packs: the device pack path went untested";
   EXPECT_GT(rt.fake->opsRun(), 0u);
 }
 
@@ -918,15 +912,28 @@ std::map<std::string, std::vector<uint8_t>> snapshot(const EngineRank& r) {
   return out;
 }
 
+void engineEventsFenceTheWrites(const std::string& ctx_conv);
+
 // The engine's events fence hxfer's writes into device pools: nothing moves before the context
 // side's "layers ready" event, nothing lands in generation pages before their "pages free"
 // event (vLLM's overwrite race: a step still reading a slot that a transfer overwrote); a
 // failed event fails the request naming it; events are refused for host pools, null, or not
 // the device's.
 TEST(ApiDevice, EngineEventsFenceTheWritesIntoDevicePools) {
+  for (const char* ctx_conv : {"ds", "sd"}) {  // "sd" against "ds": packed on the device
+    SCOPED_TRACE(std::string("context conv ") + ctx_conv);
+    engineEventsFenceTheWrites(ctx_conv);
+  }
+}
+
+void engineEventsFenceTheWrites(const std::string& ctx_conv) {
   FakeDeviceRuntime rt;
-  EngineRank ctx = EngineRank::make(options("vllm", 1, 0), false, rt.fake.get(), 1);
-  EngineRank gen = EngineRank::make(options("vllm", 1, 0), false, rt.fake.get(), 0);
+  LayoutOptions ctx_options = options("vllm", 1, 0);
+  ctx_options.conv_layout = ctx_conv;
+  LayoutOptions gen_options = options("vllm", 1, 0);
+  gen_options.conv_layout = "ds";
+  EngineRank ctx = EngineRank::make(ctx_options, false, rt.fake.get(), 1);
+  EngineRank gen = EngineRank::make(gen_options, false, rt.fake.get(), 0);
   Released ctx_released, gen_released;
   SenderOptions so;
   so.instance = "ctx";
@@ -948,14 +955,16 @@ TEST(ApiDevice, EngineEventsFenceTheWritesIntoDevicePools) {
     EXPECT_TRUE(report->ok()) << report->toString();
   };
 
-  // Layers ready: the context's kernels still run, so nothing may move.
+  // Layers ready: the context's kernels still write the pages (filled only after markReady
+  // and start), so nothing may be read or moved before the event.
   const RankPages ctx1{{3, 5}, 1}, gen1{{2, 7}, 3};
-  move(1, ctx1, gen1);
   auto layers_ready = rt.fake->engineEvent();
   ASSERT_TRUE((*tx)->markReady(1, ctx1, DeviceEvent{layers_ready.get()}, "tok").isOk());
   const auto before1 = snapshot(gen);
   ASSERT_TRUE(rx->start(1, tokens, gen1).isOk());
-  std::this_thread::sleep_for(200ms);
+  std::this_thread::sleep_for(100ms);
+  move(1, ctx1, gen1);  // the prefill kernel's writes
+  std::this_thread::sleep_for(100ms);
   auto res = rx->poll(1);
   ASSERT_TRUE(res.isOk());
   EXPECT_EQ(res->state, Result::State::kInProgress);

@@ -909,6 +909,7 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
   so.checksum = o.checksum;
   so.lease_timeout = clampTimeout(o.lease_timeout);
   so.stream_min_tokens = o.stream_min_tokens;
+  so.device = memory.impl().device;
   if (o.on_request) {
     so.on_request = [cb = o.on_request](uint64_t id, uint64_t tokens, const Bytes& aux) {
       cb(id, tokens, std::string(aux.begin(), aux.end()));

@@ -174,6 +174,13 @@ StatusOr<std::unique_ptr<Region>> Region::borrow(uint32_t id, uint8_t* data, uin
   return std::unique_ptr<Region>(new Region(id, data, length, 0, fd, /*borrowed=*/true));
 }
 
+std::unique_ptr<Region> Region::holding(uint32_t id, uint8_t* data, uint64_t length,
+                                        std::shared_ptr<void> holder) {
+  std::unique_ptr<Region> r(new Region(id, data, length, 0, -1, /*borrowed=*/true));
+  r->holder_ = std::move(holder);
+  return r;
+}
+
 Region::~Region() {
   if (borrowed_) return;
   if (data_) munmap(data_, mapped_);

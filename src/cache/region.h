@@ -40,6 +40,10 @@ class Region {
   // stays mapped for `length` bytes while the Region lives.
   static StatusOr<std::unique_ptr<Region>> borrow(uint32_t id, uint8_t* data, uint64_t length,
                                                   int fd = -1);
+  // Memory that `holder` owns (device memory of hxfer's own), kept while the Region lives:
+  // the Region itself neither unmaps nor frees it.
+  static std::unique_ptr<Region> holding(uint32_t id, uint8_t* data, uint64_t length,
+                                         std::shared_ptr<void> holder);
 
   ~Region();
   Region(const Region&) = delete;
@@ -65,6 +69,7 @@ class Region {
   uint64_t mapped_;
   int fd_;
   bool borrowed_;
+  std::shared_ptr<void> holder_;  // holding(): what owns the memory
 };
 
 }  // namespace hxfer

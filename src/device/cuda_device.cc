@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -116,6 +117,24 @@ class VmmMapping : public Mapping {
   uint64_t size_;
   bool mapped_;
   uint64_t offset_, bytes_;
+};
+
+// cudaMalloc memory of hxfer's, freed in its device's context.
+class CudaBuffer : public DeviceBuffer {
+ public:
+  CudaBuffer(void* data, uint64_t bytes, int ordinal)
+      : data_(data), bytes_(bytes), ordinal_(ordinal) {}
+  ~CudaBuffer() override {
+    (void)cudaSetDevice(ordinal_);
+    (void)cudaFree(data_);
+  }
+  uint8_t* data() const override { return static_cast<uint8_t*>(data_); }
+  uint64_t bytes() const override { return bytes_; }
+
+ private:
+  void* data_;
+  uint64_t bytes_;
+  int ordinal_;
 };
 
 class HostPin : public HostRegistration {
@@ -339,6 +358,21 @@ class CudaDevice : public DeviceApi {
     ops.copy = [stream](const HostCopyTable& t) { return copyOnDevice(t, *stream); };
     ops.pack = [stream](const HostPackTable& t) { return packOnDevice(t, *stream); };
     return makeWorkerStream(std::move(ops));
+  }
+
+  StatusOr<std::unique_ptr<DeviceBuffer>> allocateBuffer(int ordinal, uint64_t bytes) override {
+    if (ordinal < 0 || ordinal >= static_cast<int>(devices_.size())) {
+      return InvalidArgument("cuda: no device " + std::to_string(ordinal));
+    }
+    RETURN_IF_ERROR(setDevice(ordinal));
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, std::max<uint64_t>(bytes, 1));
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return ResourceExhausted("cuda: " + std::to_string(bytes) + " bytes on device " +
+                               std::to_string(ordinal) + ": " + cudaText(e));
+    }
+    return std::unique_ptr<DeviceBuffer>(std::make_unique<CudaBuffer>(p, bytes, ordinal));
   }
 
   StatusOr<std::unique_ptr<HostRegistration>> registerHost(void* ptr, uint64_t bytes) override {

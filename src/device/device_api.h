@@ -91,6 +91,15 @@ class Stream {
   virtual StatusOr<std::shared_ptr<Event>> record() = 0;
 };
 
+// Device memory hxfer allocated for itself (a pack's staging area); freed when destroyed.
+// REQUIRES: no device work that uses it is still queued or running then.
+class DeviceBuffer {
+ public:
+  virtual ~DeviceBuffer() = default;
+  virtual uint8_t* data() const = 0;
+  virtual uint64_t bytes() const = 0;
+};
+
 // Host memory registered with the device for staging; unregistered when destroyed.
 class HostRegistration {
  public:
@@ -113,6 +122,8 @@ class DeviceApi {
   virtual StatusOr<std::unique_ptr<Mapping>> importRange(ExportedRange range,
                                                          int access_ordinal = -1) = 0;
   virtual StatusOr<std::unique_ptr<Stream>> createStream(int ordinal) = 0;
+  // `bytes` of device `ordinal`'s memory. ResourceExhausted when it cannot be had.
+  virtual StatusOr<std::unique_ptr<DeviceBuffer>> allocateBuffer(int ordinal, uint64_t bytes) = 0;
   virtual StatusOr<std::unique_ptr<HostRegistration>> registerHost(void* ptr, uint64_t bytes) = 0;
   // The engine's event `engine_event` (a cudaEvent_t; the fake's: one of its engineEvent()s)
   // as recorded at this call: done once the work recorded before it on the engine's stream

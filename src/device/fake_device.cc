@@ -164,6 +164,16 @@ class FakeMapping : public Mapping {
 
 class FakeRegistration : public HostRegistration {};
 
+class FakeBuffer : public DeviceBuffer {
+ public:
+  explicit FakeBuffer(std::shared_ptr<Region> region) : region_(std::move(region)) {}
+  uint8_t* data() const override { return region_->data(); }
+  uint64_t bytes() const override { return region_->length(); }
+
+ private:
+  std::shared_ptr<Region> region_;
+};
+
 }  // namespace
 
 FakeDevice::FakeDevice(FakeDeviceOptions options)
@@ -331,6 +341,11 @@ std::shared_ptr<ManualEvent> FakeDevice::engineEvent() {
   std::erase_if(events_, [](const auto& kv) { return kv.second.expired(); });
   events_[e.get()] = e;
   return e;
+}
+
+StatusOr<std::unique_ptr<DeviceBuffer>> FakeDevice::allocateBuffer(int ordinal, uint64_t bytes) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Region> r, allocate(ordinal, bytes));
+  return std::unique_ptr<DeviceBuffer>(std::make_unique<FakeBuffer>(std::move(r)));
 }
 
 uint8_t* FakeDevice::hostView(const void* ptr) const {

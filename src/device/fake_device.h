@@ -62,6 +62,8 @@ class FakeDevice : public DeviceApi {
   StatusOr<std::unique_ptr<Mapping>> importRange(ExportedRange range,
                                                  int access_ordinal = -1) override;
   StatusOr<std::unique_ptr<Stream>> createStream(int ordinal) override;
+  // allocate()'s memory as a DeviceBuffer.
+  StatusOr<std::unique_ptr<DeviceBuffer>> allocateBuffer(int ordinal, uint64_t bytes) override;
   StatusOr<std::unique_ptr<HostRegistration>> registerHost(void* ptr, uint64_t bytes) override;
   // One of engineEvent()'s, by its address while it lives.
   StatusOr<std::shared_ptr<const Event>> captureEvent(const void* engine_event) override;

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/logging.h"
+#include "device/copy_table_builder.h"
 #include "device/device_api.h"
 #include "engine/handshake.h"
 #include "plan/staging.h"
@@ -42,7 +43,40 @@ struct ContextSender::Piece {
   // The staging area of a plan with pack ops (RankPlan::scratch_bytes), registered with the
   // agent as a local source while its write runs; released once the write is terminal.
   std::unique_ptr<Region> scratch;
+  // Device pools: the pack that fills `scratch` (the write waits for it; the area is reused
+  // only once it is done).
+  std::shared_ptr<const device::Event> pack;
 };
+
+namespace {
+
+// Done once both are (either may be null); the first error of the two.
+class BothEvents : public device::Event {
+ public:
+  BothEvents(std::shared_ptr<const device::Event> a, std::shared_ptr<const device::Event> b)
+      : a_(std::move(a)), b_(std::move(b)) {}
+  bool done() const override { return (!a_ || a_->done()) && (!b_ || b_->done()); }
+  Status status() const override {
+    if (a_ && a_->done() && !a_->status().isOk()) return a_->status();
+    return b_ ? b_->status() : OkStatus();
+  }
+  Status wait(std::chrono::milliseconds timeout) const override {
+    const auto deadline = Clock::now() + timeout;
+    for (const auto& e : {a_, b_}) {
+      if (!e) continue;
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      Status s = e->wait(std::max(left, std::chrono::milliseconds(0)));
+      if (s.code() == StatusCode::kTimeout) return s;
+    }
+    return status();
+  }
+
+ private:
+  std::shared_ptr<const device::Event> a_, b_;
+};
+
+}  // namespace
 
 // One TransferRequest of one generation rank for one request.
 struct ContextSender::Ask {
@@ -126,6 +160,11 @@ StatusOr<std::unique_ptr<ContextSender>> ContextSender::create(
   }
   RETURN_IF_ERROR(wire::checkRankInfo(s->self_).withContext("own rank_info"));
   s->memory_ = cacheMemory(*cache);
+  if (s->options_.device && s->agent_->capabilities().device_memory && !cache->regions().empty()) {
+    ASSIGN_OR_RETURN(device::DeviceId id,
+                     s->options_.device->owner(cache->regions().front()->data(), 1));
+    s->device_ordinal_ = id.ordinal;
+  }
   s->stage_ = layout.stageLayers();
   s->waker_->agent = s->agent_.get();
   s->thread_ = std::thread([p = s.get()] { p->run(); });
@@ -600,7 +639,7 @@ void ContextSender::advanceAskLocked(Source& src, Ask& ask) {
   for (Piece& p : ask.pieces) {
     if (p.terminal || p.transfer.poll() == transport::TransferState::kInProgress) continue;
     p.terminal = true;
-    releaseScratchLocked(std::move(p.scratch));
+    retireAreaLocked(std::move(p.scratch), std::move(p.pack));
     if (Status st = p.transfer.status(); !st.isOk() && !ask.failed) ask.failed = st;
   }
   // Why the ask ends before every layer is sent, in order of precedence.
@@ -675,7 +714,8 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   }
   ask.sent_end = src.ready_end;
   if (plan->ops.empty()) return;
-  if (agent_->capabilities().device_memory && (ask.req.staging || !plan->pack_ops.empty())) {
+  const bool on_device = agent_->capabilities().device_memory;
+  if (on_device && (ask.req.staging || (!plan->pack_ops.empty() && device_ordinal_ < 0))) {
     // Both gather or pack on the host; device pools have neither path yet.
     ask.failed =
         Incompatible("request " + std::to_string(src.id) + " for generation rank " +
@@ -694,7 +734,18 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
     return;
   }
   std::unique_ptr<Region> scratch;
-  if (!plan->pack_ops.empty()) {
+  std::shared_ptr<const device::Event> pack;
+  if (!plan->pack_ops.empty() && on_device) {
+    auto packed = packOnDeviceLocked(*plan, src.ready_event);
+    if (!packed.isOk()) {
+      HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
+                     packed.status().toString());
+      ask.failed = packed.status();
+      return;
+    }
+    scratch = std::move(packed->first);
+    pack = std::move(packed->second);
+  } else if (!plan->pack_ops.empty()) {
     auto staged = stageLocked(*plan);
     if (!staged.isOk()) {
       HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
@@ -721,7 +772,8 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
     const uint32_t from = op.src_region == kScratchRegion ? scratch->id() : op.src_region;
     ops.push_back({from, op.src_offset, op.dst_region, op.dst_offset, op.bytes});
   }
-  if (Status st = postLocked(ask, std::move(ops), std::move(scratch), plan->bytes, src.ready_event);
+  if (Status st = postLocked(ask, std::move(ops), std::move(scratch), plan->bytes, src.ready_event,
+                             std::move(pack));
       !st.isOk()) {
     ask.failed = st;
   }
@@ -729,16 +781,20 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
 
 Status ContextSender::postLocked(Ask& ask, std::vector<transport::WriteOp> ops,
                                  std::unique_ptr<Region> area, uint64_t bytes,
-                                 std::shared_ptr<const device::Event> after) {
+                                 std::shared_ptr<const device::Event> ready,
+                                 std::shared_ptr<const device::Event> pack) {
   const size_t n = ops.size();
+  // The write waits for the pack (which waited for `ready`) or for `ready` itself.
+  std::shared_ptr<const device::Event> after =
+      pack ? std::make_shared<BothEvents>(ready, pack) : ready;
   if (after && after->done() && !after->status().isOk()) {
-    releaseScratchLocked(std::move(area));
-    return after->status().withContext("the engine's layers-ready event");
+    retireAreaLocked(std::move(area), pack);
+    return Status(after->status().code(), "the write's fence failed: " + after->status().message());
   }
   auto t = after && !after->done() ? agent_->postWriteAfter(ask.peer, std::move(ops), after)
                                    : agent_->postWrite(ask.peer, std::move(ops));
   if (!t.isOk()) {
-    releaseScratchLocked(std::move(area));
+    retireAreaLocked(std::move(area), pack);
     return t.status();
   }
   metrics_.opsPosted(n);
@@ -747,6 +803,7 @@ Status ContextSender::postLocked(Ask& ask, std::vector<transport::WriteOp> ops,
   piece.transfer = *t;
   piece.posted_at = Clock::now();
   piece.scratch = std::move(area);
+  piece.pack = std::move(pack);
   ask.pieces.push_back(std::move(piece));
   ask.bytes += bytes;
   return OkStatus();
@@ -852,11 +909,54 @@ StatusOr<std::unique_ptr<Region>> ContextSender::acquireAreaLocked(uint64_t byte
                                                                   : Region::Backing::kAnonymous;
   const uint64_t length =
       (std::max<uint64_t>(bytes, 1) + kAreaGranule - 1) / kAreaGranule * kAreaGranule;
-  ASSIGN_OR_RETURN(std::unique_ptr<Region> r,
-                   Region::allocate(id, length, backing, "hxfer-staging"));
+  std::unique_ptr<Region> r;
+  if (device_ordinal_ >= 0) {
+    // Device pools: the area is device memory of the pools' device, which the agent writes
+    // from as from a pool.
+    ASSIGN_OR_RETURN(std::unique_ptr<device::DeviceBuffer> buffer,
+                     options_.device->allocateBuffer(device_ordinal_, length));
+    uint8_t* data = buffer->data();
+    r = Region::holding(id, data, length, std::shared_ptr<device::DeviceBuffer>(std::move(buffer)));
+  } else {
+    ASSIGN_OR_RETURN(r, Region::allocate(id, length, backing, "hxfer-staging"));
+  }
   auto key = agent_->registerRegion(*r, transport::RegionAccess::kLocalSource);
   if (!key.isOk()) return key.status().withContext("registering a staging area");
   return r;
+}
+
+StatusOr<std::pair<std::unique_ptr<Region>, std::shared_ptr<const device::Event>>>
+ContextSender::packOnDeviceLocked(const RankPlan& plan,
+                                  std::shared_ptr<const device::Event> ready) {
+  if (!pack_stream_) {
+    auto stream = options_.device->createStream(device_ordinal_);
+    if (!stream.isOk()) return stream.status().withContext("the pack stream");
+    pack_stream_ = std::move(stream).value();
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Region> area, acquireAreaLocked(plan.scratch_bytes));
+  auto table = device::packTable(plan, memory_, reinterpret_cast<uint64_t>(area->data()),
+                                 plan.scratch_bytes);
+  Status queued = table.status();
+  if (queued.isOk() && ready && !ready->done()) queued = pack_stream_->waitFor(ready);
+  StatusOr<std::shared_ptr<device::Event>> packed = queued;
+  if (queued.isOk()) packed = pack_stream_->pack(*table);
+  if (!packed.isOk()) {
+    releaseScratchLocked(std::move(area));
+    return packed.status().withContext("packing " + std::to_string(plan.pack_ops.size()) +
+                                       " boxes on device " + std::to_string(device_ordinal_));
+  }
+  metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
+  return std::make_pair(std::move(area), std::shared_ptr<const device::Event>(*packed));
+}
+
+void ContextSender::retireAreaLocked(std::unique_ptr<Region> area,
+                                     std::shared_ptr<const device::Event> pack) {
+  if (!area) return;
+  if (pack && !pack->done()) {
+    draining_areas_.emplace_back(std::move(area), std::move(pack));
+    return;
+  }
+  releaseScratchLocked(std::move(area));
 }
 
 void ContextSender::releaseScratchLocked(std::unique_ptr<Region> scratch) {
@@ -1032,6 +1132,15 @@ void ContextSender::progressLocked() {
 }
 
 void ContextSender::timersLocked() {
+  // Areas whose pack finished since their write ended: free for the next parts.
+  for (auto it = draining_areas_.begin(); it != draining_areas_.end();) {
+    if (!it->second->done()) {
+      ++it;
+      continue;
+    }
+    releaseScratchLocked(std::move(it->first));
+    it = draining_areas_.erase(it);
+  }
   const auto now = Clock::now();
   std::vector<uint64_t> touched;
   for (auto& [rid, src] : sources_) {
@@ -1186,6 +1295,10 @@ void ContextSender::shutdown() {
       if (!stuck) freePagesLocked(*src);
     }
     sources_.clear();
+    // No pack runs past the stream (its thread ends with it), so every area may go now.
+    pack_stream_.reset();
+    for (auto& [area, pack] : draining_areas_) releaseScratchLocked(std::move(area));
+    draining_areas_.clear();
     // Spare areas: no write reads them any more; deregistered before they are unmapped.
     for (auto& area : spare_areas_) {
       if (Status s = agent_->deregisterRegion(area->id()); !s.isOk()) {

@@ -53,6 +53,7 @@
 
 #include "cache/cache_manager.h"
 #include "common/status.h"
+#include "device/device_api.h"
 #include "engine/metrics.h"
 #include "engine/options.h"
 #include "engine/recent_ids.h"
@@ -94,6 +95,9 @@ class ContextSender {
     // Called on the progress thread when the first TransferRequest for a request id arrives,
     // with the prompt length and the aux payload (opaque to hxfer). It may call markReady().
     std::function<void(uint64_t request_id, uint64_t num_tokens, const Bytes& aux)> on_request;
+    // The device runtime of device pools (the agent's): a plan that packs is packed on the
+    // device into a staging area of device memory. Without it such a plan is refused there.
+    std::shared_ptr<device::DeviceApi> device;
   };
 
   // Registers every region of `cache` with `agent` and starts the progress thread.
@@ -189,15 +193,24 @@ class ContextSender {
   StatusOr<RankPlan> planAskLocked(const Source& src, const Ask& ask, LayerRange layers) const;
   // Posts `ops` as one piece of `ask` (`area`, a registered local source the ops read, is
   // released once the write is terminal, or now when posting fails).
-  // `after`: the engine's event the write waits for (nullptr or done: none).
+  // `ready`: the engine's event the write waits for; `pack`: the device pack that fills
+  // `area`, which it waits for too (nullptr or done: none).
   Status postLocked(Ask& ask, std::vector<transport::WriteOp> ops, std::unique_ptr<Region> area,
-                    uint64_t bytes, std::shared_ptr<const device::Event> after = nullptr);
+                    uint64_t bytes, std::shared_ptr<const device::Event> ready = nullptr,
+                    std::shared_ptr<const device::Event> pack = nullptr);
   // The checksum of a streamed request part (options_.checksum), over every piece's bytes.
   StatusOr<uint64_t> checksumAskLocked(const Source& src, const Ask& ask) const;
   void answerLocked(Source& src, Ask& ask, const Status& status, uint64_t bytes,
                     std::optional<uint64_t> checksum);
   // A registered staging area holding `plan`'s pack ops' bytes (RankPlan::scratch_bytes).
   StatusOr<std::unique_ptr<Region>> stageLocked(const RankPlan& plan);
+  // Device pools: plan.pack_ops packed on the device into a staging area of device memory,
+  // behind `ready` (the engine's event); the area and the pack's event (done with `ready`'s
+  // error where that failed).
+  StatusOr<std::pair<std::unique_ptr<Region>, std::shared_ptr<const device::Event>>>
+  packOnDeviceLocked(const RankPlan& plan, std::shared_ptr<const device::Event> ready);
+  // A piece's area once its write ended: released now, or once its pack (`pack`) is done.
+  void retireAreaLocked(std::unique_ptr<Region> area, std::shared_ptr<const device::Event> pack);
   // A registered local area of at least `bytes` (staging, gathering): a spare one, or new.
   StatusOr<std::unique_ptr<Region>> acquireAreaLocked(uint64_t bytes);
   // Takes back an area whose write is terminal (or never started): kept as a spare while the
@@ -275,6 +288,12 @@ class ContextSender {
   static constexpr uint64_t kAreaGranule = 1ull << 20;
   std::vector<std::unique_ptr<Region>> spare_areas_;  // guarded by mu_
   uint64_t spare_bytes_ = 0;                          // guarded by mu_
+  // Device pools: the device of this rank's pools, its stream for packs (made on first use),
+  // and areas whose write ended while their pack may still run (released once it is done).
+  int device_ordinal_ = -1;
+  std::unique_ptr<device::Stream> pack_stream_;  // guarded by mu_
+  std::vector<std::pair<std::unique_ptr<Region>, std::shared_ptr<const device::Event>>>
+      draining_areas_;  // guarded by mu_
   Metrics metrics_;
   std::shared_ptr<Waker> waker_ = std::make_shared<Waker>();
   std::thread thread_;
