@@ -41,18 +41,7 @@ struct Driver {
   PFN_cuMemRelease_v10020 release = nullptr;
 
   Status load() {
-    auto get = [](const char* name, auto** fn) -> Status {
-      cudaDriverEntryPointQueryResult found{};
-      void* p = nullptr;
-      const cudaError_t e =
-          cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
-      if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
-        return Unavailable(std::string("CUDA driver entry point ") + name +
-                           " not found: " + cudaText(e));
-      }
-      *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);
-      return OkStatus();
-    };
+    auto get = [](const char* name, auto* fn) { return driverEntryPoint(name, fn); };
     RETURN_IF_ERROR(get("cuMemGetAddressRange", &getAddressRange));
     RETURN_IF_ERROR(get("cuMemRetainAllocationHandle", &retainAllocationHandle));
     RETURN_IF_ERROR(get("cuMemExportToShareableHandle", &exportToShareableHandle));
@@ -437,6 +426,19 @@ class CudaDevice : public DeviceApi {
 };
 
 }  // namespace
+
+Status driverEntryPoint(const char* name, void** fn) {
+  cudaDriverEntryPointQueryResult found{};
+  *fn = nullptr;
+  const cudaError_t e =
+      cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &found);
+  if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || *fn == nullptr) {
+    (void)cudaGetLastError();
+    return Unavailable(std::string("CUDA driver entry point ") + name +
+                       " not found: " + cudaText(e));
+  }
+  return OkStatus();
+}
 
 StatusOr<std::shared_ptr<DeviceApi>> createCudaDevice() {
   ASSIGN_OR_RETURN(int n, cudaDevices());

@@ -32,4 +32,16 @@ namespace hxfer::device {
 // Unavailable naming CUDA's error where there is no driver or no device.
 StatusOr<std::shared_ptr<DeviceApi>> createCudaDevice();
 
+// The driver function `name` (CUDA 12 ABI), looked up at run time: nothing links libcuda.
+// Unavailable naming the function and CUDA's error where the driver has none.
+Status driverEntryPoint(const char* name, void** fn);
+// The same into a typed pointer (a PFN_* of cudaTypedefs.h).
+template <typename Fn>
+Status driverEntryPoint(const char* name, Fn* fn) {
+  void* p = nullptr;
+  RETURN_IF_ERROR(driverEntryPoint(name, &p));
+  *fn = reinterpret_cast<Fn>(p);
+  return OkStatus();
+}
+
 }  // namespace hxfer::device

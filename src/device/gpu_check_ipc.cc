@@ -130,17 +130,10 @@ class KindBuffer {
 
  private:
   bool load() {
-    auto get = [&](const char* name, auto** fn) {
-      void* p = nullptr;
-      cudaDriverEntryPointQueryResult found{};
-      if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) !=
-              cudaSuccess ||
-          p == nullptr) {
-        why_ = std::string("no driver entry point ") + name;
-        return false;
-      }
-      *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);
-      return true;
+    auto get = [&](const char* name, auto* fn) {
+      const Status s = driverEntryPoint(name, fn);
+      if (!s.isOk()) why_ = s.message();
+      return s.isOk();
     };
     return get("cuMemGetAllocationGranularity", &granularity_) && get("cuMemCreate", &create_) &&
            get("cuMemAddressReserve", &reserve_) && get("cuMemMap", &map_) &&

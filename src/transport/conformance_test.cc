@@ -753,15 +753,21 @@ TEST(CudaTransport, AFailedDeviceCopyFailsItsTransferAndTheNextOneLands) {
 // The receiver retires its region while the writer's copy runs on the device (slowed to 300
 // ms): the writer's mapping of it is released only after that copy finished, and later writes
 // to it are refused.
-TEST(CudaTransport, ARetiredRegionStaysMappedUntilTheCopiesIntoItFinished) {
-  device::FakeDeviceOptions options;
-  options.op_delay = std::chrono::milliseconds(300);
-  CudaPair pair(options);
-  ASSERT_TRUE(pair.writer && pair.to_receiver);
+// Posts a 1 MiB write into the receiver's region 7, waits `launched` (the slowed fake device is
+// inside the copy by then) and retires region 7 at the receiver.
+StatusOr<Transfer> retireDuringACopy(CudaPair& pair, std::chrono::milliseconds launched) {
   auto t = pair.writer->postWrite(pair.to_receiver, {{1, 0, 7, 0, 1 << 20}});
-  ASSERT_TRUE(t.isOk());
-  std::this_thread::sleep_for(50ms);  // the copy is on the device now (in its delay)
-  ASSERT_TRUE(pair.receiver->deregisterRegion(7).isOk());
+  if (!t.isOk()) return t.status();
+  std::this_thread::sleep_for(launched);
+  RETURN_IF_ERROR(pair.receiver->deregisterRegion(7));
+  return t;
+}
+
+TEST(CudaTransport, ARetiredRegionStaysMappedUntilTheCopiesIntoItFinished) {
+  CudaPair pair(device::FakeDeviceOptions{.op_delay = 300ms});
+  ASSERT_TRUE(pair.writer && pair.to_receiver);
+  auto t = retireDuringACopy(pair, 50ms);
+  ASSERT_TRUE(t.isOk()) << t.status().toString();
   Status s = t->wait(Clock::now() + kDeadline);
   if (s.isOk()) {
     EXPECT_EQ(std::memcmp(pair.dst->data(), pair.src->data(), 1 << 20), 0);
@@ -785,14 +791,10 @@ TEST(CudaTransport, ARetiredRegionStaysMappedUntilTheCopiesIntoItFinished) {
 // receiver sends after retiring arrives while the copy is still running, and the copy still
 // finishes into its mapping.
 TEST(CudaTransport, ARetiredRegionDoesNotHoldUpTheSocketDuringADeviceCopy) {
-  device::FakeDeviceOptions options;
-  options.op_delay = std::chrono::milliseconds(2000);
-  CudaPair pair(options);
+  CudaPair pair(device::FakeDeviceOptions{.op_delay = 2000ms});
   ASSERT_TRUE(pair.writer && pair.to_receiver);
-  auto t = pair.writer->postWrite(pair.to_receiver, {{1, 0, 7, 0, 1 << 20}});
-  ASSERT_TRUE(t.isOk());
-  std::this_thread::sleep_for(200ms);  // launched: the fake device is in its delay
-  ASSERT_TRUE(pair.receiver->deregisterRegion(7).isOk());
+  auto t = retireDuringACopy(pair, 200ms);
+  ASSERT_TRUE(t.isOk()) << t.status().toString();
   ASSERT_TRUE(pair.receiver->sendMessage(pair.to_writer, Bytes{9}).isOk());
   auto m = waitForEvent(*pair.writer, Event::Kind::kMessage);
   ASSERT_TRUE(m.has_value());
