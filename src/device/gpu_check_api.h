@@ -1,0 +1,28 @@
+// hxfer-gpu-check's engine row (gpu_check_api.cc): one request of a hybrid model through the
+// public API (Sender and Receiver) between two ranks of this process, every pool in device
+// memory, behind the engine's events.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace hxfer::device {
+
+struct ApiResult {
+  bool ran = false;    // both requests ended; the figures below are real
+  bool exact = false;  // the oracle found every generation byte of both requests
+  // While the engine's events were pending (the context's "layers ready" and the generation's
+  // "pages free", both behind a gate the check holds for 100 ms), no generation byte changed
+  // and the request was in progress.
+  bool fence_held = false;
+  bool packed = false;  // the pair's plan packs (conv sd against ds): done on the device
+  uint64_t bytes = 0;   // moved by the timed request
+  double ms = 0;        // the timed request (no events), start to done
+  std::string why;      // what went wrong when !ran
+};
+
+// `tokens` tokens of preset `model` from a vllm rank (conv sd) to an sglang rank on device 0:
+// over the CUDA runtime, or over FakeDevice (`fake`: no GPU needed).
+ApiResult apiCheck(bool fake, const std::string& model, uint32_t tokens);
+
+}  // namespace hxfer::device
