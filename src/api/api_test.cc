@@ -969,6 +969,17 @@ void engineEventsFenceTheWrites(const std::string& ctx_conv) {
   ASSERT_TRUE(res.isOk());
   EXPECT_EQ(res->state, Result::State::kInProgress);
   EXPECT_TRUE(poolsUnchanged(gen, before1)) << "bytes moved before the layers were ready";
+  // Meanwhile another request, ready now, moves: it does not wait behind request 1's event.
+  const RankPages ctx9{{6, 8}, 2}, gen9{{4, 9}, 2};
+  move(9, ctx9, gen9);
+  ASSERT_TRUE((*tx)->markReady(9, ctx9).isOk());
+  ASSERT_TRUE(rx->start(9, tokens, gen9).isOk());
+  res = rx->wait(9, 5s);
+  ASSERT_TRUE(res.isOk() && res->ok())
+      << "a ready request waited behind another's event: " << res->status.toString();
+  check(9, gen9);
+  ASSERT_TRUE(rx->release(9).isOk());
+  EXPECT_EQ(rx->poll(1)->state, Result::State::kInProgress);
   layers_ready->signal();
   res = rx->wait(1, 10s);
   ASSERT_TRUE(res.isOk() && res->ok()) << res->status.toString();

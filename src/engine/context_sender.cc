@@ -657,7 +657,13 @@ void ContextSender::advanceAskLocked(Source& src, Ask& ask) {
   } else if (ask.peer_gone) {
     end = Unavailable("generation rank " + std::to_string(ask.gen_rank) + " is gone");
   }
-  if (!end && ask.sent_end < src.ready_end && mayPostLocked(src, ask)) postPieceLocked(src, ask);
+  // While the engine still writes the layers (its event pending) nothing is packed or posted;
+  // the progress loop looks again each turn. So a write waiting for the engine never holds up
+  // the agent's other writes (an agent runs fenced writes in posting order).
+  const bool engine_writing = src.ready_event && !src.ready_event->done();
+  if (!end && ask.sent_end < src.ready_end && mayPostLocked(src, ask) && !engine_writing) {
+    postPieceLocked(src, ask);
+  }
   if (end || ask.failed) {
     for (Piece& p : ask.pieces) {
       if (!p.terminal) p.transfer.cancel();

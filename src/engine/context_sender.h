@@ -130,8 +130,9 @@ class ContextSender {
   // marked already, leaving a gap); after the request ended between ranges (cancelled by
   // generation, timed out), the next call frees the pages and returns that status.
   // `ready` (device pools only: InvalidArgument otherwise): the engine's event after the work
-  // that writes these layers; no byte of the request is written to a peer before it is done
-  // (Agent::postWriteAfter). A later call's event stands for every layer up to its range.
+  // that writes these layers; nothing of the request is packed or posted before it is done
+  // (the progress loop looks each turn), so other requests' writes never wait for it. A later
+  // call's event stands for every layer up to its range.
   Status markReady(uint64_t request_id, LayerRange layers, Bytes aux = {},
                    std::shared_ptr<const device::Event> ready = nullptr);
 
