@@ -349,8 +349,9 @@ def describe_cache(kv_caches: dict[str, torch.Tensor], groups: list[_Group], isa
         st = view.untyped_storage()
         if st.data_ptr() not in pools:
             if view.device.type != "cpu":
-                raise ValueError(f"hxfer.vllm: the KV cache is on {view.device}; this hxfer "
-                                 f"takes host memory only")
+                raise ValueError(f"hxfer.vllm: the KV cache is on {view.device}; this "
+                                 f"connector serves vLLM's CPU backend (device pools move "
+                                 f"through hxfer's API, not yet through the connector)")
             whole = torch.empty(0, dtype=torch.int8).set_(st, 0, (st.nbytes(),))
             pools[st.data_ptr()] = (f"kv{len(pools)}" if pools else "kv", whole)
         return pools[st.data_ptr()][0], st.data_ptr()
