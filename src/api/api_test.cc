@@ -123,8 +123,8 @@ struct Released {
 
 // A generation rank of `gen` reading from `tx`, handshake done; nullptr (a test failure) when
 // it cannot be had.
-std::unique_ptr<Receiver> connectedReceiver(EngineRank& gen, const Sender& tx, Released* released) {
-  ReceiverOptions ro;
+std::unique_ptr<Receiver> connectedReceiver(EngineRank& gen, const Sender& tx, Released* released,
+                                            ReceiverOptions ro = {}) {
   ro.instance = "gen";
   ro.peers = {tx.address()};
   if (released != nullptr) ro.on_released = released->callback();
@@ -940,7 +940,9 @@ void engineEventsFenceTheWrites(const std::string& ctx_conv) {
   so.on_released = ctx_released.callback();
   auto tx = Sender::create(ctx.layout, *ctx.memory, so);
   ASSERT_TRUE(tx.isOk()) << tx.status().toString();
-  auto rx = connectedReceiver(gen, **tx, &gen_released);
+  ReceiverOptions ro;
+  ro.request_timeout = 3s;  // above every wait below; the last request runs into it
+  auto rx = connectedReceiver(gen, **tx, &gen_released, ro);
   ASSERT_NE(rx, nullptr);
   ASSERT_EQ(rx->backend(), "cuda");
   const uint32_t tokens = 40;
@@ -1023,9 +1025,23 @@ void engineEventsFenceTheWrites(const std::string& ctx_conv) {
   res = rx->wait(4, 10s);
   ASSERT_TRUE(res.isOk());
   EXPECT_EQ(res->state, Result::State::kFailed);
-  EXPECT_NE(res->status.message().find("prefill kernel failed"), std::string::npos)
+  EXPECT_NE(res->status.message().find("the engine's layers-ready event: prefill kernel failed"),
+            std::string::npos)
       << res->status.toString();
   EXPECT_TRUE(ctx_released.waitFor(4));
+  // An event that never completes: the request times out, saying what it waited for.
+  auto stuck = rt.fake->engineEvent();
+  ASSERT_TRUE((*tx)->markReady(6, ctx2).isOk());
+  ASSERT_TRUE(rx->start(6, tokens, gen2, DeviceEvent{stuck.get()}).isOk());
+  res = rx->wait(6, 10s);
+  ASSERT_TRUE(res.isOk());
+  EXPECT_EQ(res->state, Result::State::kFailed);
+  EXPECT_EQ(res->status.code(), StatusCode::kTimeout) << res->status.toString();
+  EXPECT_NE(res->status.message().find("waiting for the engine's pages-free event"),
+            std::string::npos)
+      << res->status.toString();
+  EXPECT_TRUE(gen_released.waitFor(6));
+  stuck->signal();
 
   // Refused: a null event, one that is not the device's, and any event with host pools.
   Status st = rx->start(5, tokens, gen2, DeviceEvent{});

@@ -95,21 +95,21 @@ class FakeDevice::Aliases {
     if (a - it->first >= it->second.bytes) return a;
     return reinterpret_cast<uint64_t>(it->second.view) + (a - it->first);
   }
-  HostCopyTable translate(const HostCopyTable& t) const {
-    HostCopyTable out = t;
-    for (CopyRun& r : out.runs) {
-      r.src = translate(r.src);
-      r.dst = translate(r.dst);
+  // A copy or pack table (HostCopyTable, HostPackTable) with every run's addresses translated.
+  template <typename Table>
+  Table translate(Table t) const {
+    auto each = [&](auto& items) {
+      for (auto& item : items) {
+        item.src = translate(item.src);
+        item.dst = translate(item.dst);
+      }
+    };
+    if constexpr (requires { t.runs; }) {
+      each(t.runs);
+    } else {
+      each(t.packs);
     }
-    return out;
-  }
-  HostPackTable translate(const HostPackTable& t) const {
-    HostPackTable out = t;
-    for (Pack& p : out.packs) {
-      p.src = translate(p.src);
-      p.dst = translate(p.dst);
-    }
-    return out;
+    return t;
   }
 
  private:

@@ -48,36 +48,6 @@ struct ContextSender::Piece {
   std::shared_ptr<const device::Event> pack;
 };
 
-namespace {
-
-// Done once both are (either may be null); the first error of the two.
-class BothEvents : public device::Event {
- public:
-  BothEvents(std::shared_ptr<const device::Event> a, std::shared_ptr<const device::Event> b)
-      : a_(std::move(a)), b_(std::move(b)) {}
-  bool done() const override { return (!a_ || a_->done()) && (!b_ || b_->done()); }
-  Status status() const override {
-    if (a_ && a_->done() && !a_->status().isOk()) return a_->status();
-    return b_ ? b_->status() : OkStatus();
-  }
-  Status wait(std::chrono::milliseconds timeout) const override {
-    const auto deadline = Clock::now() + timeout;
-    for (const auto& e : {a_, b_}) {
-      if (!e) continue;
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      Status s = e->wait(std::max(left, std::chrono::milliseconds(0)));
-      if (s.code() == StatusCode::kTimeout) return s;
-    }
-    return status();
-  }
-
- private:
-  std::shared_ptr<const device::Event> a_, b_;
-};
-
-}  // namespace
-
 // One TransferRequest of one generation rank for one request.
 struct ContextSender::Ask {
   // kWaiting: nothing started. kPosted: started (one cache transfer hold, from beginTransfer
@@ -134,12 +104,8 @@ struct ContextSender::Source {
 StatusOr<std::unique_ptr<ContextSender>> ContextSender::create(
     Options options, HybridCacheManager* cache, std::unique_ptr<transport::Agent> agent) {
   if (cache == nullptr || agent == nullptr) return InvalidArgument("cache and agent are required");
-  if (options.checksum && agent->capabilities().device_memory) {
-    return Incompatible(
-        "checksum=true: checksums read the pools on the host, and these pools "
-        "are device memory (" +
-        agent->capabilities().name + " agent); give checksum=false");
-  }
+  RETURN_IF_ERROR(checksumsPossible(options.checksum, agent->capabilities().device_memory,
+                                    agent->capabilities().name));
   const RankLayout& layout = cache->layout();
   if (layout.tp != options.parallel.tp || layout.pp != options.parallel.pp ||
       layout.tp_rank != options.tp_rank || layout.pp_rank != options.pp_rank) {
@@ -720,6 +686,12 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   }
   ask.sent_end = src.ready_end;
   if (plan->ops.empty()) return;
+  // Posting waits until the engine's layers-ready event is done (advanceAskLocked).
+  if (src.ready_event && !src.ready_event->status().isOk()) {
+    ask.failed = Status(src.ready_event->status().code(),
+                        "the engine's layers-ready event: " + src.ready_event->status().message());
+    return;
+  }
   const bool on_device = agent_->capabilities().device_memory;
   if (on_device && (ask.req.staging || (!plan->pack_ops.empty() && device_ordinal_ < 0))) {
     // Both gather or pack on the host; device pools have neither path yet.
@@ -742,7 +714,7 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   std::unique_ptr<Region> scratch;
   std::shared_ptr<const device::Event> pack;
   if (!plan->pack_ops.empty() && on_device) {
-    auto packed = packOnDeviceLocked(*plan, src.ready_event);
+    auto packed = packOnDeviceLocked(*plan);
     if (!packed.isOk()) {
       HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
                      packed.status().toString());
@@ -778,8 +750,7 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
     const uint32_t from = op.src_region == kScratchRegion ? scratch->id() : op.src_region;
     ops.push_back({from, op.src_offset, op.dst_region, op.dst_offset, op.bytes});
   }
-  if (Status st = postLocked(ask, std::move(ops), std::move(scratch), plan->bytes, src.ready_event,
-                             std::move(pack));
+  if (Status st = postLocked(ask, std::move(ops), std::move(scratch), plan->bytes, std::move(pack));
       !st.isOk()) {
     ask.failed = st;
   }
@@ -787,18 +758,15 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
 
 Status ContextSender::postLocked(Ask& ask, std::vector<transport::WriteOp> ops,
                                  std::unique_ptr<Region> area, uint64_t bytes,
-                                 std::shared_ptr<const device::Event> ready,
                                  std::shared_ptr<const device::Event> pack) {
   const size_t n = ops.size();
-  // The write waits for the pack (which waited for `ready`) or for `ready` itself.
-  std::shared_ptr<const device::Event> after =
-      pack ? std::make_shared<BothEvents>(ready, pack) : ready;
-  if (after && after->done() && !after->status().isOk()) {
+  if (pack && pack->done() && !pack->status().isOk()) {
     retireAreaLocked(std::move(area), pack);
-    return Status(after->status().code(), "the write's fence failed: " + after->status().message());
+    return Status(pack->status().code(), "the write's fence failed: " + pack->status().message());
   }
-  auto t = after && !after->done() ? agent_->postWriteAfter(ask.peer, std::move(ops), after)
-                                   : agent_->postWrite(ask.peer, std::move(ops));
+  // The write waits for the device pack that fills `area` (short, on hxfer's own stream).
+  auto t = pack && !pack->done() ? agent_->postWriteAfter(ask.peer, std::move(ops), pack)
+                                 : agent_->postWrite(ask.peer, std::move(ops));
   if (!t.isOk()) {
     retireAreaLocked(std::move(area), pack);
     return t.status();
@@ -932,8 +900,7 @@ StatusOr<std::unique_ptr<Region>> ContextSender::acquireAreaLocked(uint64_t byte
 }
 
 StatusOr<std::pair<std::unique_ptr<Region>, std::shared_ptr<const device::Event>>>
-ContextSender::packOnDeviceLocked(const RankPlan& plan,
-                                  std::shared_ptr<const device::Event> ready) {
+ContextSender::packOnDeviceLocked(const RankPlan& plan) {
   if (!pack_stream_) {
     auto stream = options_.device->createStream(device_ordinal_);
     if (!stream.isOk()) return stream.status().withContext("the pack stream");
@@ -942,10 +909,8 @@ ContextSender::packOnDeviceLocked(const RankPlan& plan,
   ASSIGN_OR_RETURN(std::unique_ptr<Region> area, acquireAreaLocked(plan.scratch_bytes));
   auto table = device::packTable(plan, memory_, reinterpret_cast<uint64_t>(area->data()),
                                  plan.scratch_bytes);
-  Status queued = table.status();
-  if (queued.isOk() && ready && !ready->done()) queued = pack_stream_->waitFor(ready);
-  StatusOr<std::shared_ptr<device::Event>> packed = queued;
-  if (queued.isOk()) packed = pack_stream_->pack(*table);
+  StatusOr<std::shared_ptr<device::Event>> packed = table.status();
+  if (table.isOk()) packed = pack_stream_->pack(*table);
   if (!packed.isOk()) {
     releaseScratchLocked(std::move(area));
     return packed.status().withContext("packing " + std::to_string(plan.pack_ops.size()) +

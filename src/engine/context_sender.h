@@ -194,22 +194,20 @@ class ContextSender {
   StatusOr<RankPlan> planAskLocked(const Source& src, const Ask& ask, LayerRange layers) const;
   // Posts `ops` as one piece of `ask` (`area`, a registered local source the ops read, is
   // released once the write is terminal, or now when posting fails).
-  // `ready`: the engine's event the write waits for; `pack`: the device pack that fills
-  // `area`, which it waits for too (nullptr or done: none).
+  // `pack`: the device pack that fills `area`, which the write waits for (nullptr or done:
+  // none). The engine's layers-ready event is done before anything is posted.
   Status postLocked(Ask& ask, std::vector<transport::WriteOp> ops, std::unique_ptr<Region> area,
-                    uint64_t bytes, std::shared_ptr<const device::Event> ready = nullptr,
-                    std::shared_ptr<const device::Event> pack = nullptr);
+                    uint64_t bytes, std::shared_ptr<const device::Event> pack = nullptr);
   // The checksum of a streamed request part (options_.checksum), over every piece's bytes.
   StatusOr<uint64_t> checksumAskLocked(const Source& src, const Ask& ask) const;
   void answerLocked(Source& src, Ask& ask, const Status& status, uint64_t bytes,
                     std::optional<uint64_t> checksum);
   // A registered staging area holding `plan`'s pack ops' bytes (RankPlan::scratch_bytes).
   StatusOr<std::unique_ptr<Region>> stageLocked(const RankPlan& plan);
-  // Device pools: plan.pack_ops packed on the device into a staging area of device memory,
-  // behind `ready` (the engine's event); the area and the pack's event (done with `ready`'s
-  // error where that failed).
+  // Device pools: plan.pack_ops packed on the device into a staging area of device memory
+  // (the engine's layers-ready event is done by then); the area and the pack's event.
   StatusOr<std::pair<std::unique_ptr<Region>, std::shared_ptr<const device::Event>>>
-  packOnDeviceLocked(const RankPlan& plan, std::shared_ptr<const device::Event> ready);
+  packOnDeviceLocked(const RankPlan& plan);
   // A piece's area once its write ended: released now, or once its pack (`pack`) is done.
   void retireAreaLocked(std::unique_ptr<Region> area, std::shared_ptr<const device::Event> pack);
   // A registered local area of at least `bytes` (staging, gathering): a spare one, or new.

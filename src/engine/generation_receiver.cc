@@ -86,12 +86,8 @@ struct GenerationReceiver::Sink {
 StatusOr<std::unique_ptr<GenerationReceiver>> GenerationReceiver::create(
     Options options, HybridCacheManager* cache, std::unique_ptr<transport::Agent> agent) {
   if (cache == nullptr || agent == nullptr) return InvalidArgument("cache and agent are required");
-  if (options.checksum && agent->capabilities().device_memory) {
-    return Incompatible(
-        "checksum=true: checksums read the pools on the host, and these pools "
-        "are device memory (" +
-        agent->capabilities().name + " agent); give checksum=false");
-  }
+  RETURN_IF_ERROR(checksumsPossible(options.checksum, agent->capabilities().device_memory,
+                                    agent->capabilities().name));
   // A context rank gets our pools only once its Hello matched (onHelloLocked).
   agent->requireWriteGrants();
   const RankLayout& layout = cache->layout();
@@ -331,11 +327,7 @@ StatusOr<Allocation> GenerationReceiver::startRequest(
     failLocked(s, pages_free->status().withContext("the engine's pages-free event"),
                FailureCause::kOther);
   }
-  for (Part& part : s.parts) {
-    if (s.pages_free) break;  // sent once the engine let go of the pages (timersLocked)
-    CtxPeer& peer = *peers_[part.peer];
-    if (peer.state == CtxPeer::State::kReady && !s.result.terminal()) sendPartLocked(s, part, peer);
-  }
+  sendQueuedPartsLocked(s);  // or once the engine let go of the pages (timersLocked)
   if (s.result.terminal()) {
     // A send failed (the peer went away before its loss was seen): the pages are freed or
     // quarantined already, so the caller must not get them. The id is forgotten once no part
@@ -347,6 +339,15 @@ StatusOr<Allocation> GenerationReceiver::startRequest(
   }
   completeIfDoneLocked(s);
   return *alloc;
+}
+
+void GenerationReceiver::sendQueuedPartsLocked(Sink& sink, std::optional<size_t> only_peer) {
+  for (Part& part : sink.parts) {
+    if (sink.result.terminal() || sink.pages_free) return;
+    if (part.state != Part::State::kQueued || (only_peer && part.peer != *only_peer)) continue;
+    CtxPeer& peer = *peers_[part.peer];
+    if (peer.state == CtxPeer::State::kReady) sendPartLocked(sink, part, peer);
+  }
 }
 
 void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
@@ -716,14 +717,7 @@ void GenerationReceiver::onHelloLocked(CtxPeer& peer, wire::Hello hello) {
   const size_t index =
       std::find_if(peers_.begin(), peers_.end(), [&](const auto& p) { return p.get() == &peer; }) -
       peers_.begin();
-  for (auto& [id, sink] : sinks_) {
-    if (sink->result.terminal() || sink->pages_free) continue;
-    for (Part& p : sink->parts) {
-      if (p.peer == index && p.state == Part::State::kQueued && !sink->result.terminal()) {
-        sendPartLocked(*sink, p, peer);
-      }
-    }
-  }
+  for (auto& [id, sink] : sinks_) sendQueuedPartsLocked(*sink, index);
   waiters_.notifyAll();
 }
 
@@ -855,13 +849,7 @@ void GenerationReceiver::timersLocked() {
       failLocked(*sink, freed.withContext("the engine's pages-free event"), FailureCause::kOther);
       continue;
     }
-    for (Part& part : sink->parts) {
-      CtxPeer& peer = *peers_[part.peer];
-      if (part.state == Part::State::kQueued && peer.state == CtxPeer::State::kReady &&
-          !sink->result.terminal()) {
-        sendPartLocked(*sink, part, peer);
-      }
-    }
+    sendQueuedPartsLocked(*sink);
     completeIfDoneLocked(*sink);
   }
   const auto now = Clock::now();
@@ -869,8 +857,10 @@ void GenerationReceiver::timersLocked() {
     if (!sink->result.terminal() && now > sink->deadline) {
       // Say what it still waited for: a part queued for a context rank that never became
       // reachable names that rank and its last connection error.
-      std::string waiting;
+      std::string waiting =
+          sink->pages_free ? "; waiting for the engine's pages-free event" : std::string();
       for (const Part& part : sink->parts) {
+        if (sink->pages_free) break;
         if (part.state != Part::State::kQueued || part.peer >= peers_.size()) continue;
         const CtxPeer& peer = *peers_[part.peer];
         if (peer.state == CtxPeer::State::kReady) continue;

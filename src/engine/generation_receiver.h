@@ -170,6 +170,9 @@ class GenerationReceiver {
   void peerDownLocked(CtxPeer& peer, const Status& why, bool final, bool transport_lost = false);
   void releaseFencesLocked(transport::PeerId connection);
   void sendPartLocked(Sink& sink, Part& part, CtxPeer& peer);
+  // Asks for `sink`'s queued parts whose context rank is ready (only peers_[only_peer]'s when
+  // given), unless the request ended or still waits for the engine's pages-free event.
+  void sendQueuedPartsLocked(Sink& sink, std::optional<size_t> only_peer = std::nullopt);
   void failLocked(Sink& sink, const Status& status, FailureCause cause);
   void completeIfDoneLocked(Sink& sink);
   void endPartLocked(Sink& sink, Part& part);

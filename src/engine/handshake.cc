@@ -84,6 +84,13 @@ StatusOr<std::vector<uint32_t>> overlappingGenerationRanks(const ModelSpec& mode
   return out;
 }
 
+Status checksumsPossible(bool checksum, bool device_memory, const std::string& agent) {
+  if (!checksum || !device_memory) return OkStatus();
+  return Incompatible(
+      "checksum=true: checksums read the pools on the host, and these pools are device memory (" +
+      agent + " agent); give checksum=false");
+}
+
 StatusOr<uint64_t> checksumOps(std::vector<CopyOp> ops, const RankMemory& mem, bool source,
                                std::span<const uint8_t> scratch) {
   std::sort(ops.begin(), ops.end(), [](const CopyOp& a, const CopyOp& b) {

@@ -49,6 +49,10 @@ StatusOr<std::vector<uint32_t>> overlappingGenerationRanks(const ModelSpec& mode
 StatusOr<uint64_t> checksumOps(std::vector<CopyOp> ops, const RankMemory& mem, bool source,
                                std::span<const uint8_t> scratch = {});
 
+// Refuses checksums (`checksum` asked) over pools in device memory (`device_memory`, of the
+// `agent` named): checksumOps reads the pools on the host.
+Status checksumsPossible(bool checksum, bool device_memory, const std::string& agent);
+
 // The memory of a cache manager's regions, indexed by region id.
 RankMemory cacheMemory(const HybridCacheManager& cache);
 
