@@ -173,18 +173,34 @@ void CopyWorker::submit(CopyJob job) {
   q_->cv.notify_one();
 }
 
-Status CopyWorker::copySegments(const CopyJob& job, const std::vector<CopySegment>& segments) {
-  for (const CopySegment& seg : segments) {
+Status CopyWorker::copySegments(const CopyJob& job, const Slice& slice) {
+  const std::vector<CopySegment>& segments = job.segments;
+  size_t i = slice.from;
+  uint64_t offset = slice.from_offset;
+  auto end_of = [&](size_t k) {
+    return k == slice.to && slice.to_offset != 0 ? slice.to_offset : segments[k].bytes;
+  };
+  const size_t last = slice.to_offset != 0 ? slice.to + 1 : slice.to;
+  while (i < last) {
     if (job.core->cancelRequested()) {
       return Cancelled("transfer cancelled before all ops were copied");
     }
     if (job.check) RETURN_IF_ERROR(job.check());
-    std::shared_lock<std::shared_mutex> lock(seg.dst->mu);
-    if (!seg.dst->alive) {
-      return Unavailable("remote region " + std::to_string(seg.dst->id) +
+    RegionGuard* guard = segments[i].dst.get();
+    std::shared_lock<std::shared_mutex> lock(guard->mu);
+    if (!guard->alive) {
+      return Unavailable("remote region " + std::to_string(guard->id) +
                          " was deregistered by its owner during the transfer");
     }
-    std::memcpy(seg.dst->base + seg.dst_offset, seg.src, seg.bytes);
+    uint64_t copied = 0;
+    do {
+      const CopySegment& seg = segments[i];
+      const uint64_t end = end_of(i);
+      std::memcpy(guard->base + seg.dst_offset + offset, seg.src + offset, end - offset);
+      copied += end - offset;
+      offset = 0;
+      ++i;
+    } while (i < last && segments[i].dst.get() == guard && copied < kCheckBytes);
   }
   return OkStatus();
 }
@@ -226,31 +242,33 @@ Status CopyWorker::copyOnDevice(const CopyJob& job) {
 
 namespace {
 
-// Cuts `segments` into `n` runs of about equal bytes, splitting a segment where a cut falls
-// (at 4 KiB multiples, so parts do not share cache lines or pages of a segment).
-std::vector<std::vector<CopySegment>> cutInto(const std::vector<CopySegment>& segments,
-                                              uint64_t total, size_t n) {
-  std::vector<std::vector<CopySegment>> parts(n);
+// Cuts `segments` into `n` slices of about equal bytes, cutting a segment where a cut falls
+// (at 4 KiB multiples, so slices do not share cache lines or pages of a segment). A slice past
+// the end is empty.
+std::vector<CopyWorker::Slice> cutInto(const std::vector<CopySegment>& segments, uint64_t total,
+                                       size_t n) {
+  std::vector<CopyWorker::Slice> slices(n);
   const uint64_t share = (total / n + 4095) & ~uint64_t{4095};
-  size_t part = 0;
-  uint64_t room = share;
-  for (CopySegment seg : segments) {
-    while (seg.bytes > 0) {
-      if (room == 0 && part + 1 < n) {
-        ++part;
-        room = share;
+  size_t i = 0;
+  uint64_t offset = 0;
+  for (size_t part = 0; part < n; ++part) {
+    CopyWorker::Slice& slice = slices[part];
+    slice.from = i;
+    slice.from_offset = offset;
+    uint64_t room = part + 1 < n ? share : UINT64_MAX;
+    while (i < segments.size() && room > 0) {
+      const uint64_t take = std::min(segments[i].bytes - offset, room);
+      room -= take;
+      offset += take;
+      if (offset == segments[i].bytes) {
+        ++i;
+        offset = 0;
       }
-      const uint64_t take = part + 1 < n ? std::min(seg.bytes, room) : seg.bytes;
-      CopySegment piece = seg;
-      piece.bytes = take;
-      parts[part].push_back(piece);
-      seg.src += take;
-      seg.dst_offset += take;
-      seg.bytes -= take;
-      room -= std::min(room, take);
     }
+    slice.to = i;
+    slice.to_offset = offset;
   }
-  return parts;
+  return slices;
 }
 
 }  // namespace
@@ -263,12 +281,12 @@ void CopyWorker::execute(Queue& q, CopyJob& job) {
   if (job.device_copy) {
     result = copyOnDevice(job);
   } else if (helpers == 0 || total < kParallelCopyBytes) {
-    result = copySegments(job, job.segments);
+    result = copySegments(job, Slice{0, 0, job.segments.size(), 0});
   } else {
     // Parts 1..n-1 go to the helpers; this thread copies part 0, then waits for the others
     // (the job's transfer may finish only when no copy of it runs any more).
     const size_t n = helpers + 1;
-    std::vector<std::vector<CopySegment>> parts = cutInto(job.segments, total, n);
+    const std::vector<Slice> parts = cutInto(job.segments, total, n);
     std::vector<Status> results(n);
     std::mutex mu;
     std::condition_variable cv;

@@ -130,10 +130,10 @@ struct CopyJob {
   std::shared_ptr<const device::Event> ready;
 };
 
-// One thread that runs copy jobs in FIFO order. Between segments it honours cancellation and
-// the job's check (peer lost). A job of at least kParallelCopyBytes is cut into equal parts
-// that helper threads copy alongside it (one per further core, at most 3), so one large
-// request uses the machine's copy bandwidth, not one thread's; the job still finishes only
+// One thread that runs copy jobs in FIFO order. Between segments (at least every 256 KiB) it
+// honours cancellation and the job's check (peer lost). A job of at least kParallelCopyBytes is cut
+// into equal parts that helper threads copy alongside it (one per further core, at most 3), so one
+// large request uses the machine's copy bandwidth, not one thread's; the job still finishes only
 // once every part stopped.
 // A thread waiting on a transfer whose job has not started takes the job out of the queue and
 // runs it itself (TransferCore::setWaitHelper): no hand-off to this thread and back.
@@ -146,6 +146,14 @@ class CopyWorker {
   // its next check.
   ~CopyWorker();
   void submit(CopyJob job);
+  // A stretch of a job's segments, in bytes: from byte `from_offset` of segment `from` up to
+  // (not including) byte `to_offset` of segment `to` (to_offset 0: up to segment `to`).
+  struct Slice {
+    size_t from = 0;
+    uint64_t from_offset = 0;
+    size_t to = 0;
+    uint64_t to_offset = 0;
+  };
 
  private:
   // Threads that copy parts of large jobs. After stop, a part submitted runs on its caller.
@@ -164,7 +172,11 @@ class CopyWorker {
     Helpers helpers;
   };
   static void execute(Queue& q, CopyJob& job);
-  static Status copySegments(const CopyJob& job, const std::vector<CopySegment>& segments);
+  // Copies `slice` of the job's segments. Cancellation and the job's check are honoured, and
+  // the destination's guard taken, once per stretch of up to kCheckBytes into one region: a
+  // guard or check per op cost more than copying a few hundred bytes.
+  static Status copySegments(const CopyJob& job, const Slice& slice);
+  static constexpr uint64_t kCheckBytes = 256 << 10;
   static Status copyOnDevice(const CopyJob& job);
   void run();
   std::vector<std::thread> helper_threads_;
