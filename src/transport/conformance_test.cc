@@ -826,6 +826,30 @@ TEST(CudaTransport, AWriteBehindAPendingFenceMovesNothingUntilItIsDone) {
   EXPECT_EQ(std::memcmp(pair.dst->data(), pair.src->data(), 1 << 20), 0);
 }
 
+// A write behind a pending fence holds up no other write of the agent: one posted after it,
+// unfenced or behind a fence already done, lands first.
+TEST(CudaTransport, AWritePostedAfterAFencedOneDoesNotWaitForItsFence) {
+  CudaPair pair;
+  ASSERT_TRUE(pair.writer && pair.to_receiver);
+  auto pending = std::make_shared<device::ManualEvent>();
+  auto done = std::make_shared<device::ManualEvent>();
+  done->signal();
+  auto held = pair.writer->postWriteAfter(pair.to_receiver, {{1, 0, 7, 0, 4096}}, pending);
+  auto plain = pair.writer->postWrite(pair.to_receiver, {{1, 4096, 7, 4096, 4096}});
+  auto fenced = pair.writer->postWriteAfter(pair.to_receiver, {{1, 8192, 7, 8192, 4096}}, done);
+  ASSERT_TRUE(held.isOk() && plain.isOk() && fenced.isOk());
+  EXPECT_TRUE(plain->wait(Clock::now() + kDeadline).isOk()) << plain->status().toString();
+  EXPECT_TRUE(fenced->wait(Clock::now() + kDeadline).isOk()) << fenced->status().toString();
+  EXPECT_EQ(held->poll(), TransferState::kInProgress);
+  EXPECT_TRUE(std::all_of(pair.dst->data(), pair.dst->data() + 4096, [](uint8_t b) {
+    return b == 0;
+  })) << "the fenced write landed before its fence";
+  EXPECT_EQ(std::memcmp(pair.dst->data() + 4096, pair.src->data() + 4096, 8192), 0);
+  pending->signal();
+  ASSERT_TRUE(held->wait(Clock::now() + kDeadline).isOk()) << held->status().toString();
+  EXPECT_EQ(std::memcmp(pair.dst->data(), pair.src->data(), 4096), 0);
+}
+
 // A fenced write that is cancelled, or whose peer is lost, while its fence is pending ends at
 // once and never writes, even when the fence is signalled afterwards; a fence that fails
 // fails its write, naming the fence. Host backends take no fence.

@@ -329,15 +329,39 @@ void CopyWorker::execute(Queue& q, CopyJob& job) {
   job.core->complete(std::move(result));
 }
 
+namespace {
+
+// A job the worker may take now: no fence, a done one, or one that must end without writing
+// (cancelled, peer lost). A job behind a pending fence waits aside, holding up no other.
+bool mayRun(const CopyJob& job) {
+  return !job.ready || job.ready->done() || job.core->cancelRequested() ||
+         (job.check && !job.check().isOk());
+}
+
+// How often jobs waiting for a fence are looked at again (a fence signals no one).
+constexpr auto kFencePoll = std::chrono::milliseconds(1);
+
+}  // namespace
+
 void CopyWorker::run() {
   for (;;) {
     CopyJob job;
     {
       std::unique_lock<std::mutex> lock(q_->mu);
-      q_->cv.wait(lock, [&] { return q_->stop || !q_->jobs.empty(); });
-      if (q_->stop) return;
-      job = std::move(q_->jobs.front());
-      q_->jobs.pop_front();
+      for (;;) {
+        if (q_->stop) return;
+        auto it = std::find_if(q_->jobs.begin(), q_->jobs.end(), mayRun);
+        if (it != q_->jobs.end()) {
+          job = std::move(*it);
+          q_->jobs.erase(it);
+          break;
+        }
+        if (q_->jobs.empty()) {
+          q_->cv.wait(lock);
+        } else {
+          q_->cv.wait_for(lock, kFencePoll);
+        }
+      }
     }
     execute(*q_, job);
   }

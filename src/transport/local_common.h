@@ -130,7 +130,8 @@ struct CopyJob {
   std::shared_ptr<const device::Event> ready;
 };
 
-// One thread that runs copy jobs in FIFO order. Between segments (at least every 256 KiB) it
+// One thread that runs copy jobs in FIFO order, except that a job behind a pending fence
+// (CopyJob::ready) waits aside while later ones run. Between segments (at least every 256 KiB) it
 // honours cancellation and the job's check (peer lost). A job of at least kParallelCopyBytes is cut
 // into equal parts that helper threads copy alongside it (one per further core, at most 3), so one
 // large request uses the machine's copy bandwidth, not one thread's; the job still finishes only
