@@ -616,7 +616,7 @@ StatusOr<sockaddr_in> parseIpPort(const std::string& s) {
 }
 
 // UCX's RNDV_THRESH where the context is tcp only (contextIsTcpOnly).
-constexpr const char* kTcpRndvThresh = "1m";
+constexpr const char* kTcpRndvThresh = "256k";
 
 // Ep lanes that do real one-sided RMA; put over anything else (tcp, shared-memory emulation
 // in UCX 1.13) was measured far slower than active messages.
