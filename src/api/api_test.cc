@@ -564,9 +564,16 @@ TEST(ApiMemory, RefusesAMissingPoolAnUnknownNameAShortBufferAndMalformedDeviceMe
 // device memory (context ranks on devices 0 and 1, the generation rank on 0), and a pair whose
 // plan packs is packed on the context rank's device (`*packed`: whether planTransfer says the
 // pair packs).
+// `fake`: the pools of both sides are its device memory, unless `host_ctx` or `host_gen` keep
+// that side's in host memory.
 void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std::string& backend,
-                    bool shareable, device::FakeDevice* fake = nullptr, bool* packed = nullptr) {
-  SCOPED_TRACE(ctx.toString() + " -> " + gen.toString() + " over " + backend);
+                    bool shareable, device::FakeDevice* fake = nullptr, bool* packed = nullptr,
+                    bool host_ctx = false, bool host_gen = false) {
+  SCOPED_TRACE(ctx.toString() + " -> " + gen.toString() + " over " + backend +
+               (fake == nullptr ? ""
+                : host_ctx      ? ", generation pools on the device"
+                : host_gen      ? ", context pools on the device"
+                                : ", both sides' pools on the device"));
   auto side = [](const EngineLayout& e, uint32_t tp, uint32_t rank) {
     LayoutOptions o = options(std::string(engineName(e.engine)), tp, rank);
     if (e.engine == Engine::kHxfer) o.state_layout = std::string(stateLayoutName(e.state));
@@ -590,7 +597,8 @@ void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std:
   std::vector<std::unique_ptr<Sender>> senders;
   std::vector<std::string> addresses;
   for (uint32_t r = 0; r < 2; ++r) {
-    ctx_ranks.push_back(EngineRank::make(side(ctx, 2, r), shareable, fake, static_cast<int>(r)));
+    ctx_ranks.push_back(EngineRank::make(side(ctx, 2, r), shareable, host_ctx ? nullptr : fake,
+                                         static_cast<int>(r)));
   }
   for (uint32_t r = 0; r < 2; ++r) {
     SenderOptions so;
@@ -605,7 +613,7 @@ void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std:
     addresses.push_back((*s)->address());
     senders.push_back(std::move(*s));
   }
-  EngineRank g = EngineRank::make(side(gen, 1, 0), shareable, fake, 0);
+  EngineRank g = EngineRank::make(side(gen, 1, 0), shareable, host_gen ? nullptr : fake, 0);
   ReceiverOptions ro;
   ro.instance = "gen";
   ro.peers = addresses;
@@ -807,9 +815,125 @@ TEST(ApiDevice, PoolsInDeviceMemoryMoveOverCudaInEveryEngineLayout) {
   EXPECT_GT(rt.fake->opsRun(), 0u);
 }
 
+// Device pools behind ucx (the path across hosts, named here on one host): a context rank
+// copies each part on the device into pinned host memory and writes it from there; a
+// generation rank asks for every part staged and copies it into its pools on the device. Both
+// sides on the device, and each side alone, over engine pairs of every kind, packing ones among
+// them: every byte by the oracle, and nothing on the host touches the pools (they fault).
+TEST(ApiDevice, DevicePoolsMoveOverUcxThroughPinnedHostMemory) {
+  FakeDeviceRuntime rt;
+  const std::vector<EngineLayout> all = allEngineLayouts();
+  size_t packing_pairs = 0;
+  for (size_t i = 0; i < all.size(); i += 2) {
+    bool packed = false;
+    moveOneRequest(all[i], all[(i + 3) % all.size()], "ucx", false, rt.fake.get(), &packed);
+    packing_pairs += packed ? 1 : 0;
+  }
+  EXPECT_GT(packing_pairs, 0u) << "no pair packs: the device pack into host memory went untested";
+  const uint64_t before = rt.fake->opsRun();
+  moveOneRequest(all[1], all[4], "ucx", false, rt.fake.get(), nullptr, false, /*host_gen=*/true);
+  moveOneRequest(all[3], all[0], "ucx", false, rt.fake.get(), nullptr, /*host_ctx=*/true, false);
+  moveOneRequest(sharedEngineLayouts()[1], all[2], "ucx", false, rt.fake.get());
+  EXPECT_GT(rt.fake->opsRun(), before);
+}
+
+// A generation rank with device pools behind ucx takes each part whole through its staging
+// region: a part waits while the region holds another, and one larger than the whole region
+// fails its request naming staging_bytes; no staging region at all is refused at create.
+TEST(ApiDevice, DevicePoolsBehindUcxWaitForRoomAndNameTheStagingRegion) {
+  FakeDeviceRuntime rt;
+  LayoutOptions ctx_options = options("trtllm-v2", 2, 0);
+  std::vector<EngineRank> ctx;
+  for (uint32_t r = 0; r < 2; ++r) {
+    ctx_options.tp_rank = r;
+    ctx.push_back(EngineRank::make(ctx_options, false, rt.fake.get(), static_cast<int>(r)));
+  }
+  EngineRank gen = EngineRank::make(options("trtllm-v2", 1, 0), false, rt.fake.get(), 0);
+  Released ctx_released, gen_released;
+  std::vector<std::unique_ptr<Sender>> senders;
+  std::vector<std::string> addresses;
+  for (EngineRank& c : ctx) {
+    SenderOptions so;
+    so.instance = "ctx";
+    so.backend = "ucx";
+    so.ucx_options = {{"TLS", "tcp"}};
+    so.on_released = ctx_released.callback();
+    auto tx = Sender::create(c.layout, *c.memory, so);
+    ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+    addresses.push_back((*tx)->address());
+    senders.push_back(std::move(*tx));
+  }
+  auto receiver = [&](uint64_t staging_bytes) -> StatusOr<std::unique_ptr<Receiver>> {
+    ReceiverOptions ro;
+    ro.instance = "gen";
+    ro.backend = "ucx";
+    ro.peers = addresses;
+    ro.ucx_options = {{"TLS", "tcp"}};
+    ro.staging_bytes = staging_bytes;
+    ro.request_timeout = 10s;
+    ro.on_released = gen_released.callback();
+    ASSIGN_OR_RETURN(std::unique_ptr<Receiver> rx, Receiver::create(gen.layout, *gen.memory, ro));
+    RETURN_IF_ERROR(rx->waitForPeers(20s));
+    return rx;
+  };
+  auto none = receiver(0);
+  ASSERT_FALSE(none.isOk());
+  EXPECT_EQ(none.status().code(), StatusCode::kInvalidArgument) << none.status().toString();
+  EXPECT_NE(none.status().message().find("staging_bytes is 0"), std::string::npos)
+      << none.status().toString();
+  const uint32_t tokens = 64;
+  const RankPages ctx_pages{{5, 2}, 1}, gen_pages{{3, 8}, 2};
+  auto move = [&](Receiver& rx, uint64_t id) {
+    for (uint32_t r = 0; r < 2; ++r) {
+      EXPECT_TRUE(
+          fillRank(ctx[r].rankLayout(), ctx[r].rankMemory(), RankIds{ctx_pages.blocks, 1}, id)
+              .isOk());
+      EXPECT_TRUE(senders[r]->markReady(id, ctx_pages).isOk());
+    }
+    EXPECT_TRUE(rx.start(id, tokens, gen_pages).isOk());
+    auto res = rx.wait(id, 30s);
+    EXPECT_TRUE(res.isOk()) << res.status().toString();
+    return res.isOk() ? *res : Result{};
+  };
+  // The request's bytes with room for both parts at once.
+  auto roomy = receiver(64ull << 20);
+  ASSERT_TRUE(roomy.isOk()) << roomy.status().toString();
+  const Result first = move(**roomy, 1);
+  ASSERT_TRUE(first.ok()) << first.status.toString();
+  auto report = checkRank(gen.rankLayout(), gen.rankMemory(), RankIds{gen_pages.blocks, 2}, 1,
+                          BlockRange{0, 2, tokens}, tokens);
+  ASSERT_TRUE(report.isOk() && report->ok()) << (report.isOk() ? report->toString() : "");
+  ASSERT_TRUE((*roomy)->release(1).isOk());
+  roomy->reset();
+  const uint64_t part = first.bytes / 2;  // tp 2 -> 1: each context rank sends half
+  ASSERT_GT(part, 0u);
+
+  // Room for one part at a time: the second waits for the first to land, then comes.
+  auto tight = receiver(part + part / 2);
+  ASSERT_TRUE(tight.isOk()) << tight.status().toString();
+  const Result second = move(**tight, 2);
+  ASSERT_TRUE(second.ok()) << second.status.toString();
+  report = checkRank(gen.rankLayout(), gen.rankMemory(), RankIds{gen_pages.blocks, 2}, 2,
+                     BlockRange{0, 2, tokens}, tokens);
+  ASSERT_TRUE(report.isOk() && report->ok()) << (report.isOk() ? report->toString() : "");
+  ASSERT_TRUE((*tight)->release(2).isOk());
+  tight->reset();
+
+  // No room for any part: start() fails at once, naming the sizes and the option.
+  auto small = receiver(part / 2);
+  ASSERT_TRUE(small.isOk()) << small.status().toString();
+  Status refused = (*small)->start(3, tokens, gen_pages);
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused.toString();
+  EXPECT_NE(refused.message().find("more than the staging region of " + std::to_string(part / 2) +
+                                   " (staging_bytes)"),
+            std::string::npos)
+      << refused.toString();
+  EXPECT_FALSE((*small)->holds(3));
+}
+
 // Device memory: auto picks cuda, saying why; the host paths are refused naming what is
-// missing (shm/ucx by name, checksums, ucx peers, a mix of host and device pools, a buffer
-// on another device than it says).
+// missing (shm/inproc by name, checksums, a mix of host and device pools, a buffer on another
+// device than it says).
 TEST(ApiDevice, AutoPicksCudaAndRefusesHostPathsNamingThem) {
   FakeDeviceRuntime rt;
   EngineRank ctx = EngineRank::make(options("hxfer", 1, 0), false, rt.fake.get(), 1);
@@ -825,7 +949,7 @@ TEST(ApiDevice, AutoPicksCudaAndRefusesHostPathsNamingThem) {
   EXPECT_NE((*tx)->routing().find("CUDA device memory"), std::string::npos) << (*tx)->routing();
   EXPECT_EQ((*tx)->address().rfind("cuda:@", 0), 0u) << (*tx)->address();
 
-  for (const char* host : {"shm", "ucx", "inproc"}) {
+  for (const char* host : {"shm", "inproc"}) {
     so.backend = host;
     auto s = Sender::create(gen.layout, *gen.memory, so);
     ASSERT_FALSE(s.isOk()) << host;
@@ -845,14 +969,9 @@ TEST(ApiDevice, AutoPicksCudaAndRefusesHostPathsNamingThem) {
 
   ReceiverOptions ro;
   ro.instance = "gen";
-  ro.peers = {"ucx:127.0.0.1:1"};
-  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
-  ASSERT_FALSE(rx.isOk());
-  EXPECT_NE(rx.status().message().find("backend=ucx is impossible"), std::string::npos)
-      << rx.status().toString();
   ro.peers = {(*tx)->address()};
   ro.checksum = true;
-  rx = Receiver::create(gen.layout, *gen.memory, ro);
+  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
   ASSERT_FALSE(rx.isOk());
   EXPECT_EQ(rx.status().code(), StatusCode::kIncompatible) << rx.status().toString();
   ro.checksum = false;

@@ -1082,6 +1082,7 @@ StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const
   ro.request_timeout = clampTimeout(o.request_timeout);
   ro.staging_bytes = o.staging_bytes;
   ro.handshake_timeout = clampTimeout(o.handshake_timeout);
+  ro.device = memory.impl().device;
   auto receiver =
       engine::GenerationReceiver::create(std::move(ro), &impl->cache(), std::move(*agent));
   if (!receiver.isOk()) return receiver.status();  // ~Impl hands the memory back

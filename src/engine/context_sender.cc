@@ -104,7 +104,9 @@ struct ContextSender::Source {
 StatusOr<std::unique_ptr<ContextSender>> ContextSender::create(
     Options options, HybridCacheManager* cache, std::unique_ptr<transport::Agent> agent) {
   if (cache == nullptr || agent == nullptr) return InvalidArgument("cache and agent are required");
-  RETURN_IF_ERROR(checksumsPossible(options.checksum, agent->capabilities().device_memory,
+  const int ordinal = deviceOrdinal(options.device.get(), *cache);
+  RETURN_IF_ERROR(checksumsPossible(options.checksum,
+                                    agent->capabilities().device_memory || ordinal >= 0,
                                     agent->capabilities().name));
   const RankLayout& layout = cache->layout();
   if (layout.tp != options.parallel.tp || layout.pp != options.parallel.pp ||
@@ -119,18 +121,17 @@ StatusOr<std::unique_ptr<ContextSender>> ContextSender::create(
   const std::string addr = s->agent_->localAddress();
   s->self_.address.assign(addr.begin(), addr.end());
   s->self_.layout = layout;
+  s->device_ordinal_ = ordinal;
+  s->staged_device_ = ordinal >= 0 && !s->agent_->capabilities().device_memory;
+  // Device pools behind a host agent are never written from: their bytes go through host areas.
   for (const auto& region : cache->regions()) {
+    if (s->staged_device_) break;
     ASSIGN_OR_RETURN(Bytes key,
                      s->agent_->registerRegion(*region, transport::RegionAccess::kLocalSource));
     if (!key.empty()) s->self_.region_keys.push_back({region->id(), std::move(key)});
   }
   RETURN_IF_ERROR(wire::checkRankInfo(s->self_).withContext("own rank_info"));
   s->memory_ = cacheMemory(*cache);
-  if (s->options_.device && s->agent_->capabilities().device_memory && !cache->regions().empty()) {
-    ASSIGN_OR_RETURN(device::DeviceId id,
-                     s->options_.device->owner(cache->regions().front()->data(), 1));
-    s->device_ordinal_ = id.ordinal;
-  }
   s->stage_ = layout.stageLayers();
   s->waker_->agent = s->agent_.get();
   s->thread_ = std::thread([p = s.get()] { p->run(); });
@@ -200,7 +201,7 @@ Status ContextSender::markReady(uint64_t request_id, Bytes aux) {
 Status ContextSender::markReady(uint64_t request_id, LayerRange layers, Bytes aux,
                                 std::shared_ptr<const device::Event> ready) {
   const std::string what = "request " + std::to_string(request_id);
-  if (ready && !agent_->capabilities().device_memory) {
+  if (ready && !agent_->capabilities().device_memory && device_ordinal_ < 0) {
     return InvalidArgument(what + ": a device event given with pools in host memory (" +
                            agent_->capabilities().name + " agent)");
   }
@@ -493,6 +494,9 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
   if (!peer.regions_declared) {
     for (const RegionSpec& r : peer.info.layout.regions) {
       const Bytes* key = peer.info.findKey(r.id);
+      // Declared without a key (device pools behind ucx, reached only through the staging
+      // region): never a write's destination here; a write naming it is refused as unknown.
+      if (key == nullptr && agent_->capabilities().remote_regions_need_keys) continue;
       Status s = agent_->addRemoteRegion(
           peer.id, r.id, r.length,
           key ? std::span<const uint8_t>(*key) : std::span<const uint8_t>());
@@ -692,6 +696,10 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
                         "the engine's layers-ready event: " + src.ready_event->status().message());
     return;
   }
+  if (staged_device_) {
+    postFromDeviceLocked(src, ask, *plan);
+    return;
+  }
   const bool on_device = agent_->capabilities().device_memory;
   if (on_device && (ask.req.staging || (!plan->pack_ops.empty() && device_ordinal_ < 0))) {
     // Both gather or pack on the host; device pools have neither path yet.
@@ -835,6 +843,88 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan
   }
 }
 
+void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& plan) {
+  const std::optional<wire::Staging>& slot = ask.req.staging;
+  auto fail = [&](const Status& why) {
+    HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
+                   why.toString());
+    ask.failed = why;
+  };
+  if (slot && plan.bytes != slot->bytes) {
+    fail(InvalidArgument("request " + std::to_string(src.id) + ": staging slot of " +
+                         std::to_string(slot->bytes) + " bytes for a part of " +
+                         std::to_string(plan.bytes)));
+    return;
+  }
+  // Where each op's bytes go in the host area (region 0 of `area_memory` below): laid out as
+  // the slot when the generation rank asked for staging, else back to back in op order.
+  std::vector<CopyOp> gather;
+  if (slot) {
+    auto runs = stagingRuns(plan.ops);
+    auto ops = runs.isOk() ? gatherOps(plan.ops, *runs, 0) : runs.status();
+    if (!ops.isOk()) return fail(ops.status());
+    gather = std::move(ops).value();
+  } else {
+    gather = backToBack(plan.ops, 0);
+  }
+  std::unique_ptr<Region> scratch;
+  std::shared_ptr<const device::Event> pack;
+  if (!plan.pack_ops.empty()) {
+    auto packed = packOnDeviceLocked(plan);  // into a pinned host area, on pack_stream_
+    if (!packed.isOk()) return fail(packed.status());
+    scratch = std::move(packed->first);
+    pack = std::move(packed->second);
+  }
+  auto area = acquireAreaLocked(plan.bytes);
+  if (!area.isOk()) {
+    retireAreaLocked(std::move(scratch), pack);
+    return fail(area.status().withContext("host area of " + std::to_string(plan.bytes) + " bytes"));
+  }
+  const RankMemory area_memory = {{(*area)->data(), plan.bytes}};
+  const auto scratch_bytes = scratch ? std::span<const uint8_t>(scratch->data(), scratch->length())
+                                     : std::span<const uint8_t>();
+  auto table = device::copyTable(gather, memory_, area_memory, scratch_bytes);
+  Status launched = table.status();
+  if (launched.isOk() && !pack_stream_) {
+    auto stream = options_.device->createStream(device_ordinal_);
+    launched = stream.status();
+    if (stream.isOk()) pack_stream_ = std::move(stream).value();
+  }
+  std::shared_ptr<const device::Event> copied;
+  if (launched.isOk()) {
+    auto c = pack_stream_->copy(*table);  // after the pack: one stream
+    launched = c.status();
+    if (c.isOk()) copied = std::move(c).value();
+  }
+  // The write reads the area: the copy must be done first. It is short (the part's bytes over
+  // the bus) and waited for here; one that overruns stall_timeout fails the part, and the
+  // areas stay aside until the device is done with them.
+  const Status done = copied ? copied->wait(options_.stall_timeout) : launched;
+  retireAreaLocked(std::move(scratch), copied ? copied : pack);
+  if (!done.isOk()) {
+    retireAreaLocked(std::move(area).value(), copied);
+    return fail(done.withContext("copying a part of " + std::to_string(plan.bytes) +
+                                 " bytes from device " + std::to_string(device_ordinal_) +
+                                 " into host memory"));
+  }
+  if (!plan.pack_ops.empty()) metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
+  std::unique_ptr<Region> from = std::move(area).value();
+  std::vector<transport::WriteOp> ops;
+  if (slot) {
+    metrics_.stormStaged(plan.ops.size());
+    ops.push_back({from->id(), 0, slot->region, slot->offset, plan.bytes});
+  } else {
+    ops.reserve(plan.ops.size());
+    for (size_t i = 0; i < plan.ops.size(); ++i) {
+      const CopyOp& op = plan.ops[i];
+      ops.push_back({from->id(), gather[i].dst_offset, op.dst_region, op.dst_offset, op.bytes});
+    }
+  }
+  if (Status st = postLocked(ask, std::move(ops), std::move(from), plan.bytes); !st.isOk()) {
+    fail(st);
+  }
+}
+
 StatusOr<uint64_t> ContextSender::checksumAskLocked(const Source& src, const Ask& ask) const {
   // Over the whole request, whatever pieces it went in: the generation rank hashes its
   // destination bytes in the same order (checksumOps sorts by destination).
@@ -884,7 +974,20 @@ StatusOr<std::unique_ptr<Region>> ContextSender::acquireAreaLocked(uint64_t byte
   const uint64_t length =
       (std::max<uint64_t>(bytes, 1) + kAreaGranule - 1) / kAreaGranule * kAreaGranule;
   std::unique_ptr<Region> r;
-  if (device_ordinal_ >= 0) {
+  if (staged_device_) {
+    // Device pools behind a host agent: host memory the agent writes from, pinned so that the
+    // device copies into it at the bus's speed.
+    ASSIGN_OR_RETURN(std::unique_ptr<Region> host,
+                     Region::allocate(id, length, backing, "hxfer-staging"));
+    ASSIGN_OR_RETURN(std::unique_ptr<device::HostRegistration> pin,
+                     options_.device->registerHost(host->data(), length));
+    uint8_t* data = host->data();
+    // The pin goes before the memory it pins.
+    auto held = std::make_shared<
+        std::pair<std::unique_ptr<Region>, std::unique_ptr<device::HostRegistration>>>(
+        std::move(host), std::move(pin));
+    r = Region::holding(id, data, length, std::move(held));
+  } else if (device_ordinal_ >= 0) {
     // Device pools: the area is device memory of the pools' device, which the agent writes
     // from as from a pool.
     ASSIGN_OR_RETURN(std::unique_ptr<device::DeviceBuffer> buffer,

@@ -191,6 +191,10 @@ class ContextSender {
   // A part the generation rank asked to stage (TransferRequest::staging): its ops gathered
   // into one local area in the slot's order (plan/staging.h) and posted as one write.
   void postStagedLocked(Source& src, Ask& ask, const RankPlan& plan);
+  // Device pools behind a host agent (staged_device_): the part's bytes copied on the device
+  // into a pinned host area (laid out as the generation rank's slot when it asked for staging,
+  // else back to back), then written from there.
+  void postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& plan);
   StatusOr<RankPlan> planAskLocked(const Source& src, const Ask& ask, LayerRange layers) const;
   // Posts `ops` as one piece of `ask` (`area`, a registered local source the ops read, is
   // released once the write is terminal, or now when posting fails).
@@ -290,6 +294,9 @@ class ContextSender {
   // Device pools: the device of this rank's pools, its stream for packs (made on first use),
   // and areas whose write ended while their pack may still run (released once it is done).
   int device_ordinal_ = -1;
+  // Device pools behind an agent that moves host memory only (ucx): every part goes through a
+  // host area (postFromDeviceLocked).
+  bool staged_device_ = false;
   std::unique_ptr<device::Stream> pack_stream_;  // guarded by mu_
   std::vector<std::pair<std::unique_ptr<Region>, std::shared_ptr<const device::Event>>>
       draining_areas_;  // guarded by mu_

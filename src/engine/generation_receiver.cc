@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "common/logging.h"
+#include "device/copy_table_builder.h"
 #include "device/device_api.h"
 #include "engine/handshake.h"
 #include "plan/staging.h"
@@ -86,8 +87,18 @@ struct GenerationReceiver::Sink {
 StatusOr<std::unique_ptr<GenerationReceiver>> GenerationReceiver::create(
     Options options, HybridCacheManager* cache, std::unique_ptr<transport::Agent> agent) {
   if (cache == nullptr || agent == nullptr) return InvalidArgument("cache and agent are required");
-  RETURN_IF_ERROR(checksumsPossible(options.checksum, agent->capabilities().device_memory,
+  const int ordinal = deviceOrdinal(options.device.get(), *cache);
+  RETURN_IF_ERROR(checksumsPossible(options.checksum,
+                                    agent->capabilities().device_memory || ordinal >= 0,
                                     agent->capabilities().name));
+  const bool staged_device = ordinal >= 0 && !agent->capabilities().device_memory;
+  if (staged_device && options.staging_bytes == 0) {
+    return InvalidArgument(
+        "staging_bytes is 0, and these pools are device memory behind a host agent (" +
+        agent->capabilities().name +
+        "), which they are reached through: give the staging region "
+        "at least the bytes of the largest part one context rank sends this rank");
+  }
   // A context rank gets our pools only once its Hello matched (onHelloLocked).
   agent->requireWriteGrants();
   const RankLayout& layout = cache->layout();
@@ -111,7 +122,11 @@ StatusOr<std::unique_ptr<GenerationReceiver>> GenerationReceiver::create(
   const std::string addr = g->agent_->localAddress();
   g->self_.address.assign(addr.begin(), addr.end());
   g->self_.layout = layout;
+  g->device_ordinal_ = ordinal;
+  g->staged_device_ = staged_device;
+  // Device pools behind a host agent are never written by a peer: only the staging region is.
   for (const auto& region : cache->regions()) {
+    if (staged_device) break;
     ASSIGN_OR_RETURN(Bytes key,
                      g->agent_->registerRegion(*region, transport::RegionAccess::kRemoteWritable));
     if (!key.empty()) g->self_.region_keys.push_back({region->id(), std::move(key)});
@@ -123,6 +138,11 @@ StatusOr<std::unique_ptr<GenerationReceiver>> GenerationReceiver::create(
                              : Region::Backing::kAnonymous;
     ASSIGN_OR_RETURN(g->staging_, Region::allocate(kStagingRegionId, g->options_.staging_bytes,
                                                    backing, "hxfer-staging"));
+    if (staged_device) {
+      // Pinned, so that the device's copies out of it run at the bus's speed.
+      ASSIGN_OR_RETURN(g->staging_pin_, g->options_.device->registerHost(g->staging_->data(),
+                                                                         g->staging_->length()));
+    }
     ASSIGN_OR_RETURN(Bytes key, g->agent_->registerRegion(
                                     *g->staging_, transport::RegionAccess::kRemoteWritable));
     if (!key.empty()) g->self_.region_keys.push_back({kStagingRegionId, std::move(key)});
@@ -273,7 +293,7 @@ StatusOr<Allocation> GenerationReceiver::startRequest(
     const EnginePages* pages, std::shared_ptr<const device::Event> pages_free) {
   std::lock_guard lock(mu_);
   if (stop_) return Unavailable("receiver is shut down");
-  if (pages_free && !agent_->capabilities().device_memory) {
+  if (pages_free && !agent_->capabilities().device_memory && device_ordinal_ < 0) {
     return InvalidArgument("request " + std::to_string(request_id) +
                            ": a device event given with pools in host memory (" +
                            agent_->capabilities().name + " agent)");
@@ -351,7 +371,17 @@ void GenerationReceiver::sendQueuedPartsLocked(Sink& sink, std::optional<size_t>
 }
 
 void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
+  if (staged_device_) {
+    auto reserved = reserveSlotLocked(sink, part, peer);
+    if (!reserved.isOk()) {
+      part.state = Part::State::kFailed;
+      failLocked(sink, reserved.status(), FailureCause::kOther);
+      return;
+    }
+    if (!*reserved) return;  // queued until a slot frees (timersLocked)
+  }
   if (Status st = cache_->beginTransfer(sink.id); !st.isOk()) {
+    freeSlotLocked(part);
     part.state = Part::State::kFailed;
     failLocked(sink, st, causeOf(st));
     return;
@@ -369,7 +399,11 @@ void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
   req.num_tokens = sink.alloc.num_tokens;
   req.aux = sink.aux;
   req.epoch = sink.epoch;
-  maybeStageLocked(sink, part, peer, &req);
+  if (part.staging) {
+    req.staging = part.staging;
+  } else {
+    maybeStageLocked(sink, part, peer, &req);
+  }
   if (Status st = agent_->sendMessage(peer.id, wire::encodeMessage(req)); !st.isOk()) {
     endPartLocked(sink, part);
     part.state = Part::State::kFailed;
@@ -402,6 +436,43 @@ void GenerationReceiver::maybeStageLocked(const Sink& sink, Part& part, const Ct
   req->staging = part.staging;
 }
 
+StatusOr<bool> GenerationReceiver::reserveSlotLocked(const Sink& sink, Part& part,
+                                                     const CtxPeer& peer) {
+  if (part.staging) return true;
+  const std::string what =
+      "request " + std::to_string(sink.id) + " from context rank " + std::to_string(peer.rank);
+  if (peer.info.version_minor < wire::kStagingMinor || !peer.planner) {
+    return Incompatible(what + ": it speaks wire 1." + std::to_string(peer.info.version_minor) +
+                        ", without staging, and this rank's pools are device memory behind a " +
+                        agent_->capabilities().name + " agent, reached only through staging");
+  }
+  ASSIGN_OR_RETURN(RankPlan plan, destinationPlanLocked(sink, peer));
+  if (plan.ops.empty()) return true;  // nothing of this part lands here
+  if (plan.bytes > staging_->length()) {
+    return ResourceExhausted(
+        what + ": the part is " + std::to_string(plan.bytes) +
+        " bytes, more than the staging region of " + std::to_string(staging_->length()) +
+        " (staging_bytes); device pools behind a " + agent_->capabilities().name +
+        " agent take each part whole through the staging region");
+  }
+  uint64_t at = 0;  // first fit, 64-byte aligned
+  for (const auto& [offset, bytes] : staging_slots_) {
+    if (offset >= at + plan.bytes) break;
+    at = (offset + bytes + 63) & ~uint64_t{63};
+  }
+  if (at + plan.bytes > staging_->length()) return false;
+  staging_slots_[at] = plan.bytes;
+  part.staging = wire::Staging{kStagingRegionId, at, plan.bytes};
+  return true;
+}
+
+void GenerationReceiver::freeSlotLocked(Part& part) {
+  if (!part.staging) return;
+  staging_slots_.erase(part.staging->offset);
+  part.staging.reset();
+  slot_freed_ = true;
+}
+
 Status GenerationReceiver::scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer) {
   ASSIGN_OR_RETURN(RankPlan plan, destinationPlanLocked(sink, peer));
   ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagingRuns(plan.ops));
@@ -410,9 +481,34 @@ Status GenerationReceiver::scatterLocked(const Sink& sink, const Part& part, con
                     std::to_string(part.staging->bytes) + " bytes, the plan has " +
                     std::to_string(stagingBytes(runs)));
   }
-  RETURN_IF_ERROR(scatterStaged(
-      runs, std::span<const uint8_t>(staging_->data() + part.staging->offset, part.staging->bytes),
-      memory_));
+  if (staged_device_) {
+    // One batched copy on the device, from the pinned slot into the pools. The pages and the
+    // slot stay fenced until it is done: it is waited for here, however long the device takes.
+    const RankMemory staging = {{staging_->data(), staging_->length()}};
+    ASSIGN_OR_RETURN(
+        device::HostCopyTable table,
+        device::copyTable(scatterOps(runs, 0, part.staging->offset), staging, memory_));
+    if (!scatter_stream_) {
+      ASSIGN_OR_RETURN(scatter_stream_, options_.device->createStream(device_ordinal_));
+    }
+    ASSIGN_OR_RETURN(std::shared_ptr<device::Event> copied, scatter_stream_->copy(table));
+    Status done = copied->wait(options_.request_timeout);
+    while (done.code() == StatusCode::kTimeout) {
+      HXFER_LOG_WARN(
+          "generation: request {}: the device has not finished copying a staged part "
+          "of {} bytes into its pools after {} ms; waiting on",
+          sink.id, part.staging->bytes, options_.request_timeout.count());
+      done = copied->wait(options_.request_timeout);
+    }
+    RETURN_IF_ERROR(done.withContext("copying a staged part of " +
+                                     std::to_string(part.staging->bytes) + " bytes into device " +
+                                     std::to_string(device_ordinal_)));
+  } else {
+    RETURN_IF_ERROR(scatterStaged(
+        runs,
+        std::span<const uint8_t>(staging_->data() + part.staging->offset, part.staging->bytes),
+        memory_));
+  }
   metrics_.stormStaged(runs.size());
   return OkStatus();
 }
@@ -422,8 +518,7 @@ void GenerationReceiver::endPartLocked(Sink& sink, Part& part) {
   part.in_flight = false;
   // No write of this part can land any more: its staging slot is free again.
   if (part.staging) {
-    staging_slots_.erase(part.staging->offset);
-    part.staging.reset();
+    freeSlotLocked(part);
   }
   if (Status s = cache_->endTransfer(sink.id); !s.isOk()) {
     HXFER_LOG_ERROR("generation: endTransfer of request {}: {}", sink.id, s.toString());
@@ -840,6 +935,13 @@ void GenerationReceiver::finishConnectLocked(CtxPeer& peer, StatusOr<transport::
 }
 
 void GenerationReceiver::timersLocked() {
+  if (slot_freed_) {
+    // Parts that waited for room in the staging region (device pools behind a host agent).
+    slot_freed_ = false;
+    if (staged_device_) {
+      for (auto& [id, sink] : sinks_) sendQueuedPartsLocked(*sink);
+    }
+  }
   // Requests whose pages the engine has let go of since: ask the context ranks now.
   for (auto& [id, sink] : sinks_) {
     if (!sink->pages_free || sink->result.terminal() || !sink->pages_free->done()) continue;
@@ -863,7 +965,14 @@ void GenerationReceiver::timersLocked() {
         if (sink->pages_free) break;
         if (part.state != Part::State::kQueued || part.peer >= peers_.size()) continue;
         const CtxPeer& peer = *peers_[part.peer];
-        if (peer.state == CtxPeer::State::kReady) continue;
+        if (peer.state == CtxPeer::State::kReady) {
+          if (staged_device_) {
+            waiting += (waiting.empty() ? "; waiting for " : ", ") +
+                       std::string("room in the staging region for context rank ") +
+                       std::to_string(peer.rank) + "'s part";
+          }
+          continue;
+        }
         waiting += (waiting.empty() ? "; waiting for " : ", ") + std::string("context rank ") +
                    std::to_string(peer.rank) + " at " + peer.address + ", not connected" +
                    (peer.last_error.isOk() ? "" : " (" + peer.last_error.toString() + ")");

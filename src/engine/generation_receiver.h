@@ -40,6 +40,7 @@
 
 #include "cache/cache_manager.h"
 #include "common/status.h"
+#include "device/device_api.h"
 #include "engine/metrics.h"
 #include "engine/options.h"
 #include "plan/memory.h"
@@ -90,6 +91,11 @@ class GenerationReceiver {
     // Capabilities::many_small_ops_cheap). There staging's two extra local copies cost more
     // than the ops they save (docs/performance.md); tests and benchmarks turn it on.
     bool stage_on_cheap_ops = false;
+    // The device runtime of pools in device memory. With a host agent (ucx) such pools are
+    // reached only through the staging region: every part is asked for staged, waits for room
+    // there, and is copied into the pools on the device (docs/engine.md, "Device pools behind
+    // a host agent").
+    std::shared_ptr<device::DeviceApi> device;
   };
 
   // Registers every region of `cache` with `agent`, computes the overlapping context ranks and
@@ -184,8 +190,14 @@ class GenerationReceiver {
   // Asks for staging (req->staging, part.staging) when the part is a storm and a slot is free.
   void maybeStageLocked(const Sink& sink, Part& part, const CtxPeer& peer,
                         wire::TransferRequest* req);
-  // Copies a staged part from its slot into the pages.
+  // Copies a staged part from its slot into the pages (on the device for device pools behind a
+  // host agent).
   Status scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer);
+  // Device pools behind a host agent: a staging slot for `part` before it is asked for. False
+  // while the region has no room (the part stays queued); an error for a part that can never
+  // fit or a peer without staging.
+  StatusOr<bool> reserveSlotLocked(const Sink& sink, Part& part, const CtxPeer& peer);
+  void freeSlotLocked(Part& part);
   void sendLocked(transport::PeerId peer, const wire::Message& m);
   CtxPeer* peerById(transport::PeerId id);
   // Whether a connect() other than `except`'s is running.
@@ -196,10 +208,16 @@ class GenerationReceiver {
   // The staging region (Options::staging_bytes), declared before the agent so that it outlives
   // every write the agent may still run into it.
   std::unique_ptr<Region> staging_;
+  std::unique_ptr<device::HostRegistration> staging_pin_;  // device pools: staging_ pinned
   std::unique_ptr<transport::Agent> agent_;
-  wire::RankInfo self_;              // fixed after create()
-  RankMemory memory_;                // fixed after create()
-  std::vector<uint32_t> ctx_ranks_;  // fixed after create()
+  // Device pools (Options::device owns them): the device's ordinal, else -1. staged_device_:
+  // and the agent moves host memory only, so every part goes through staging_.
+  int device_ordinal_ = -1;
+  bool staged_device_ = false;
+  std::unique_ptr<device::Stream> scatter_stream_;  // progress thread only
+  wire::RankInfo self_;                             // fixed after create()
+  RankMemory memory_;                               // fixed after create()
+  std::vector<uint32_t> ctx_ranks_;                 // fixed after create()
 
   // Threads blocked in wait() / waitForPeers() under mu_. Each sleeps in ppoll on its own
   // eventfd instead of on a condition variable, like the transport's event queue (measured
@@ -229,6 +247,8 @@ class GenerationReceiver {
   uint64_t next_epoch_ = 1;     // guarded by mu_; the epoch of the next request started
   // Staging slots in use (offset -> bytes), each until its part's fence ends.
   std::map<uint64_t, uint64_t> staging_slots_;  // guarded by mu_
+  // A slot was freed: parts waiting for room are asked for again (timersLocked).
+  bool slot_freed_ = false;  // guarded by mu_
   std::thread thread_;
   std::once_flag shutdown_once_;
 };

@@ -84,6 +84,12 @@ StatusOr<std::vector<uint32_t>> overlappingGenerationRanks(const ModelSpec& mode
   return out;
 }
 
+int deviceOrdinal(device::DeviceApi* device, const HybridCacheManager& cache) {
+  if (device == nullptr || cache.regions().empty()) return -1;
+  auto id = device->owner(cache.regions().front()->data(), 1);
+  return id.isOk() ? id->ordinal : -1;
+}
+
 Status checksumsPossible(bool checksum, bool device_memory, const std::string& agent) {
   if (!checksum || !device_memory) return OkStatus();
   return Incompatible(

@@ -12,6 +12,7 @@
 #include "cache/cache_manager.h"
 #include "cache/layout.h"
 #include "common/status.h"
+#include "device/device_api.h"
 #include "model/model.h"
 #include "plan/memory.h"
 #include "plan/planner.h"
@@ -48,6 +49,10 @@ StatusOr<std::vector<uint32_t>> overlappingGenerationRanks(const ModelSpec& mode
 // bytes (the generation side, after the Done). A source of kScratchRegion reads `scratch`.
 StatusOr<uint64_t> checksumOps(std::vector<CopyOp> ops, const RankMemory& mem, bool source,
                                std::span<const uint8_t> scratch = {});
+
+// The ordinal of the device whose memory `cache`'s pools are, by `device` (null: none), or -1
+// for pools in host memory.
+int deviceOrdinal(device::DeviceApi* device, const HybridCacheManager& cache);
 
 // Refuses checksums (`checksum` asked) over pools in device memory (`device_memory`, of the
 // `agent` named): checksumOps reads the pools on the host.

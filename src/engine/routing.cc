@@ -135,8 +135,9 @@ bool compiled(BackendKind b, const RoutingEnvironment& env) {
 
 // Empty when `b` can reach every peer; otherwise why not.
 std::string unreachableBecause(BackendKind b, const RoutingEnvironment& env) {
-  if (env.memory_device && b != BackendKind::kCuda) {
-    return "it moves host memory, and these pools are CUDA device memory";
+  if (env.memory_device && b != BackendKind::kCuda && b != BackendKind::kUcx) {
+    return "it moves host memory, and these pools are CUDA device memory (ucx reaches them "
+           "through host staging)";
   }
   switch (b) {
     case BackendKind::kInproc:
@@ -151,8 +152,8 @@ std::string unreachableBecause(BackendKind b, const RoutingEnvironment& env) {
     case BackendKind::kCuda:
       if (!env.memory_device) return "it needs CUDA device pools, and these are host memory";
       return env.peers_same_host ? ""
-                                 : "it needs every peer on this host (device pools have no "
-                                   "path across hosts yet)";
+                                 : "it needs every peer on this host (across hosts, device "
+                                   "pools go by ucx)";
   }
   return "unknown backend";
 }
@@ -199,9 +200,17 @@ Status resolveBackend(const RoutingRequest& req, const RoutingEnvironment& env,
   }
   if (env.memory_device) {
     if (!env.peers_same_host) {
-      return Unavailable(
-          "backend=auto finds no backend: the pools are CUDA device memory and the peers are on "
-          "another host (staging device memory through host memory is not built)");
+      if (!env.ucx_compiled) {
+        return Unavailable(
+            "backend=auto finds no backend: the pools are CUDA device memory, the peers are on "
+            "another host, and ucx is not compiled in");
+      }
+      out->decisions.push_back(
+          {"backend", "ucx",
+           "requested auto; the pools are CUDA device memory and a peer is on another host: "
+           "ucx, each part staged through pinned host memory"});
+      *backend = BackendKind::kUcx;
+      return OkStatus();
     }
     if (!env.cuda_compiled) {
       return Unavailable(

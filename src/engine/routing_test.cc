@@ -273,10 +273,10 @@ TEST(Routing, PrivateEngineMemoryRoutesToUcxAndRefusesShm) {
   EXPECT_EQ(back->backend, BackendKind::kShm);
 }
 
-// CUDA device pools: auto picks cuda on one host and says why; across hosts it finds no
-// backend, naming the missing staging; every host backend asked by name is refused naming the
-// memory, and cuda is refused for host memory.
-TEST(Routing, DevicePoolsRouteToCudaOnOneHostAndRefuseHostBackends) {
+// CUDA device pools: auto picks cuda on one host and ucx (staged through host memory) across
+// hosts, and says why; ucx asked by name is taken, the other host backends are refused naming
+// the memory, and cuda is refused for host memory and across hosts.
+TEST(Routing, DevicePoolsRouteToCudaOnOneHostUcxAcrossAndRefuseOtherHostBackends) {
   RoutingEnvironment e;
   e.ucx_compiled = true;
   e.memory_shareable = false;
@@ -287,7 +287,7 @@ TEST(Routing, DevicePoolsRouteToCudaOnOneHostAndRefuseHostBackends) {
   EXPECT_EQ(x.routing->state_layout, StateLayout::kPaged) << "one batched copy: records are cheap";
   EXPECT_NE(x.decisions[0].reason.find("CUDA device memory"), std::string::npos)
       << x.decisions[0].reason;
-  for (BackendKind b : {BackendKind::kShm, BackendKind::kUcx, BackendKind::kInproc}) {
+  for (BackendKind b : {BackendKind::kShm, BackendKind::kInproc}) {
     e.single_process = b == BackendKind::kInproc;
     auto r = resolveRouting({b, std::nullopt}, e, StateLayout::kPaged);
     ASSERT_FALSE(r.isOk()) << backendName(b);
@@ -297,16 +297,26 @@ TEST(Routing, DevicePoolsRouteToCudaOnOneHostAndRefuseHostBackends) {
         << r.status().toString();
   }
   e.single_process = false;
+  auto ucx_here = resolveRouting({BackendKind::kUcx, std::nullopt}, e, StateLayout::kPaged);
+  ASSERT_TRUE(ucx_here.isOk()) << ucx_here.status().toString();
+  EXPECT_EQ(ucx_here->backend, BackendKind::kUcx);
   e.peers_same_host = false;
-  auto far = resolveRouting({std::nullopt, std::nullopt}, e, StateLayout::kPaged);
-  ASSERT_FALSE(far.isOk());
-  EXPECT_EQ(far.status().code(), StatusCode::kUnavailable);
-  EXPECT_NE(far.status().message().find("staging device memory through host memory is not built"),
-            std::string::npos)
-      << far.status().toString();
+  RoutingExplanation far = explainRouting({std::nullopt, std::nullopt}, e, StateLayout::kPaged);
+  ASSERT_TRUE(far.routing.has_value()) << far.status.toString();
+  EXPECT_EQ(far.routing->backend, BackendKind::kUcx);
+  EXPECT_NE(far.decisions[0].reason.find("staged through pinned host memory"), std::string::npos)
+      << far.decisions[0].reason;
+  e.ucx_compiled = false;
+  auto none = resolveRouting({std::nullopt, std::nullopt}, e, StateLayout::kPaged);
+  ASSERT_FALSE(none.isOk());
+  EXPECT_EQ(none.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(none.status().message().find("ucx is not compiled in"), std::string::npos)
+      << none.status().toString();
+  e.ucx_compiled = true;
   auto cuda_far = resolveRouting({BackendKind::kCuda, std::nullopt}, e, StateLayout::kPaged);
   ASSERT_FALSE(cuda_far.isOk());
   EXPECT_NE(cuda_far.status().message().find("every peer on this host"), std::string::npos);
+  EXPECT_NE(cuda_far.status().message().find("device pools go by ucx"), std::string::npos);
   e.peers_same_host = true;
   e.memory_device = false;
   auto host = resolveRouting({BackendKind::kCuda, std::nullopt}, e, StateLayout::kPaged);

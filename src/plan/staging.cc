@@ -89,6 +89,38 @@ Status gatherStaged(const RankPlan& plan, const std::vector<StagedRun>& runs, co
   return OkStatus();
 }
 
+StatusOr<std::vector<CopyOp>> gatherOps(std::span<const CopyOp> ops,
+                                        const std::vector<StagedRun>& runs, uint32_t area) {
+  std::vector<CopyOp> out;
+  out.reserve(ops.size());
+  for (const CopyOp& op : ops) {
+    ASSIGN_OR_RETURN(uint64_t at, slotOffset(runs, op));
+    out.push_back({op.src_region, op.src_offset, area, at, op.bytes});
+  }
+  return out;
+}
+
+std::vector<CopyOp> scatterOps(const std::vector<StagedRun>& runs, uint32_t staging,
+                               uint64_t slot_offset) {
+  std::vector<CopyOp> out;
+  out.reserve(runs.size());
+  for (const StagedRun& r : runs) {
+    out.push_back({staging, slot_offset + r.stage_offset, r.region, r.dst_offset, r.bytes});
+  }
+  return out;
+}
+
+std::vector<CopyOp> backToBack(std::span<const CopyOp> ops, uint32_t area) {
+  std::vector<CopyOp> out;
+  out.reserve(ops.size());
+  uint64_t at = 0;
+  for (const CopyOp& op : ops) {
+    out.push_back({op.src_region, op.src_offset, area, at, op.bytes});
+    at += op.bytes;
+  }
+  return out;
+}
+
 Status scatterStaged(const std::vector<StagedRun>& runs, std::span<const uint8_t> slot,
                      const RankMemory& dst) {
   if (slot.size() < stagingBytes(runs)) {

@@ -45,6 +45,22 @@ uint64_t stagingBytes(const std::vector<StagedRun>& runs);
 Status gatherStaged(const RankPlan& plan, const std::vector<StagedRun>& runs, const RankMemory& src,
                     std::span<const uint8_t> plan_scratch, std::span<uint8_t> slot);
 
+// The ops of gatherStaged, for a copy engine that runs ops (a device): each op of `ops` with its
+// destination replaced by its place in a slot laid out by `runs`, in region `area` (the slot
+// starting at offset 0 there). InvalidArgument as gatherStaged for an op in no run.
+StatusOr<std::vector<CopyOp>> gatherOps(std::span<const CopyOp> ops,
+                                        const std::vector<StagedRun>& runs, uint32_t area);
+
+// The ops of scatterStaged: each run from its place in a slot at `slot_offset` of region
+// `staging` to its destination.
+std::vector<CopyOp> scatterOps(const std::vector<StagedRun>& runs, uint32_t staging,
+                               uint64_t slot_offset);
+
+// Each op of `ops` with its destination replaced by the next bytes of region `area`, in op order
+// from offset 0 (an area holding a part's source bytes back to back); the area's size is their
+// sum.
+std::vector<CopyOp> backToBack(std::span<const CopyOp> ops, uint32_t area);
+
 // Copies `slot` into the destination pages `dst`, run by run. Every range is checked before
 // anything is copied.
 Status scatterStaged(const std::vector<StagedRun>& runs, std::span<const uint8_t> slot,

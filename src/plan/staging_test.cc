@@ -22,6 +22,20 @@ TEST(Staging, RunsAreSortedJoinedAndOffsetByTheBytesBefore) {
   const std::vector<StagedRun> want = {{1, 0, 0, 8}, {2, 0, 8, 4}, {2, 100, 12, 15}};
   EXPECT_EQ(*runs, want);
   EXPECT_EQ(stagingBytes(*runs), 27u);
+  // As ops: each op to its place in the slot, each run from it.
+  auto gather = gatherOps(ops, *runs, 9);
+  ASSERT_TRUE(gather.isOk());
+  const std::vector<CopyOp> want_gather = {
+      {0, 0, 9, 12, 10}, {0, 50, 9, 0, 8}, {0, 70, 9, 22, 5}, {0, 90, 9, 8, 4}};
+  EXPECT_EQ(*gather, want_gather);
+  const std::vector<CopyOp> want_scatter = {
+      {9, 100, 1, 0, 8}, {9, 108, 2, 0, 4}, {9, 112, 2, 100, 15}};
+  EXPECT_EQ(scatterOps(*runs, 9, 100), want_scatter);
+  const std::vector<CopyOp> want_back = {
+      {0, 0, 9, 0, 10}, {0, 50, 9, 10, 8}, {0, 70, 9, 18, 5}, {0, 90, 9, 23, 4}};
+  EXPECT_EQ(backToBack(ops, 9), want_back);
+  const std::vector<CopyOp> elsewhere = {{0, 0, 3, 0, 1}};
+  EXPECT_EQ(gatherOps(elsewhere, *runs, 9).status().code(), StatusCode::kInvalidArgument);
   const std::vector<CopyOp> overlap = {{0, 0, 2, 100, 10}, {0, 50, 2, 105, 8}};
   EXPECT_NE(stagingRuns(overlap).status().message().find("twice"), std::string::npos);
 }
@@ -74,7 +88,20 @@ TEST(Staging, GatherThenScatterMovesEveryByteForEveryEnginePair) {
             ASSERT_TRUE(packScratch(*plan, c.mem, packed).isOk());
             std::vector<uint8_t> slot(plan->bytes);
             ASSERT_TRUE(gatherStaged(*plan, *mine, c.mem, packed, slot).isOk()) << what;
-            ASSERT_TRUE(scatterStaged(*scatter, slot, g.mem).isOk()) << what;
+            // The same gather as ops (what a device runs): the same slot.
+            std::vector<uint8_t> by_ops(plan->bytes + 64, 0xEE);
+            const RankMemory area = {{by_ops.data() + 64, plan->bytes}};
+            auto gather = gatherOps(plan->ops, *mine, 0);
+            ASSERT_TRUE(gather.isOk()) << what << ": " << gather.status().toString();
+            ASSERT_TRUE(executeOps(*gather, c.mem, area, packed).isOk()) << what;
+            ASSERT_TRUE(std::equal(slot.begin(), slot.end(), by_ops.begin() + 64)) << what;
+            // Half the cases scatter as ops, from a slot at an offset of a larger region.
+            if (cases % 2 == 0) {
+              ASSERT_TRUE(scatterStaged(*scatter, slot, g.mem).isOk()) << what;
+            } else {
+              const RankMemory staging = {{}, {}, {by_ops.data(), by_ops.size()}};
+              ASSERT_TRUE(executeOps(scatterOps(*scatter, 2, 64), staging, g.mem).isOk()) << what;
+            }
           }
           auto report = checkRank(g.layout, g.mem, g.ids, o.request_id, range);
           ASSERT_TRUE(report.isOk()) << report.status().toString();

@@ -103,6 +103,9 @@ struct Capabilities {
   bool needs_memfd_regions = false;   // registerRegion refuses anonymous regions
   uint64_t max_message_bytes = 0;     // sendMessage refuses larger payloads
   bool device_memory = false;         // regions are device memory (cuda), not host memory
+  // addRemoteRegion needs the key the owner's registerRegion returned (ucx: the rkey); a
+  // region declared without one cannot be written.
+  bool remote_regions_need_keys = false;
 };
 
 enum class UcxMode { kAuto, kPut, kAm };

@@ -213,6 +213,7 @@ class UcxAgent final : public Agent {
     caps_.many_small_ops_cheap = false;
     caps_.needs_memfd_regions = false;
     caps_.max_message_bytes = kMaxMessageBytes;
+    caps_.remote_regions_need_keys = true;
   }
 
   ~UcxAgent() override {
