@@ -198,12 +198,16 @@ int main(int argc, char** argv) {
   using namespace hxfer::device;
   if (argc > 1 && std::strcmp(argv[1], "--ipc-child") == 0) return ipcChild(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "--fake-api") == 0) {
-    // The engine row over the fake device: its logic checked where there is no GPU.
-    const ApiResult r = apiCheck(true, "nemotron-h-8b", 2500);
-    std::printf("fake api: ran=%d exact=%d fence_held=%d packed=%d bytes=%llu %.3f ms %s\n", r.ran,
-                r.exact, r.fence_held, r.packed, static_cast<unsigned long long>(r.bytes), r.ms,
-                r.why.c_str());
-    return r.ran && r.exact && r.fence_held && r.packed ? 0 : 1;
+    // The engine rows over the fake device: their logic checked where there is no GPU.
+    bool ok = true;
+    for (const char* backend : {"cuda", "ucx"}) {
+      const ApiResult r = apiCheck(true, "nemotron-h-8b", 2500, backend);
+      std::printf("fake api %s: ran=%d exact=%d fence_held=%d packed=%d bytes=%llu %.3f ms %s\n",
+                  backend, r.ran, r.exact, r.fence_held, r.packed,
+                  static_cast<unsigned long long>(r.bytes), r.ms, r.why.c_str());
+      ok = ok && r.ran && r.exact && r.fence_held && r.packed;
+    }
+    return ok ? 0 : 1;
   }
   if (argc > 1 && std::strcmp(argv[1], "--fake-ipc") == 0) {
     // The two-process rows over the fake device: their logic checked where there is no GPU.
@@ -242,10 +246,12 @@ int main(int argc, char** argv) {
     row(std::string("fence: nothing moved before the event (") + kind + ")", r.fence_held,
         r.fence_held ? "held 100 ms, then landed" : "moved before the event");
   }
-  {
-    // The engine: Sender and Receiver over device pools, vllm (conv sd) to sglang (conv ds).
-    const ApiResult r = apiCheck(false, "nemotron-h-8b", 8192);
-    const std::string what = "one 8k-token nemotron-h-8b request, vllm -> sglang, through the API";
+  for (const char* backend : {"cuda", "ucx"}) {
+    // The engine: Sender and Receiver over device pools, vllm (conv sd) to sglang (conv ds);
+    // over cuda, and over ucx through pinned host memory (the path across hosts).
+    const ApiResult r = apiCheck(false, "nemotron-h-8b", 8192, backend);
+    const std::string what =
+        std::string("one 8k-token nemotron-h-8b request, vllm -> sglang, API over ") + backend;
     if (!r.ran) {
       row(what, false, r.why.substr(0, 40), "oracle exact");
       std::fprintf(stderr, "%s: %s\n", what.c_str(), r.why.c_str());
@@ -254,8 +260,9 @@ int main(int argc, char** argv) {
           fmt("%.1f MB", r.bytes / 1e6) + fmt(" in %.2f ms", r.ms) +
               fmt(" = %.1f GB/s", gbps(r.bytes, r.ms)),
           "oracle exact, packed on the device");
-      row("engine events: nothing landed while layers-ready / pages-free pended", r.fence_held,
-          r.fence_held ? "held 100 ms, then landed" : "moved before the events");
+      row(std::string("events (") + backend +
+              "): nothing landed while layers-ready/pages-free pended",
+          r.fence_held, r.fence_held ? "held 100 ms, then landed" : "moved before the events");
       if (!r.exact) std::fprintf(stderr, "%s: %s\n", what.c_str(), r.why.c_str());
     }
   }

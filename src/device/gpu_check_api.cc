@@ -159,7 +159,8 @@ Status checkRequest(bool fake, Rank& gen, const RankPages& pages, uint64_t id, u
   return OkStatus();
 }
 
-Status run(bool fake, const std::string& model, uint32_t tokens, ApiResult* out) {
+Status run(bool fake, const std::string& model, uint32_t tokens, const std::string& backend,
+           ApiResult* out) {
   ASSIGN_OR_RETURN(std::shared_ptr<DeviceApi> device, deviceRuntime());
   auto* fake_device = fake ? dynamic_cast<FakeDevice*>(device.get()) : nullptr;
   LayoutOptions o;
@@ -194,14 +195,20 @@ Status run(bool fake, const std::string& model, uint32_t tokens, ApiResult* out)
   SenderOptions so;
   so.instance = "gpu-check-ctx";
   so.token = "gpu-check";
-  ASSIGN_OR_RETURN(std::unique_ptr<Sender> tx, Sender::create(*ctx.layout, *ctx.memory, so));
+  so.backend = backend;
   ReceiverOptions ro;
   ro.instance = "gpu-check-gen";
   ro.token = "gpu-check";
+  ro.backend = backend;
+  if (backend == "ucx") {
+    so.ucx_options = ro.ucx_options = {{"TLS", "tcp"}};  // as between hosts
+    ro.staging_bytes = 1ull << 30;  // the whole part, which one context rank sends
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Sender> tx, Sender::create(*ctx.layout, *ctx.memory, so));
   ro.peers = {tx->address()};
   ASSIGN_OR_RETURN(std::unique_ptr<Receiver> rx, Receiver::create(*gen.layout, *gen.memory, ro));
   RETURN_IF_ERROR(rx->waitForPeers(20s));
-  if (rx->backend() != "cuda") return Internal("routed to " + rx->backend() + ", not cuda");
+  if (rx->backend() != backend) return Internal("routed to " + rx->backend() + ", not " + backend);
 
   // Request 1, behind the gate.
   RETURN_IF_ERROR(fillRank(ctx.rankLayout(), ctx.hostMemory(), RankIds{ctx_pages.blocks, 1}, 1));
@@ -245,10 +252,11 @@ Status run(bool fake, const std::string& model, uint32_t tokens, ApiResult* out)
 
 }  // namespace
 
-ApiResult apiCheck(bool fake, const std::string& model, uint32_t tokens) {
+ApiResult apiCheck(bool fake, const std::string& model, uint32_t tokens,
+                   const std::string& backend) {
   ApiResult out;
   if (fake) setDeviceRuntimeForTesting(std::make_shared<FakeDevice>());
-  Status s = run(fake, model, tokens, &out);
+  Status s = run(fake, model, tokens, backend, &out);
   if (fake) setDeviceRuntimeForTesting(nullptr);
   if (!s.isOk()) {
     out.ran = false;

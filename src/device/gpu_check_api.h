@@ -22,7 +22,10 @@ struct ApiResult {
 };
 
 // `tokens` tokens of preset `model` from a vllm rank (conv sd) to an sglang rank on device 0:
-// over the CUDA runtime, or over FakeDevice (`fake`: no GPU needed).
-ApiResult apiCheck(bool fake, const std::string& model, uint32_t tokens);
+// over the CUDA runtime, or over FakeDevice (`fake`: no GPU needed). `backend`: "cuda" (the
+// same-host path), or "ucx" (the path across hosts, over loopback TCP: each part copied on the
+// device into pinned host memory, staged whole at the generation rank and copied in there).
+ApiResult apiCheck(bool fake, const std::string& model, uint32_t tokens,
+                   const std::string& backend = "cuda");
 
 }  // namespace hxfer::device
