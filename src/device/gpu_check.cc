@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -208,6 +209,10 @@ int main(int argc, char** argv) {
       ok = ok && r.ran && r.exact && r.fence_held && r.packed;
     }
     return ok ? 0 : 1;
+  }
+  if (argc == 5 && std::strcmp(argv[1], "--fake-across") == 0) {
+    // Device pools behind ucx, one side per process (tests/hosts runs them on two hosts).
+    return fakeAcross(argv[2], argv[3], static_cast<uint32_t>(std::strtoul(argv[4], nullptr, 10)));
   }
   if (argc > 1 && std::strcmp(argv[1], "--fake-ipc") == 0) {
     // The two-process rows over the fake device: their logic checked where there is no GPU.

@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -250,7 +251,103 @@ Status run(bool fake, const std::string& model, uint32_t tokens, const std::stri
   return OkStatus();
 }
 
+// The two processes of fakeAcross: a vllm context rank (conv sd) and an sglang generation
+// rank, `requests` requests of kAcrossTokens tokens, request i in pages of its own on each side.
+constexpr uint32_t kAcrossTokens = 60;
+
+LayoutOptions acrossOptions(bool context, uint32_t requests) {
+  LayoutOptions o;
+  o.engine = context ? "vllm" : "sglang";
+  if (context) o.conv_layout = "sd";
+  o.num_blocks = 2 * requests + 2;
+  o.num_slots = requests + 1;
+  o.conv_dtype = "bf16";
+  o.ssm_dtype = "fp32";
+  return o;
+}
+
+RankPages acrossPages(bool context, uint64_t id) {
+  const auto b = static_cast<uint32_t>(2 * id);
+  // Each side's blocks in another order, so that no run merges by accident.
+  return context ? RankPages{{b + 1, b}, static_cast<uint32_t>(id)}
+                 : RankPages{{b, b + 1}, static_cast<uint32_t>(id)};
+}
+
+Status acrossContext(DeviceApi& device, const std::string& listen, uint32_t requests) {
+  ASSIGN_OR_RETURN(Rank ctx, makeRank(true, device, acrossOptions(true, requests)));
+  SenderOptions so;
+  so.instance = "across-ctx";
+  so.token = "gpu-check";
+  so.backend = "ucx";
+  so.listen = listen;
+  so.ucx_options = {{"TLS", "tcp"}};
+  ASSIGN_OR_RETURN(std::unique_ptr<Sender> tx, Sender::create(*ctx.layout, *ctx.memory, so));
+  for (uint64_t id = 1; id <= requests; ++id) {
+    const RankPages pages = acrossPages(true, id);
+    RETURN_IF_ERROR(
+        fillRank(ctx.rankLayout(), ctx.hostMemory(), RankIds{pages.blocks, *pages.slot}, id));
+  }
+  RETURN_IF_ERROR(toDevice(true, ctx));
+  for (uint64_t id = 1; id <= requests; ++id) {
+    RETURN_IF_ERROR(tx->markReady(id, acrossPages(true, id)));
+  }
+  std::printf("context listening on %s (%s)\n", tx->address().c_str(), tx->routing().c_str());
+  std::fflush(stdout);
+  uint32_t answered = 0;
+  const auto deadline = std::chrono::steady_clock::now() + 120s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    answered = 0;
+    for (uint64_t id = 1; id <= requests; ++id) answered += tx->holds(id) ? 0 : 1;
+    if (answered == requests) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  std::printf("context: %u of %u answered\n", answered, requests);
+  return answered == requests ? OkStatus() : Timeout("not every request was answered");
+}
+
+Status acrossGeneration(DeviceApi& device, const std::string& peer, uint32_t requests) {
+  ASSIGN_OR_RETURN(Rank gen, makeRank(true, device, acrossOptions(false, requests)));
+  ReceiverOptions ro;
+  ro.instance = "across-gen";
+  ro.token = "gpu-check";
+  ro.backend = "ucx";
+  ro.peers = {peer};
+  ro.ucx_options = {{"TLS", "tcp"}};
+  ASSIGN_OR_RETURN(std::unique_ptr<Receiver> rx, Receiver::create(*gen.layout, *gen.memory, ro));
+  RETURN_IF_ERROR(rx->waitForPeers(30s));
+  uint32_t exact = 0;
+  uint64_t bytes = 0;
+  for (uint64_t id = 1; id <= requests; ++id) {
+    const RankPages pages = acrossPages(false, id);
+    RETURN_IF_ERROR(rx->start(id, kAcrossTokens, pages));
+    ASSIGN_OR_RETURN(Result r, rx->wait(id, 60s));
+    if (!r.ok()) return r.status.withContext("request " + std::to_string(id));
+    bytes += r.bytes;
+    Status s = checkRequest(true, gen, pages, id, kAcrossTokens);
+    if (s.isOk()) {
+      ++exact;
+    } else {
+      std::fprintf(stderr, "%s\n", s.toString().c_str());
+    }
+    RETURN_IF_ERROR(rx->release(id));
+  }
+  std::printf("generation: %u of %u exact, %llu bytes (%s)\n", exact, requests,
+              static_cast<unsigned long long>(bytes), rx->routing().c_str());
+  return exact == requests ? OkStatus() : Corruption("not every request arrived exact");
+}
+
 }  // namespace
+
+int fakeAcross(const std::string& side, const std::string& address, uint32_t requests) {
+  auto fake = std::make_shared<FakeDevice>();
+  setDeviceRuntimeForTesting(fake);
+  Status s = side == "ctx"   ? acrossContext(*fake, address, requests)
+             : side == "gen" ? acrossGeneration(*fake, address, requests)
+                             : InvalidArgument("--fake-across " + side + ": not ctx or gen");
+  setDeviceRuntimeForTesting(nullptr);
+  if (!s.isOk()) std::printf("fake across %s: %s\n", side.c_str(), s.toString().c_str());
+  return s.isOk() ? 0 : 1;
+}
 
 ApiResult apiCheck(bool fake, const std::string& model, uint32_t tokens,
                    const std::string& backend) {

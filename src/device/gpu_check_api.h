@@ -28,4 +28,12 @@ struct ApiResult {
 ApiResult apiCheck(bool fake, const std::string& model, uint32_t tokens,
                    const std::string& backend = "cuda");
 
+// The path across hosts in two processes over FakeDevice (each may run in a network namespace
+// of its own): `side` "ctx" serves `requests` requests of a vllm rank (conv sd) with device
+// pools over ucx on `address` (LISTEN, e.g. 10.0.0.1:0), printing "context listening on ADDR"
+// first and "context: N of N answered" once the generation rank took them; "gen" asks the
+// context rank at `address` for them into an sglang rank's device pools and checks each with
+// the oracle ("generation: N of N exact"). 0 when every request went; 1 otherwise.
+int fakeAcross(const std::string& side, const std::string& address, uint32_t requests);
+
 }  // namespace hxfer::device

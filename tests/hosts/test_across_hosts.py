@@ -28,6 +28,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 HOSTS = str(ROOT / "scripts" / "hosts.sh")
 SLOWLINK = str(ROOT / "scripts" / "slowlink.py")
 HXFER = os.environ.get("HXFER_BIN", str(ROOT / "build" / "hxfer"))
+# Built with the CUDA kernels only (nvcc found); it runs over its FakeDevice without a GPU.
+GPU_CHECK = os.environ.get("HXFER_GPU_CHECK_BIN",
+                           str(ROOT / "build" / "src" / "device" / "hxfer-gpu-check"))
 TOKEN = "across-hosts"
 POOL = ["--blocks", "256", "--slots", "16"]
 
@@ -167,6 +170,34 @@ def test_advertise_refuses_loopback_for_other_hosts_and_is_what_peers_use():
     rc, out = generation(2, [address], 1, "--requests", 3).finish()
     assert rc == 0 and summary(out)["ok"] == 3, out
     stop_clean([c])
+
+
+def test_device_pools_across_hosts_go_staged_through_host_memory():
+    """A context rank and a generation rank whose pools are (fake) device memory, on two hosts:
+    each part is copied on the device into pinned host memory, written over ucx into the
+    generation rank's staging region and copied into its pools there (docs/engine.md). The
+    pair packs (vllm conv sd to sglang ds); every request is checked by the oracle."""
+    if not os.access(GPU_CHECK, os.X_OK):
+        pytest.skip(f"{GPU_CHECK} is not built (no CUDA toolkit)")
+    ctx = subprocess.Popen([HOSTS, "exec", "1", GPU_CHECK, "--fake-across", "ctx",
+                            f"{addr(1)}:0", "4"], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        first = ctx.stdout.readline()
+        m = re.search(r"context listening on (\S+)", first)
+        assert m, first + ctx.stdout.read()
+        assert m[1].startswith(f"ucx:{addr(1)}:"), first
+        gen = subprocess.run([HOSTS, "exec", "2", GPU_CHECK, "--fake-across", "gen", m[1], "4"],
+                             capture_output=True, text=True, timeout=120)
+        assert gen.returncode == 0, gen.stdout + gen.stderr
+        assert "generation: 4 of 4 exact" in gen.stdout, gen.stdout
+        rest, _ = ctx.communicate(timeout=120)
+        assert ctx.returncode == 0, first + rest
+        assert "context: 4 of 4 answered" in rest, first + rest
+    finally:
+        if ctx.poll() is None:
+            ctx.kill()
+            ctx.wait()
 
 
 @contextlib.contextmanager
