@@ -837,6 +837,61 @@ TEST(ApiDevice, DevicePoolsMoveOverUcxThroughPinnedHostMemory) {
   EXPECT_GT(rt.fake->opsRun(), before);
 }
 
+// A device pack that fails fails its part: the copy after it on the stream succeeds, but the
+// scratch area it should have filled must not go (device pools behind ucx, a pair that packs).
+TEST(ApiDevice, AFailedDevicePackBehindUcxFailsItsRequest) {
+  struct Runtime {
+    std::shared_ptr<device::FakeDevice> fake = std::make_shared<device::FakeDevice>(
+        device::FakeDeviceOptions{.devices = 1, .fail_every = 3, .host_inaccessible = true});
+    Runtime() { setDeviceRuntimeForTesting(fake); }
+    ~Runtime() { setDeviceRuntimeForTesting(nullptr); }
+  } rt;
+  LayoutOptions ctx_options = options("vllm", 1, 0);
+  ctx_options.conv_layout = "sd";
+  LayoutOptions gen_options = options("vllm", 1, 0);
+  gen_options.conv_layout = "ds";
+  EngineRank ctx = EngineRank::make(ctx_options, false, rt.fake.get(), 0);
+  EngineRank gen = EngineRank::make(gen_options);  // host memory: no device op there
+  SenderOptions so;
+  so.instance = "ctx";
+  so.backend = "ucx";
+  so.ucx_options = {{"TLS", "tcp"}};
+  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
+  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  ReceiverOptions ro;
+  ro.instance = "gen";
+  ro.peers = {(*tx)->address()};
+  ro.ucx_options = {{"TLS", "tcp"}};
+  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
+  ASSERT_TRUE((*rx)->waitForPeers(20s).isOk());
+  const uint32_t tokens = 40;
+  const RankPages ctx_pages{{3, 5}, 1}, gen_pages{{2, 7}, 3};
+  auto move = [&](uint64_t id) {
+    EXPECT_TRUE(
+        fillRank(ctx.rankLayout(), ctx.rankMemory(), RankIds{ctx_pages.blocks, 1}, id).isOk());
+    EXPECT_TRUE((*tx)->markReady(id, ctx_pages).isOk());
+    EXPECT_TRUE((*rx)->start(id, tokens, gen_pages).isOk());
+    auto res = (*rx)->wait(id, 20s);
+    EXPECT_TRUE(res.isOk()) << res.status().toString();
+    return res.isOk() ? *res : Result{};
+  };
+  // Request 1: the pack is device op 1, the copy op 2.
+  const Result first = move(1);
+  ASSERT_TRUE(first.ok()) << first.status.toString();
+  auto report = checkRank(gen.rankLayout(), gen.rankMemory(), RankIds{gen_pages.blocks, 3}, 1,
+                          BlockRange{0, 2, tokens}, tokens);
+  ASSERT_TRUE(report.isOk() && report->ok()) << (report.isOk() ? report->toString() : "");
+  ASSERT_TRUE((*rx)->release(1).isOk());
+  // Request 2: the pack is op 3 and fails; the copy (op 4) runs.
+  const Result second = move(2);
+  EXPECT_EQ(second.state, Result::State::kFailed);
+  EXPECT_NE(second.status.message().find("the device pack failed: fake device: op 3 failed"),
+            std::string::npos)
+      << second.status.toString();
+  EXPECT_EQ(rt.fake->opsRun(), 4u);
+}
+
 // A generation rank with device pools behind ucx takes each part whole through its staging
 // region: a part waits while the region holds another, and one larger than the whole region
 // fails its request naming staging_bytes; no staging region at all is refused at create.

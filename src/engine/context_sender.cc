@@ -105,6 +105,11 @@ StatusOr<std::unique_ptr<ContextSender>> ContextSender::create(
     Options options, HybridCacheManager* cache, std::unique_ptr<transport::Agent> agent) {
   if (cache == nullptr || agent == nullptr) return InvalidArgument("cache and agent are required");
   const int ordinal = deviceOrdinal(options.device.get(), *cache);
+  if (options.device && ordinal < 0 && agent->capabilities().device_memory &&
+      !cache->regions().empty()) {
+    // Over a device agent the pools are device memory: the runtime must know them.
+    RETURN_IF_ERROR(options.device->owner(cache->regions().front()->data(), 1).status());
+  }
   RETURN_IF_ERROR(checksumsPossible(options.checksum,
                                     agent->capabilities().device_memory || ordinal >= 0,
                                     agent->capabilities().name));
@@ -628,8 +633,7 @@ void ContextSender::advanceAskLocked(Source& src, Ask& ask) {
     end = Unavailable("generation rank " + std::to_string(ask.gen_rank) + " is gone");
   }
   // While the engine still writes the layers (its event pending) nothing is packed or posted;
-  // the progress loop looks again each turn. So a write waiting for the engine never holds up
-  // the agent's other writes (an agent runs fenced writes in posting order).
+  // the progress loop looks again each turn, and other requests move meanwhile.
   const bool engine_writing = src.ready_event && !src.ready_event->done();
   if (!end && ask.sent_end < src.ready_end && mayPostLocked(src, ask) && !engine_writing) {
     postPieceLocked(src, ask);
@@ -899,7 +903,12 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   // The write reads the area: the copy must be done first. It is short (the part's bytes over
   // the bus) and waited for here; one that overruns stall_timeout fails the part, and the
   // areas stay aside until the device is done with them.
-  const Status done = copied ? copied->wait(options_.stall_timeout) : launched;
+  Status done = copied ? copied->wait(options_.stall_timeout) : launched;
+  // The copy's event says nothing of the pack before it on the stream (done by now): a failed
+  // pack left the scratch unfilled, and its bytes must not go.
+  if (done.isOk() && pack && !pack->status().isOk()) {
+    done = Status(pack->status().code(), "the device pack failed: " + pack->status().message());
+  }
   retireAreaLocked(std::move(scratch), copied ? copied : pack);
   if (!done.isOk()) {
     retireAreaLocked(std::move(area).value(), copied);
@@ -907,7 +916,6 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
                                  " bytes from device " + std::to_string(device_ordinal_) +
                                  " into host memory"));
   }
-  if (!plan.pack_ops.empty()) metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
   std::unique_ptr<Region> from = std::move(area).value();
   std::vector<transport::WriteOp> ops;
   if (slot) {

@@ -401,7 +401,7 @@ void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
   req.epoch = sink.epoch;
   if (part.staging) {
     req.staging = part.staging;
-  } else {
+  } else if (!staged_device_) {  // staged_device_: a part without a slot moves nothing
     maybeStageLocked(sink, part, peer, &req);
   }
   if (Status st = agent_->sendMessage(peer.id, wire::encodeMessage(req)); !st.isOk()) {
@@ -420,7 +420,7 @@ void GenerationReceiver::maybeStageLocked(const Sink& sink, Part& part, const Ct
   const uint64_t blocks = sink.alloc.blocks.size() - sink.first_block;
   if (blocks * peer.kv_ops_per_block < options_.stage_min_ops) return;
   auto plan = destinationPlanLocked(sink, peer);
-  if (!plan.isOk() || plan->ops.size() < options_.stage_min_ops ||
+  if (!plan.isOk() || plan->ops.empty() || plan->ops.size() < options_.stage_min_ops ||
       plan->bytes > options_.stage_max_op_bytes * plan->ops.size()) {
     return;
   }

@@ -131,8 +131,9 @@ struct CopyJob {
 };
 
 // One thread that runs copy jobs in FIFO order, except that a job behind a pending fence
-// (CopyJob::ready) waits aside while later ones run. Between segments (at least every 256 KiB) it
-// honours cancellation and the job's check (peer lost). A job of at least kParallelCopyBytes is cut
+// (CopyJob::ready) waits aside while later ones run. Before each stretch of segments into one
+// region (at most 256 KiB, or one larger segment) it honours cancellation and the job's check
+// (peer lost). A job of at least kParallelCopyBytes is cut
 // into equal parts that helper threads copy alongside it (one per further core, at most 3), so one
 // large request uses the machine's copy bandwidth, not one thread's; the job still finishes only
 // once every part stopped.

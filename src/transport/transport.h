@@ -275,8 +275,8 @@ class Agent {
   // (its "these layers are written" on the sender's stream). The ops are checked at once as
   // for postWrite. Until the fence is done the transfer writes nothing: cancel() ends it
   // kCancelled and a lost peer ends it Unavailable, neither having written a byte; a fence
-  // done with an error fails the transfer with that error, naming the fence. The agent runs
-  // its writes in posting order, so a write posted after a fenced one starts after it.
+  // done with an error fails the transfer with that error, naming the fence. A write behind
+  // a pending fence holds up no other: later writes of the agent may run before it.
   // Backends without device memory: Incompatible.
   virtual StatusOr<Transfer> postWriteAfter(PeerId peer, std::vector<WriteOp> ops,
                                             std::shared_ptr<const device::Event> ready);
