@@ -359,6 +359,11 @@ def test_offline_prefill_decode_matches_single(model, connector, single):
     ref = single(model)
     t0 = time.monotonic()
     p, d, d_log = run_pair(MODELS_DIR / model, conn, f"{model}.{connector}")
+    if connector == "nixl" and "handshake_setup_failed" in d_log.read_text(errors="replace"):
+        # NIXL's own side-channel handshake timed out (its ZMQ receive; seen once on a loaded
+        # two-core machine), so the baseline never ran: run its pair again, once.
+        print(f"{model}: NixlConnector's handshake failed ({d_log}); running the pair again")
+        p, d, d_log = run_pair(MODELS_DIR / model, conn, f"{model}.{connector}.again")
     metrics = d.get("kv_transfer_metrics")
     report(model, "offline", connector, pair_s=round(time.monotonic() - t0, 1),
            p_timings=p["timings"], d_timings=d["timings"], kv_transfer_metrics=metrics,
