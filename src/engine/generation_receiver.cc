@@ -424,16 +424,20 @@ void GenerationReceiver::maybeStageLocked(const Sink& sink, Part& part, const Ct
       plan->bytes > options_.stage_max_op_bytes * plan->ops.size()) {
     return;
   }
-  // First fit, 64-byte aligned.
-  uint64_t at = 0;
-  for (const auto& [offset, bytes] : staging_slots_) {
-    if (offset >= at + plan->bytes) break;
-    at = (offset + bytes + 63) & ~uint64_t{63};
-  }
-  if (at + plan->bytes > staging_->length()) return;  // full: this part goes without staging
-  staging_slots_[at] = plan->bytes;
-  part.staging = wire::Staging{kStagingRegionId, at, plan->bytes};
+  if (!takeSlotLocked(part, plan->bytes)) return;  // full: this part goes without staging
   req->staging = part.staging;
+}
+
+bool GenerationReceiver::takeSlotLocked(Part& part, uint64_t bytes) {
+  uint64_t at = 0;  // first fit, 64-byte aligned
+  for (const auto& [offset, length] : staging_slots_) {
+    if (offset >= at + bytes) break;
+    at = (offset + length + 63) & ~uint64_t{63};
+  }
+  if (at + bytes > staging_->length()) return false;
+  staging_slots_[at] = bytes;
+  part.staging = wire::Staging{kStagingRegionId, at, bytes};
+  return true;
 }
 
 StatusOr<bool> GenerationReceiver::reserveSlotLocked(const Sink& sink, Part& part,
@@ -455,15 +459,7 @@ StatusOr<bool> GenerationReceiver::reserveSlotLocked(const Sink& sink, Part& par
         " (staging_bytes); device pools behind a " + agent_->capabilities().name +
         " agent take each part whole through the staging region");
   }
-  uint64_t at = 0;  // first fit, 64-byte aligned
-  for (const auto& [offset, bytes] : staging_slots_) {
-    if (offset >= at + plan.bytes) break;
-    at = (offset + bytes + 63) & ~uint64_t{63};
-  }
-  if (at + plan.bytes > staging_->length()) return false;
-  staging_slots_[at] = plan.bytes;
-  part.staging = wire::Staging{kStagingRegionId, at, plan.bytes};
-  return true;
+  return takeSlotLocked(part, plan.bytes);
 }
 
 void GenerationReceiver::freeSlotLocked(Part& part) {

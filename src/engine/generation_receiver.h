@@ -197,6 +197,8 @@ class GenerationReceiver {
   // while the region has no room (the part stays queued); an error for a part that can never
   // fit or a peer without staging.
   StatusOr<bool> reserveSlotLocked(const Sink& sink, Part& part, const CtxPeer& peer);
+  // A slot of `bytes` in the staging region for `part` (first fit); false when none is free.
+  bool takeSlotLocked(Part& part, uint64_t bytes);
   void freeSlotLocked(Part& part);
   void sendLocked(transport::PeerId peer, const wire::Message& m);
   CtxPeer* peerById(transport::PeerId id);
