@@ -50,7 +50,10 @@ try:
         KVConnectorTransferResults,
         SupportsHMA,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.logger import init_logger
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
     from vllm.v1.request import RequestStatus
@@ -66,7 +69,7 @@ from hxfer.tensors import contiguous_record, tensor_record
 
 logger = init_logger("vllm.hxfer")  # vLLM only shows loggers under "vllm."
 
-__all__ = ["HxferConnector", "HxferConnectorMetadata", "HxferKVConnectorStats",
+__all__ = ["HxferConnector", "HxferConnectorMetadata", "HxferKVConnectorStats", "HxferPromMetrics",
            "HxferHandshakeMetadata", "EXTRA_CONFIG_KEYS", "describe_cache"]
 
 CORRUPT_KEY = "test_corrupt_after_load"
@@ -486,6 +489,53 @@ class HxferKVConnectorStats(KVConnectorStats):
         old = HxferKVConnectorStats(data=self.data)
         self.reset()
         return old
+
+
+class HxferPromMetrics(KVConnectorPromMetrics):
+    """The same figures on vLLM's Prometheus endpoint (`/metrics` of the API server), named as
+    NixlConnector names its own (`vllm:nixl_*`): every transfer is counted there, where the log
+    line of an idle interval is logged at debug level only."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        seconds = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0]
+
+        def per_engine(cls, name, doc, **kw):
+            m = cls(name=name, documentation=doc, labelnames=labelnames, **kw)
+            return {i: m.labels(*v) for i, v in per_engine_labelvalues.items()}
+
+        self.xfer_time = per_engine(
+            self._histogram_cls, "vllm:hxfer_xfer_time_seconds",
+            "Per loaded request: hxfer's transfer time, start to the last byte landed, less "
+            "any wait for the first connection to the prefill instance.", buckets=seconds)
+        self.bytes = per_engine(
+            self._histogram_cls, "vllm:hxfer_bytes_transferred",
+            "Bytes moved per loaded request.", buckets=[2.0 ** k for k in range(11, 35, 2)])
+        self.connect_time = per_engine(
+            self._histogram_cls, "vllm:hxfer_connect_time_seconds",
+            "Connection setup to a prefill instance (not in the transfer times).",
+            buckets=seconds)
+        self.failed = per_engine(
+            self._counter_cls, "vllm:hxfer_num_failed_transfers",
+            "Loads that failed (the request is computed by this instance or failed, as "
+            "kv_load_failure_policy says).")
+        self.expired = per_engine(
+            self._counter_cls, "vllm:hxfer_num_kv_expired_reqs",
+            "Requests whose pages the prefill instance released at their lease before every "
+            "decode rank asked for them (counted on the prefill instance).")
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        d = transfer_stats_data
+        for metric, key in ((self.xfer_time, "transfer_duration"),
+                            (self.bytes, "bytes_transferred"),
+                            (self.connect_time, "connect_duration")):
+            for v in d.get(key, ()):
+                metric[engine_idx].observe(v)
+        for metric, key in ((self.failed, "num_failed_transfers"),
+                            (self.expired, "num_kv_expired_reqs")):
+            if d.get(key, 0):
+                metric[engine_idx].inc(d[key])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1043,6 +1093,10 @@ class HxferConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data=None):
         return HxferKVConnectorStats(data=data) if data is not None else HxferKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return HxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         if self._worker is not None:

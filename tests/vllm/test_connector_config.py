@@ -89,6 +89,39 @@ def test_transfer_stats_are_in_nixls_units_and_aggregate():
     assert s.is_empty()
 
 
+
+def test_prometheus_metrics_count_every_transfer_of_a_stats_object():
+    """What vLLM's API server exposes on /metrics: HxferPromMetrics.observe of the stats data a
+    step shipped (vLLM calls it for every step's stats, idle or not)."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    reg = CollectorRegistry()
+    types_ = {c: functools.partial(c, registry=reg) for c in (Gauge, Counter, Histogram)}
+    cfg = types.SimpleNamespace(kv_transfer_config=None)
+    prom = hv.HxferConnector.build_prom_metrics(cfg, types_, ["model_name", "engine"],
+                                                {0: ["m", "0"], 1: ["m", "1"]})
+    s = hv.HxferKVConnectorStats()
+    s.record(0.002, 2**20)
+    s.record(0.004, 3 * 2**20)
+    s.data["connect_duration"].append(0.01)
+    s.data["num_failed_transfers"] = 2
+    prom.observe(s.data, engine_idx=1)
+    prom.observe(hv.HxferKVConnectorStats().data, engine_idx=1)  # an empty one adds nothing
+
+    def value(name):
+        return reg.get_sample_value(name, {"model_name": "m", "engine": "1"})
+
+    assert value("vllm:hxfer_xfer_time_seconds_count") == 2
+    assert value("vllm:hxfer_xfer_time_seconds_sum") == pytest.approx(0.006)
+    assert value("vllm:hxfer_bytes_transferred_sum") == 4 * 2**20
+    assert value("vllm:hxfer_connect_time_seconds_count") == 1
+    assert value("vllm:hxfer_num_failed_transfers_total") == 2
+    assert value("vllm:hxfer_num_kv_expired_reqs_total") == 0
+    assert reg.get_sample_value("vllm:hxfer_xfer_time_seconds_count",
+                                {"model_name": "m", "engine": "0"}) == 0
+
 # ---------------------------------------------------------------------------------------------
 # The state machines of both sides, driven directly (no vLLM instance), with real hxfer peers.
 

@@ -317,28 +317,36 @@ def kv_metrics_from_log(log, expect, wait):
             "lines": lines}
 
 
-def nixl_prom_metrics(base, expect, wait):
-    """NIXL's transfer histograms from a server's /metrics (sums over label sets). Unlike the
-    log line, which an idle interval logs at debug level, these count every transfer."""
+def prom_metrics(base, connector, expect, wait):
+    """A connector's transfer histograms and failure counter from a server's /metrics
+    (`vllm:nixl_*` of NixlConnector, `vllm:hxfer_*` of hxfer's; sums over label sets). Unlike
+    the log line, which an idle interval logs at debug level, these count every transfer."""
     import urllib.request
 
     deadline = time.monotonic() + wait
+    pattern = re.compile(rf"^vllm:{connector}_((?:xfer|connect)_time_seconds_(?:count|sum)|"
+                         r"bytes_transferred_sum|num_failed_transfers_total)"
+                         r"(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
     while True:
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
             text = r.read().decode()
         tot = {}
-        for m in re.finditer(r"^(vllm:nixl_(?:xfer_time_seconds|bytes_transferred)_(?:count|sum))"
-                             r"(?:\{[^}]*\})? ([0-9.eE+-]+)$", text, re.M):
+        for m in pattern.finditer(text):
             tot[m.group(1)] = tot.get(m.group(1), 0.0) + float(m.group(2))
-        n = int(tot.get("vllm:nixl_xfer_time_seconds_count", 0))
+        n = int(tot.get("xfer_time_seconds_count", 0))
         if n >= expect or time.monotonic() >= deadline:
             break
         time.sleep(1)
+    # "MB" = 2^20 bytes, as both connectors' log lines compute it
     return {"Num successful transfers": n,
-            "Avg xfer time (ms)": round(1e3 * tot.get("vllm:nixl_xfer_time_seconds_sum", 0) / n, 3)
+            "Avg xfer time (ms)": round(1e3 * tot.get("xfer_time_seconds_sum", 0) / n, 3)
             if n else None,
-            "Avg MB per transfer": round(tot.get("vllm:nixl_bytes_transferred_sum", 0) / n / 1e6, 3)
-            if n else None}
+            "Avg MB per transfer": round(tot.get("bytes_transferred_sum", 0) / n / 2**20, 3)
+            if n else None,
+            "Num failed transfers": int(tot.get("num_failed_transfers_total", 0)),
+            "Avg connect time (ms)":  # hxfer's connection setup, apart from the transfers
+            round(1e3 * tot["connect_time_seconds_sum"] / tot["connect_time_seconds_count"], 3)
+            if tot.get("connect_time_seconds_count") else None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,12 +434,10 @@ def test_served_prefill_decode_matches_single(model, connector, single):
         out = proxy.run(f"http://127.0.0.1:{ports['kv_producer']}",
                         f"http://127.0.0.1:{ports['kv_consumer']}", MODELS_DIR / model, name)
         d_log = servers["kv_consumer"].log
-        if connector == "nixl":
-            metrics = nixl_prom_metrics(f"http://127.0.0.1:{ports['kv_consumer']}",
-                                        len(ref["tokens"]), wait=30)
-            metrics["log"] = kv_metrics_from_log(d_log, len(ref["tokens"]), wait=5)
-        else:  # hxfer has no Prometheus metrics: its "KV Transfer metrics" lines, summed
-            metrics = kv_metrics_from_log(d_log, len(ref["tokens"]), wait=30)
+        # Each connector's Prometheus metrics on D's API server, and its log lines beside
+        metrics = prom_metrics(f"http://127.0.0.1:{ports['kv_consumer']}", connector,
+                               len(ref["tokens"]), wait=30)
+        metrics["log"] = kv_metrics_from_log(d_log, len(ref["tokens"]), wait=5)
     finally:
         for s in servers.values():
             s.stop()
@@ -442,6 +448,7 @@ def test_served_prefill_decode_matches_single(model, connector, single):
            vs_plain=first_divergence(ref["tokens"], out["tokens"]))
     assert_same_tokens(ref, out["tokens"], "served P/D")
     assert metrics["Num successful transfers"] == len(ref["tokens"]), metrics
+    assert metrics["Num failed transfers"] == 0, metrics
 
 
 def test_prefill_instance_gone_decode_recomputes(single):
