@@ -974,6 +974,50 @@ TEST(ApiDevice, DevicePoolsBehindUcxWaitForRoomAndNameTheStagingRegion) {
   ASSERT_TRUE((*tight)->release(2).isOk());
   tight->reset();
 
+  // Room is given first come, first served. A's first part holds its slot (the context ranks
+  // have not marked A ready) and A's second waits for room; B's parts are smaller and one of
+  // them would fit beside A's first, yet B waits behind A's second part.
+  const uint32_t b_tokens = 20;  // one block
+  const RankPages ctx_b{{7}, 2}, gen_b{{10}, 3};
+  auto mark = [&](uint64_t id, const RankPages& pages) {
+    for (uint32_t r = 0; r < 2; ++r) {
+      EXPECT_TRUE(
+          fillRank(ctx[r].rankLayout(), ctx[r].rankMemory(), RankIds{pages.blocks, *pages.slot}, id)
+              .isOk());
+      EXPECT_TRUE(senders[r]->markReady(id, pages).isOk());
+    }
+  };
+  auto roomy_b = receiver(64ull << 20);
+  ASSERT_TRUE(roomy_b.isOk()) << roomy_b.status().toString();
+  mark(4, ctx_b);
+  ASSERT_TRUE((*roomy_b)->start(4, b_tokens, gen_b).isOk());
+  auto b_alone = (*roomy_b)->wait(4, 30s);
+  ASSERT_TRUE(b_alone.isOk() && b_alone->ok()) << b_alone.status().toString();
+  ASSERT_TRUE((*roomy_b)->release(4).isOk());
+  roomy_b->reset();
+  const uint64_t b_part = b_alone->bytes / 2;
+  ASSERT_LT(b_part, part);
+  auto fifo = receiver(((part + 63) & ~uint64_t{63}) + b_part);
+  ASSERT_TRUE(fifo.isOk()) << fifo.status().toString();
+  ASSERT_TRUE((*fifo)->start(5, tokens, gen_pages).isOk());  // A: not marked ready yet
+  mark(6, ctx_b);
+  ASSERT_TRUE((*fifo)->start(6, b_tokens, gen_b).isOk());  // B: ready on both context ranks
+  auto b_early = (*fifo)->wait(6, 1s);
+  ASSERT_TRUE(b_early.isOk()) << b_early.status().toString();
+  EXPECT_FALSE(b_early->terminal()) << "B went ahead of A's waiting part";
+  mark(5, ctx_pages);
+  for (uint64_t id : {5, 6}) {
+    auto res = (*fifo)->wait(id, 30s);
+    ASSERT_TRUE(res.isOk() && res->ok()) << id << ": " << res.status().toString();
+  }
+  report = checkRank(gen.rankLayout(), gen.rankMemory(), RankIds{gen_pages.blocks, 2}, 5,
+                     BlockRange{0, 2, tokens}, tokens);
+  ASSERT_TRUE(report.isOk() && report->ok()) << (report.isOk() ? report->toString() : "");
+  report = checkRank(gen.rankLayout(), gen.rankMemory(), RankIds{gen_b.blocks, 3}, 6,
+                     BlockRange{0, 1, b_tokens}, b_tokens);
+  ASSERT_TRUE(report.isOk() && report->ok()) << (report.isOk() ? report->toString() : "");
+  fifo->reset();
+
   // No room for any part: start() fails at once, naming the sizes and the option.
   auto small = receiver(part / 2);
   ASSERT_TRUE(small.isOk()) << small.status().toString();

@@ -58,6 +58,7 @@ struct GenerationReceiver::Part {
   uint64_t bytes = 0;
   // The slot this part was asked to write into (storm control); freed when its fence ends.
   std::optional<wire::Staging> staging{};
+  bool waiting_room = false;  // in room_waiters_ (device pools behind a host agent)
 };
 
 struct GenerationReceiver::Sink {
@@ -371,14 +372,25 @@ void GenerationReceiver::sendQueuedPartsLocked(Sink& sink, std::optional<size_t>
 }
 
 void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
-  if (staged_device_) {
+  if (staged_device_ && !part.staging) {
+    // First come, first served: a part behind others waiting for room waits behind them, and a
+    // waiting part is asked for in its turn only.
+    if (!serving_waiters_ && (part.waiting_room || !room_waiters_.empty())) {
+      waitForRoomLocked(sink, part);
+      return;
+    }
     auto reserved = reserveSlotLocked(sink, part, peer);
     if (!reserved.isOk()) {
+      part.waiting_room = false;
       part.state = Part::State::kFailed;
       failLocked(sink, reserved.status(), FailureCause::kOther);
       return;
     }
-    if (!*reserved) return;  // queued until a slot frees (timersLocked)
+    if (!*reserved) {  // queued until a slot frees
+      waitForRoomLocked(sink, part);
+      return;
+    }
+    part.waiting_room = false;
   }
   if (Status st = cache_->beginTransfer(sink.id); !st.isOk()) {
     freeSlotLocked(part);
@@ -466,7 +478,40 @@ void GenerationReceiver::freeSlotLocked(Part& part) {
   if (!part.staging) return;
   staging_slots_.erase(part.staging->offset);
   part.staging.reset();
-  slot_freed_ = true;
+  if (!room_waiters_.empty()) room_check_ = true;
+}
+
+void GenerationReceiver::waitForRoomLocked(const Sink& sink, Part& part) {
+  if (!part.waiting_room) {
+    part.waiting_room = true;
+    room_waiters_.push_back(RoomWaiter{sink.id, sink.epoch, size_t(&part - sink.parts.data())});
+  }
+  if (!serving_waiters_) room_check_ = true;  // the first waiters may fit now (timersLocked)
+}
+
+void GenerationReceiver::serveRoomWaitersLocked() {
+  serving_waiters_ = true;
+  for (auto it = room_waiters_.begin(); it != room_waiters_.end();) {
+    auto s = sinks_.find(it->request_id);
+    Sink* sink = s == sinks_.end() || s->second->epoch != it->epoch ? nullptr : s->second.get();
+    Part* part =
+        sink != nullptr && it->part < sink->parts.size() ? &sink->parts[it->part] : nullptr;
+    if (part == nullptr || !part->waiting_room || part->state != Part::State::kQueued ||
+        sink->result.terminal()) {
+      if (part != nullptr) part->waiting_room = false;
+      it = room_waiters_.erase(it);  // ended or cancelled meanwhile
+      continue;
+    }
+    CtxPeer& peer = *peers_[part->peer];
+    if (peer.state != CtxPeer::State::kReady) {
+      ++it;  // asked for in its turn once its context rank is back
+      continue;
+    }
+    sendPartLocked(*sink, *part, peer);
+    if (part->waiting_room) break;  // no room for it yet: nothing behind it goes first
+    it = room_waiters_.erase(it);
+  }
+  serving_waiters_ = false;
 }
 
 Status GenerationReceiver::scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer) {
@@ -528,6 +573,7 @@ void GenerationReceiver::failLocked(Sink& sink, const Status& status, FailureCau
   sink.result.latency = Clock::now() - sink.start;
   metrics_.requestFailed(cause);
   for (Part& p : sink.parts) {
+    if (p.waiting_room) room_check_ = true;  // the waiters behind it may fit now
     if (p.state == Part::State::kQueued) {
       p.state = Part::State::kFailed;
     } else if (p.state == Part::State::kSent) {
@@ -931,12 +977,10 @@ void GenerationReceiver::finishConnectLocked(CtxPeer& peer, StatusOr<transport::
 }
 
 void GenerationReceiver::timersLocked() {
-  if (slot_freed_) {
-    // Parts that waited for room in the staging region (device pools behind a host agent).
-    slot_freed_ = false;
-    if (staged_device_) {
-      for (auto& [id, sink] : sinks_) sendQueuedPartsLocked(*sink);
-    }
+  if (room_check_) {
+    // Parts that wait for room in the staging region (device pools behind a host agent).
+    room_check_ = false;
+    serveRoomWaitersLocked();
   }
   // Requests whose pages the engine has let go of since: ask the context ranks now.
   for (auto& [id, sink] : sinks_) {

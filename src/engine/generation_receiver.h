@@ -28,6 +28,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -200,6 +201,8 @@ class GenerationReceiver {
   // A slot of `bytes` in the staging region for `part` (first fit); false when none is free.
   bool takeSlotLocked(Part& part, uint64_t bytes);
   void freeSlotLocked(Part& part);
+  void waitForRoomLocked(const Sink& sink, Part& part);
+  void serveRoomWaitersLocked();
   void sendLocked(transport::PeerId peer, const wire::Message& m);
   CtxPeer* peerById(transport::PeerId id);
   // Whether a connect() other than `except`'s is running.
@@ -249,8 +252,18 @@ class GenerationReceiver {
   uint64_t next_epoch_ = 1;     // guarded by mu_; the epoch of the next request started
   // Staging slots in use (offset -> bytes), each until its part's fence ends.
   std::map<uint64_t, uint64_t> staging_slots_;  // guarded by mu_
-  // A slot was freed: parts waiting for room are asked for again (timersLocked).
-  bool slot_freed_ = false;  // guarded by mu_
+  // Parts of device pools behind a host agent waiting for room in the staging region, in the
+  // order they first asked: served first come, first served (serveRoomWaitersLocked), so a later
+  // part never takes room an earlier one is waiting for.
+  struct RoomWaiter {
+    uint64_t request_id, epoch;
+    size_t part;  // index into the sink's parts
+  };
+  std::deque<RoomWaiter> room_waiters_;  // guarded by mu_
+  // Room may be there for the first waiters (a slot was freed, or a part queued behind them):
+  // timersLocked serves them.
+  bool room_check_ = false;       // guarded by mu_
+  bool serving_waiters_ = false;  // guarded by mu_; inside serveRoomWaitersLocked
   std::thread thread_;
   std::once_flag shutdown_once_;
 };
