@@ -294,7 +294,13 @@ LayoutDescription describedAs(const Layout& l) {
         (role_name == "kv"     ? d.options.kv_dtype
          : role_name == "conv" ? d.options.conv_dtype
                                : d.options.ssm_dtype) = part.dtype;
-        RecordSpec r{layer, role, part.pool, part.offset, part.index_stride, part.state_group};
+        RecordSpec r;
+        r.layer = layer;
+        r.role = role;
+        r.pool = part.pool;
+        r.offset = part.offset;
+        r.index_stride = part.index_stride;
+        r.state_group = part.state_group;
         if (std::string(role) == "kv" && part.sections.size() == 1) {
           r.section = part.sections[0].name;
         }
@@ -890,6 +896,66 @@ TEST(ApiDevice, AFailedDevicePackBehindUcxFailsItsRequest) {
             std::string::npos)
       << second.status.toString();
   EXPECT_EQ(rt.fake->opsRun(), 4u);
+}
+
+// A generation rank with device pools behind ucx copies each staged part into its pools on the
+// device while its progress thread goes on: a request times out naming that copy while it runs,
+// its pages stay fenced until it is done, and shutdown waits for a copy still running.
+TEST(ApiDevice, AGenerationRankGoesOnWhileTheDeviceCopiesAStagedPart) {
+  struct Runtime {
+    std::shared_ptr<device::FakeDevice> fake = std::make_shared<device::FakeDevice>(
+        device::FakeDeviceOptions{.devices = 1, .op_delay = 5s, .host_inaccessible = true});
+    Runtime() { setDeviceRuntimeForTesting(fake); }
+    ~Runtime() { setDeviceRuntimeForTesting(nullptr); }
+  } rt;
+  EngineRank ctx = EngineRank::make(options("sglang", 1, 0));  // host memory: no device op there
+  EngineRank gen = EngineRank::make(options("sglang", 1, 0), false, rt.fake.get(), 0);
+  SenderOptions so;
+  so.instance = "ctx";
+  so.backend = "ucx";
+  so.ucx_options = {{"TLS", "tcp"}};
+  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
+  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  Released released;
+  ReceiverOptions ro;
+  ro.instance = "gen";
+  ro.peers = {(*tx)->address()};
+  ro.ucx_options = {{"TLS", "tcp"}};
+  ro.request_timeout = 2s;  // shorter than the device's copy (op_delay)
+  ro.on_released = released.callback();
+  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
+  ASSERT_TRUE((*rx)->waitForPeers(20s).isOk());
+  const uint32_t tokens = 40;
+  const RankPages ctx_pages{{3, 5}, 1}, gen_pages{{2, 7}, 3};
+  ASSERT_TRUE(fillRank(ctx.rankLayout(), ctx.rankMemory(), RankIds{ctx_pages.blocks, 1}, 1).isOk());
+  ASSERT_TRUE((*tx)->markReady(1, ctx_pages).isOk());
+  ASSERT_TRUE((*rx)->start(1, tokens, gen_pages).isOk());
+  auto res = (*rx)->wait(1, 20s);
+  ASSERT_TRUE(res.isOk()) << res.status().toString();
+  EXPECT_EQ(res->state, Result::State::kFailed);
+  EXPECT_EQ(res->status.code(), StatusCode::kTimeout) << res->status.toString();
+  EXPECT_NE(res->status.message().find(
+                "waiting for the device's copy of context rank 0's part into the pools"),
+            std::string::npos)
+      << res->status.toString();
+  // The copy still runs: the pages stay fenced until it is done, then hxfer releases them.
+  EXPECT_TRUE((*rx)->holds(1));
+  EXPECT_EQ(released.count(1), 0u);
+  EXPECT_TRUE(released.waitFor(1, 20s));
+  EXPECT_FALSE((*rx)->holds(1));
+  EXPECT_EQ(rt.fake->opsRun(), 1u);
+
+  // Shut down while a copy runs: shutdown waits for it and releases the pages.
+  ASSERT_TRUE(fillRank(ctx.rankLayout(), ctx.rankMemory(), RankIds{ctx_pages.blocks, 1}, 2).isOk());
+  ASSERT_TRUE((*tx)->markReady(2, ctx_pages).isOk());
+  ASSERT_TRUE((*rx)->start(2, tokens, gen_pages).isOk());
+  res = (*rx)->wait(2, 20s);  // the timeout, the copy running
+  ASSERT_TRUE(res.isOk() && res->state == Result::State::kFailed) << res.status().toString();
+  EXPECT_EQ(released.count(2), 0u);
+  rx->reset();
+  EXPECT_TRUE(released.waitFor(2, 10s));
+  EXPECT_EQ(rt.fake->opsRun(), 2u);
 }
 
 // A generation rank with device pools behind ucx takes each part whole through its staging

@@ -47,7 +47,9 @@ struct GenerationReceiver::CtxPeer {
 
 // One context rank's part of one request.
 struct GenerationReceiver::Part {
-  enum class State { kQueued, kSent, kOk, kFailed };
+  // kScattering: its Done came and the device copies its staging slot into the pools (device
+  // pools behind a host agent); it stays in flight until that copy is done (finishScattersLocked).
+  enum class State { kQueued, kSent, kScattering, kOk, kFailed };
   size_t peer = 0;  // index into peers_
   State state = State::kQueued;
   bool in_flight = false;  // holds a transfer in the cache manager
@@ -59,6 +61,8 @@ struct GenerationReceiver::Part {
   // The slot this part was asked to write into (storm control); freed when its fence ends.
   std::optional<wire::Staging> staging{};
   bool waiting_room = false;  // in room_waiters_ (device pools behind a host agent)
+  std::shared_ptr<device::Event> scattered{};  // kScattering: the copy's event
+  Bytes done_aux{};                            // kScattering: the Done's aux, taken once copied
 };
 
 struct GenerationReceiver::Sink {
@@ -514,7 +518,9 @@ void GenerationReceiver::serveRoomWaitersLocked() {
   serving_waiters_ = false;
 }
 
-Status GenerationReceiver::scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer) {
+StatusOr<std::vector<StagedRun>> GenerationReceiver::stagedRunsLocked(const Sink& sink,
+                                                                      const Part& part,
+                                                                      const CtxPeer& peer) const {
   ASSIGN_OR_RETURN(RankPlan plan, destinationPlanLocked(sink, peer));
   ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagingRuns(plan.ops));
   if (stagingBytes(runs) != part.staging->bytes) {
@@ -522,36 +528,100 @@ Status GenerationReceiver::scatterLocked(const Sink& sink, const Part& part, con
                     std::to_string(part.staging->bytes) + " bytes, the plan has " +
                     std::to_string(stagingBytes(runs)));
   }
-  if (staged_device_) {
-    // One batched copy on the device, from the pinned slot into the pools. The pages and the
-    // slot stay fenced until it is done: it is waited for here, however long the device takes.
-    const RankMemory staging = {{staging_->data(), staging_->length()}};
-    ASSIGN_OR_RETURN(
-        device::HostCopyTable table,
-        device::copyTable(scatterOps(runs, 0, part.staging->offset), staging, memory_));
-    if (!scatter_stream_) {
-      ASSIGN_OR_RETURN(scatter_stream_, options_.device->createStream(device_ordinal_));
-    }
-    ASSIGN_OR_RETURN(std::shared_ptr<device::Event> copied, scatter_stream_->copy(table));
-    Status done = copied->wait(options_.request_timeout);
-    while (done.code() == StatusCode::kTimeout) {
-      HXFER_LOG_WARN(
-          "generation: request {}: the device has not finished copying a staged part "
-          "of {} bytes into its pools after {} ms; waiting on",
-          sink.id, part.staging->bytes, options_.request_timeout.count());
-      done = copied->wait(options_.request_timeout);
-    }
-    RETURN_IF_ERROR(done.withContext("copying a staged part of " +
-                                     std::to_string(part.staging->bytes) + " bytes into device " +
-                                     std::to_string(device_ordinal_)));
-  } else {
-    RETURN_IF_ERROR(scatterStaged(
-        runs,
-        std::span<const uint8_t>(staging_->data() + part.staging->offset, part.staging->bytes),
-        memory_));
-  }
+  return runs;
+}
+
+Status GenerationReceiver::scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer) {
+  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagedRunsLocked(sink, part, peer));
+  RETURN_IF_ERROR(scatterStaged(
+      runs, std::span<const uint8_t>(staging_->data() + part.staging->offset, part.staging->bytes),
+      memory_));
   metrics_.stormStaged(runs.size());
   return OkStatus();
+}
+
+StatusOr<std::shared_ptr<device::Event>> GenerationReceiver::startScatterLocked(
+    const Sink& sink, const Part& part, const CtxPeer& peer) {
+  // One batched copy on the device, from the pinned slot into the pools. The pages and the
+  // slot stay fenced until its event is done, however long the device takes.
+  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagedRunsLocked(sink, part, peer));
+  const RankMemory staging = {{staging_->data(), staging_->length()}};
+  ASSIGN_OR_RETURN(device::HostCopyTable table,
+                   device::copyTable(scatterOps(runs, 0, part.staging->offset), staging, memory_));
+  if (!scatter_stream_) {
+    ASSIGN_OR_RETURN(scatter_stream_, options_.device->createStream(device_ordinal_));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<device::Event> copied, scatter_stream_->copy(table));
+  metrics_.stormStaged(runs.size());
+  watchScatter(copied);
+  return copied;
+}
+
+void GenerationReceiver::watchScatter(std::shared_ptr<const device::Event> event) {
+  std::lock_guard lock(watch_mu_);
+  if (!watcher_.joinable()) watcher_ = std::thread([this] { watchLoop(); });
+  watching_.push_back(std::move(event));
+  watch_cv_.notify_one();
+}
+
+void GenerationReceiver::watchLoop() {
+  // The scatter stream runs its copies in order: waiting for the oldest first wakes the
+  // progress thread once per copy done, and it finishes the part (finishScattersLocked).
+  std::unique_lock lock(watch_mu_);
+  while (true) {
+    watch_cv_.wait(lock, [&] { return watch_stop_ || !watching_.empty(); });
+    if (watch_stop_) return;
+    std::shared_ptr<const device::Event> event = watching_.front();
+    lock.unlock();
+    (void)event->wait(std::chrono::milliseconds(50));  // bounded: stop is seen
+    lock.lock();
+    if (event->done()) {
+      watching_.pop_front();
+      lock.unlock();
+      agent_->wakeEventWaiter();
+      lock.lock();
+    }
+  }
+}
+
+void GenerationReceiver::finishScattersLocked() {
+  std::vector<uint64_t> forget;
+  for (auto& [id, sink_ptr] : sinks_) {
+    Sink& sink = *sink_ptr;
+    for (Part& part : sink.parts) {
+      if (part.state != Part::State::kScattering || !part.scattered->done()) continue;
+      const Status copied = part.scattered->status();
+      part.scattered.reset();
+      const CtxPeer& peer = *peers_[part.peer];
+      endPartLocked(sink, part);
+      part.state = copied.isOk() ? Part::State::kOk : Part::State::kFailed;
+      if (sink.result.terminal()) {
+        part.done_aux.clear();
+        if (!copied.isOk()) {
+          HXFER_LOG_WARN("generation: request {} (ended): copying a staged part into device {}: {}",
+                         sink.id, device_ordinal_, copied.toString());
+        }
+        continue;
+      }
+      if (!copied.isOk()) {
+        failLocked(sink,
+                   copied
+                       .withContext("copying a staged part of " + std::to_string(part.bytes) +
+                                    " bytes into device " + std::to_string(device_ordinal_))
+                       .withContext("context rank " + std::to_string(peer.rank)),
+                   FailureCause::kOther);
+        continue;
+      }
+      if (!part.done_aux.empty() && (!sink.aux_rank || peer.rank < *sink.aux_rank)) {
+        sink.result.aux = std::move(part.done_aux);
+        sink.aux_rank = peer.rank;
+      }
+      part.done_aux.clear();
+      completeIfDoneLocked(sink);
+    }
+    if (sink.released && !sink.anyInFlight()) forget.push_back(id);
+  }
+  for (uint64_t id : forget) sinks_.erase(id);
 }
 
 void GenerationReceiver::endPartLocked(Sink& sink, Part& part) {
@@ -674,7 +744,22 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
   // A staged part lands in its slot: into the pages with it, before the slot is freed.
   Status scattered = OkStatus();
   if (part->staging && done.status.isOk() && !sink.result.terminal()) {
-    scattered = scatterLocked(sink, *part, peer);
+    if (staged_device_) {
+      // On the device: the part stays in flight, its slot and pages fenced, until the copy is
+      // done; the progress thread goes on meanwhile (finishScattersLocked).
+      auto copying = startScatterLocked(sink, *part, peer);
+      if (copying.isOk()) {
+        part->state = Part::State::kScattering;
+        part->scattered = std::move(*copying);
+        part->bytes = done.bytes;
+        part->done_aux = done.aux;
+        return;
+      }
+      scattered = copying.status().withContext("copying a staged part into device " +
+                                               std::to_string(device_ordinal_));
+    } else {
+      scattered = scatterLocked(sink, *part, peer);
+    }
   }
   endPartLocked(sink, *part);
   part->state = done.status.isOk() ? Part::State::kOk : Part::State::kFailed;
@@ -977,6 +1062,7 @@ void GenerationReceiver::finishConnectLocked(CtxPeer& peer, StatusOr<transport::
 }
 
 void GenerationReceiver::timersLocked() {
+  if (staged_device_) finishScattersLocked();
   if (room_check_) {
     // Parts that wait for room in the staging region (device pools behind a host agent).
     room_check_ = false;
@@ -1003,6 +1089,12 @@ void GenerationReceiver::timersLocked() {
           sink->pages_free ? "; waiting for the engine's pages-free event" : std::string();
       for (const Part& part : sink->parts) {
         if (sink->pages_free) break;
+        if (part.state == Part::State::kScattering) {
+          waiting += (waiting.empty() ? "; waiting for " : ", ") +
+                     std::string("the device's copy of context rank ") +
+                     std::to_string(peers_[part.peer]->rank) + "'s part into the pools";
+          continue;
+        }
         if (part.state != Part::State::kQueued || part.peer >= peers_.size()) continue;
         const CtxPeer& peer = *peers_[part.peer];
         if (peer.state == CtxPeer::State::kReady) {
@@ -1136,6 +1228,46 @@ void GenerationReceiver::shutdown() {
     for (auto& [id, sink] : sinks_) {
       failLocked(*sink, Cancelled("receiver shut down"), FailureCause::kCancelled);
     }
+    // Staged parts the device still copies into the pools: their slots and pages stay fenced
+    // until it is done. Waited for without the lock, bounded; a copy still running after that
+    // keeps its pages fenced and the staging region is left allocated (the device reads it).
+    std::vector<std::shared_ptr<const device::Event>> copying;
+    for (auto& [id, sink] : sinks_) {
+      for (const Part& part : sink->parts) {
+        if (part.state == Part::State::kScattering) copying.push_back(part.scattered);
+      }
+    }
+    if (!copying.empty()) {
+      lock.unlock();
+      const Clock::time_point until = Clock::now() + kShutdownFenceWait;
+      for (const auto& event : copying) {
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+        (void)event->wait(std::max(left, std::chrono::milliseconds(0)));
+      }
+      lock.lock();
+      finishScattersLocked();
+      size_t still = 0;
+      for (auto& [id, sink] : sinks_) {
+        for (const Part& part : sink->parts) still += part.state == Part::State::kScattering;
+      }
+      if (still > 0) {
+        HXFER_LOG_WARN(
+            "generation: shut down while the device still copies {} staged parts into the "
+            "pools after {} s; their pages stay fenced, and the staging region and the "
+            "stream stay allocated",
+            still, kShutdownFenceWait.count());
+        // The device may still read the region; destroying the stream would wait for it.
+        (void)scatter_stream_.release();  // NOLINT
+        (void)staging_pin_.release();     // NOLINT
+        (void)staging_.release();         // NOLINT
+      }
+    }
+    {
+      std::lock_guard watch(watch_mu_);
+      watch_stop_ = true;
+      watch_cv_.notify_all();
+    }
     // A part in flight keeps its fence until the transport reports its connection lost: only
     // then can no write of that context rank still land in the pages (a disconnect returns
     // before the peer's copies stop). Pages may be engine memory, reused the moment they are
@@ -1149,7 +1281,8 @@ void GenerationReceiver::shutdown() {
       p.state = CtxPeer::State::kDown;
       for (auto& [id, sink] : sinks_) {
         for (Part& part : sink->parts) {
-          if (connected_now && part.peer == i && part.in_flight && part.fenced_by == 0) {
+          if (connected_now && part.peer == i && part.in_flight && part.fenced_by == 0 &&
+              part.state != Part::State::kScattering) {
             part.fenced_by = p.id;
           }
         }
@@ -1157,7 +1290,7 @@ void GenerationReceiver::shutdown() {
     }
     for (auto& [id, sink] : sinks_) {
       for (Part& part : sink->parts) {
-        if (!part.in_flight) continue;
+        if (!part.in_flight || part.state == Part::State::kScattering) continue;
         if (part.fenced_by != 0) {
           awaiting.insert(part.fenced_by);
         } else {
@@ -1166,6 +1299,7 @@ void GenerationReceiver::shutdown() {
       }
     }
     lock.unlock();
+    if (watcher_.joinable()) watcher_.join();  // within its 50 ms wait
     std::vector<transport::PeerId> lost;
     const Clock::time_point until = Clock::now() + kShutdownFenceWait;
     while (!awaiting.empty() && Clock::now() < until) {

@@ -46,6 +46,7 @@
 #include "engine/options.h"
 #include "plan/memory.h"
 #include "plan/planner.h"
+#include "plan/staging.h"
 #include "transport/transport.h"
 #include "wire/messages.h"
 
@@ -191,9 +192,18 @@ class GenerationReceiver {
   // Asks for staging (req->staging, part.staging) when the part is a storm and a slot is free.
   void maybeStageLocked(const Sink& sink, Part& part, const CtxPeer& peer,
                         wire::TransferRequest* req);
-  // Copies a staged part from its slot into the pages (on the device for device pools behind a
-  // host agent).
+  // A staged part's runs, checked against its slot.
+  StatusOr<std::vector<StagedRun>> stagedRunsLocked(const Sink& sink, const Part& part,
+                                                    const CtxPeer& peer) const;
+  // Host pools: the slot scattered into the pages, here.
   Status scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer);
+  // Device pools behind a host agent: the slot's batched copy into the pools queued on the
+  // device, its event watched (watchScatter); the part finishes in finishScattersLocked.
+  StatusOr<std::shared_ptr<device::Event>> startScatterLocked(const Sink& sink, const Part& part,
+                                                              const CtxPeer& peer);
+  void finishScattersLocked();
+  void watchScatter(std::shared_ptr<const device::Event> event);
+  void watchLoop();
   // Device pools behind a host agent: a staging slot for `part` before it is asked for. False
   // while the region has no room (the part stays queued); an error for a part that can never
   // fit or a peer without staging.
@@ -264,6 +274,13 @@ class GenerationReceiver {
   // timersLocked serves them.
   bool room_check_ = false;       // guarded by mu_
   bool serving_waiters_ = false;  // guarded by mu_; inside serveRoomWaitersLocked
+  // Wakes the progress thread as each scatter copy is done (the device has no callback here):
+  // a thread started with the first such copy, waiting for them in order.
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  std::deque<std::shared_ptr<const device::Event>> watching_;  // guarded by watch_mu_
+  bool watch_stop_ = false;                                    // guarded by watch_mu_
+  std::thread watcher_;
   std::thread thread_;
   std::once_flag shutdown_once_;
 };
