@@ -142,15 +142,28 @@ std::unique_ptr<Receiver> connectedReceiver(EngineRank& gen, const Sender& tx, R
 
 // A Sender over `ctx`'s memory on the inproc backend, reporting releases to `released`; `so`
 // carries any other option. nullptr (a test failure) when it cannot be had.
-std::unique_ptr<Sender> inprocSender(EngineRank& ctx, Released& released, SenderOptions so = {}) {
-  so.backend = "inproc";
-  so.on_released = released.callback();
+std::unique_ptr<Sender> createdSender(EngineRank& ctx, const SenderOptions& so) {
   auto tx = Sender::create(ctx.layout, *ctx.memory, so);
   if (!tx.isOk()) {
     ADD_FAILURE() << tx.status().toString();
     return nullptr;
   }
   return std::move(*tx);
+}
+
+std::unique_ptr<Sender> inprocSender(EngineRank& ctx, Released& released, SenderOptions so = {}) {
+  so.backend = "inproc";
+  so.on_released = released.callback();
+  return createdSender(ctx, so);
+}
+
+// A Sender over `ctx`'s memory on ucx over tcp (the path across hosts, on this one).
+std::unique_ptr<Sender> ucxSender(EngineRank& ctx) {
+  SenderOptions so;
+  so.instance = "ctx";
+  so.backend = "ucx";
+  so.ucx_options = {{"TLS", "tcp"}};
+  return createdSender(ctx, so);
 }
 
 TEST(ApiLayout, PoolsNameEveryRegionOfTheEngineLayoutWithItsBytes) {
@@ -796,10 +809,14 @@ TEST(ApiRouting, AutoPicksShmForSharedBuffersAndUcxForPrivateMemorySayingWhy) {
 
 // The fake device as the process's device runtime for one test: pools in its memory, which
 // the host cannot touch (a host read or write of a pool faults), on two devices.
+// `options` gives other devices and faults.
 struct FakeDeviceRuntime {
-  std::shared_ptr<device::FakeDevice> fake = std::make_shared<device::FakeDevice>(
-      device::FakeDeviceOptions{.devices = 2, .host_inaccessible = true});
-  FakeDeviceRuntime() { setDeviceRuntimeForTesting(fake); }
+  std::shared_ptr<device::FakeDevice> fake;
+  explicit FakeDeviceRuntime(device::FakeDeviceOptions options = {.devices = 2,
+                                                                  .host_inaccessible = true})
+      : fake(std::make_shared<device::FakeDevice>(options)) {
+    setDeviceRuntimeForTesting(fake);
+  }
   ~FakeDeviceRuntime() { setDeviceRuntimeForTesting(nullptr); }
 };
 
@@ -846,39 +863,27 @@ TEST(ApiDevice, DevicePoolsMoveOverUcxThroughPinnedHostMemory) {
 // A device pack that fails fails its part: the copy after it on the stream succeeds, but the
 // scratch area it should have filled must not go (device pools behind ucx, a pair that packs).
 TEST(ApiDevice, AFailedDevicePackBehindUcxFailsItsRequest) {
-  struct Runtime {
-    std::shared_ptr<device::FakeDevice> fake = std::make_shared<device::FakeDevice>(
-        device::FakeDeviceOptions{.devices = 1, .fail_every = 3, .host_inaccessible = true});
-    Runtime() { setDeviceRuntimeForTesting(fake); }
-    ~Runtime() { setDeviceRuntimeForTesting(nullptr); }
-  } rt;
+  FakeDeviceRuntime rt({.devices = 1, .fail_every = 3, .host_inaccessible = true});
   LayoutOptions ctx_options = options("vllm", 1, 0);
   ctx_options.conv_layout = "sd";
   LayoutOptions gen_options = options("vllm", 1, 0);
   gen_options.conv_layout = "ds";
   EngineRank ctx = EngineRank::make(ctx_options, false, rt.fake.get(), 0);
   EngineRank gen = EngineRank::make(gen_options);  // host memory: no device op there
-  SenderOptions so;
-  so.instance = "ctx";
-  so.backend = "ucx";
-  so.ucx_options = {{"TLS", "tcp"}};
-  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
-  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  std::unique_ptr<Sender> tx = ucxSender(ctx);
+  ASSERT_NE(tx, nullptr);
   ReceiverOptions ro;
-  ro.instance = "gen";
-  ro.peers = {(*tx)->address()};
   ro.ucx_options = {{"TLS", "tcp"}};
-  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
-  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
-  ASSERT_TRUE((*rx)->waitForPeers(20s).isOk());
+  std::unique_ptr<Receiver> rx = connectedReceiver(gen, *tx, nullptr, ro);
+  ASSERT_NE(rx, nullptr);
   const uint32_t tokens = 40;
   const RankPages ctx_pages{{3, 5}, 1}, gen_pages{{2, 7}, 3};
   auto move = [&](uint64_t id) {
     EXPECT_TRUE(
         fillRank(ctx.rankLayout(), ctx.rankMemory(), RankIds{ctx_pages.blocks, 1}, id).isOk());
-    EXPECT_TRUE((*tx)->markReady(id, ctx_pages).isOk());
-    EXPECT_TRUE((*rx)->start(id, tokens, gen_pages).isOk());
-    auto res = (*rx)->wait(id, 20s);
+    EXPECT_TRUE(tx->markReady(id, ctx_pages).isOk());
+    EXPECT_TRUE(rx->start(id, tokens, gen_pages).isOk());
+    auto res = rx->wait(id, 20s);
     EXPECT_TRUE(res.isOk()) << res.status().toString();
     return res.isOk() ? *res : Result{};
   };
@@ -888,7 +893,7 @@ TEST(ApiDevice, AFailedDevicePackBehindUcxFailsItsRequest) {
   auto report = checkRank(gen.rankLayout(), gen.rankMemory(), RankIds{gen_pages.blocks, 3}, 1,
                           BlockRange{0, 2, tokens}, tokens);
   ASSERT_TRUE(report.isOk() && report->ok()) << (report.isOk() ? report->toString() : "");
-  ASSERT_TRUE((*rx)->release(1).isOk());
+  ASSERT_TRUE(rx->release(1).isOk());
   // Request 2: the pack is op 3 and fails; the copy (op 4) runs.
   const Result second = move(2);
   EXPECT_EQ(second.state, Result::State::kFailed);
@@ -902,36 +907,23 @@ TEST(ApiDevice, AFailedDevicePackBehindUcxFailsItsRequest) {
 // device while its progress thread goes on: a request times out naming that copy while it runs,
 // its pages stay fenced until it is done, and shutdown waits for a copy still running.
 TEST(ApiDevice, AGenerationRankGoesOnWhileTheDeviceCopiesAStagedPart) {
-  struct Runtime {
-    std::shared_ptr<device::FakeDevice> fake = std::make_shared<device::FakeDevice>(
-        device::FakeDeviceOptions{.devices = 1, .op_delay = 5s, .host_inaccessible = true});
-    Runtime() { setDeviceRuntimeForTesting(fake); }
-    ~Runtime() { setDeviceRuntimeForTesting(nullptr); }
-  } rt;
+  FakeDeviceRuntime rt({.devices = 1, .op_delay = 5s, .host_inaccessible = true});
   EngineRank ctx = EngineRank::make(options("sglang", 1, 0));  // host memory: no device op there
   EngineRank gen = EngineRank::make(options("sglang", 1, 0), false, rt.fake.get(), 0);
-  SenderOptions so;
-  so.instance = "ctx";
-  so.backend = "ucx";
-  so.ucx_options = {{"TLS", "tcp"}};
-  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
-  ASSERT_TRUE(tx.isOk()) << tx.status().toString();
+  std::unique_ptr<Sender> tx = ucxSender(ctx);
+  ASSERT_NE(tx, nullptr);
   Released released;
   ReceiverOptions ro;
-  ro.instance = "gen";
-  ro.peers = {(*tx)->address()};
   ro.ucx_options = {{"TLS", "tcp"}};
   ro.request_timeout = 2s;  // shorter than the device's copy (op_delay)
-  ro.on_released = released.callback();
-  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
-  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
-  ASSERT_TRUE((*rx)->waitForPeers(20s).isOk());
+  std::unique_ptr<Receiver> rx = connectedReceiver(gen, *tx, &released, ro);
+  ASSERT_NE(rx, nullptr);
   const uint32_t tokens = 40;
   const RankPages ctx_pages{{3, 5}, 1}, gen_pages{{2, 7}, 3};
   ASSERT_TRUE(fillRank(ctx.rankLayout(), ctx.rankMemory(), RankIds{ctx_pages.blocks, 1}, 1).isOk());
-  ASSERT_TRUE((*tx)->markReady(1, ctx_pages).isOk());
-  ASSERT_TRUE((*rx)->start(1, tokens, gen_pages).isOk());
-  auto res = (*rx)->wait(1, 20s);
+  ASSERT_TRUE(tx->markReady(1, ctx_pages).isOk());
+  ASSERT_TRUE(rx->start(1, tokens, gen_pages).isOk());
+  auto res = rx->wait(1, 20s);
   ASSERT_TRUE(res.isOk()) << res.status().toString();
   EXPECT_EQ(res->state, Result::State::kFailed);
   EXPECT_EQ(res->status.code(), StatusCode::kTimeout) << res->status.toString();
@@ -940,20 +932,20 @@ TEST(ApiDevice, AGenerationRankGoesOnWhileTheDeviceCopiesAStagedPart) {
             std::string::npos)
       << res->status.toString();
   // The copy still runs: the pages stay fenced until it is done, then hxfer releases them.
-  EXPECT_TRUE((*rx)->holds(1));
+  EXPECT_TRUE(rx->holds(1));
   EXPECT_EQ(released.count(1), 0u);
   EXPECT_TRUE(released.waitFor(1, 20s));
-  EXPECT_FALSE((*rx)->holds(1));
+  EXPECT_FALSE(rx->holds(1));
   EXPECT_EQ(rt.fake->opsRun(), 1u);
 
   // Shut down while a copy runs: shutdown waits for it and releases the pages.
   ASSERT_TRUE(fillRank(ctx.rankLayout(), ctx.rankMemory(), RankIds{ctx_pages.blocks, 1}, 2).isOk());
-  ASSERT_TRUE((*tx)->markReady(2, ctx_pages).isOk());
-  ASSERT_TRUE((*rx)->start(2, tokens, gen_pages).isOk());
-  res = (*rx)->wait(2, 20s);  // the timeout, the copy running
+  ASSERT_TRUE(tx->markReady(2, ctx_pages).isOk());
+  ASSERT_TRUE(rx->start(2, tokens, gen_pages).isOk());
+  res = rx->wait(2, 20s);  // the timeout, the copy running
   ASSERT_TRUE(res.isOk() && res->state == Result::State::kFailed) << res.status().toString();
   EXPECT_EQ(released.count(2), 0u);
-  rx->reset();
+  rx.reset();
   EXPECT_TRUE(released.waitFor(2, 10s));
   EXPECT_EQ(rt.fake->opsRun(), 2u);
 }
