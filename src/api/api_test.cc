@@ -950,6 +950,67 @@ TEST(ApiDevice, AGenerationRankGoesOnWhileTheDeviceCopiesAStagedPart) {
   EXPECT_EQ(rt.fake->opsRun(), 2u);
 }
 
+// A context rank with device pools behind ucx copies each part on the device into a host area
+// while its progress thread goes on: a generation rank's cancel is answered while the copy runs
+// (the area comes back once it is done), the next request moves whole, and shutdown ends a part
+// whose copy still runs.
+TEST(ApiDevice, AContextRankGoesOnWhileTheDeviceCopiesAPart) {
+  FakeDeviceRuntime rt({.devices = 1, .op_delay = 4s, .host_inaccessible = true});
+  EngineRank ctx = EngineRank::make(options("sglang", 1, 0), false, rt.fake.get(), 0);
+  EngineRank gen = EngineRank::make(options("sglang", 1, 0));  // host memory: no device op there
+  Released ctx_released, gen_released;
+  SenderOptions so;
+  so.instance = "ctx";
+  so.backend = "ucx";
+  so.ucx_options = {{"TLS", "tcp"}};
+  so.on_released = ctx_released.callback();
+  std::unique_ptr<Sender> tx = createdSender(ctx, so);
+  ASSERT_NE(tx, nullptr);
+  ReceiverOptions ro;
+  ro.ucx_options = {{"TLS", "tcp"}};
+  std::unique_ptr<Receiver> rx = connectedReceiver(gen, *tx, &gen_released, ro);
+  ASSERT_NE(rx, nullptr);
+  const uint32_t tokens = 40;
+  const RankPages ctx_pages{{3, 5}, 1}, gen_pages{{2, 7}, 3};
+  auto begin = [&](uint64_t id) {
+    EXPECT_TRUE(
+        fillRank(ctx.rankLayout(), ctx.rankMemory(), RankIds{ctx_pages.blocks, 1}, id).isOk());
+    EXPECT_TRUE(tx->markReady(id, ctx_pages).isOk());
+    EXPECT_TRUE(rx->start(id, tokens, gen_pages).isOk());
+    std::this_thread::sleep_for(500ms);  // the context rank has the request: its copy runs
+  };
+  // Cancelled during the copy: the context rank answers and frees the pages long before the
+  // copy (4 s) ends; its write is never posted.
+  begin(1);
+  ASSERT_TRUE(rx->cancel(1).isOk());
+  EXPECT_TRUE(ctx_released.waitFor(1, 2s));
+  EXPECT_TRUE(gen_released.waitFor(1, 2s));
+  EXPECT_EQ(rt.fake->opsRun(), 0u);
+  auto res = rx->wait(1, 1s);
+  ASSERT_TRUE(res.isOk()) << res.status().toString();
+  EXPECT_EQ(res->state, Result::State::kFailed);
+  EXPECT_EQ(res->status.code(), StatusCode::kCancelled) << res->status.toString();
+  // The next request waits for its copy and lands whole.
+  begin(2);
+  res = rx->wait(2, 30s);
+  ASSERT_TRUE(res.isOk()) << res.status().toString();
+  ASSERT_TRUE(res->ok()) << res->status.toString();
+  auto report = checkRank(gen.rankLayout(), gen.rankMemory(), RankIds{gen_pages.blocks, 3}, 2,
+                          BlockRange{0, 2, tokens}, tokens);
+  ASSERT_TRUE(report.isOk() && report->ok()) << (report.isOk() ? report->toString() : "");
+  EXPECT_EQ(rt.fake->opsRun(), 2u);
+  ASSERT_TRUE(rx->release(2).isOk());
+  // Shut down during a copy: the part ends unposted, the context rank's pages are freed, and
+  // the generation rank learns its peer is gone.
+  begin(3);
+  tx.reset();
+  EXPECT_TRUE(ctx_released.waitFor(3, 1s));
+  EXPECT_EQ(rt.fake->opsRun(), 3u);  // shutdown waited for the copy before the area went
+  res = rx->wait(3, 20s);
+  ASSERT_TRUE(res.isOk()) << res.status().toString();
+  EXPECT_EQ(res->state, Result::State::kFailed) << res->status.toString();
+}
+
 // A generation rank with device pools behind ucx takes each part whole through its staging
 // region: a part waits while the region holds another, and one larger than the whole region
 // fails its request naming staging_bytes; no staging region at all is refused at create.

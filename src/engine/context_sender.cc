@@ -46,6 +46,12 @@ struct ContextSender::Piece {
   // Device pools: the pack that fills `scratch` (the write waits for it; the area is reused
   // only once it is done).
   std::shared_ptr<const device::Event> pack;
+  // Device pools behind a host agent (postFromDeviceLocked): the device's copy of the part into
+  // `scratch` runs, `transfer` is empty, and `ops` (`bytes` in all) are posted once the copy is
+  // done (advanceAskLocked); `posted_at` is when the copy started.
+  std::shared_ptr<const device::Event> copying;
+  std::vector<transport::WriteOp> ops;
+  uint64_t bytes = 0;
 };
 
 // One TransferRequest of one generation rank for one request.
@@ -612,7 +618,9 @@ void ContextSender::startAskLocked(Source& src, Ask& ask) {
 void ContextSender::advanceAskLocked(Source& src, Ask& ask) {
   if (ask.state != Ask::State::kPosted) return;
   for (Piece& p : ask.pieces) {
-    if (p.terminal || p.transfer.poll() == transport::TransferState::kInProgress) continue;
+    if (p.terminal || p.copying || p.transfer.poll() == transport::TransferState::kInProgress) {
+      continue;
+    }
     p.terminal = true;
     retireAreaLocked(std::move(p.scratch), std::move(p.pack));
     if (Status st = p.transfer.status(); !st.isOk() && !ask.failed) ask.failed = st;
@@ -624,13 +632,22 @@ void ContextSender::advanceAskLocked(Source& src, Ask& ask) {
   } else if (ask.cancel_requested) {
     end = Cancelled("cancelled by generation");
   } else if (ask.stalled) {
-    end = Timeout("request " + std::to_string(src.id) + ": the write to generation rank " +
-                  std::to_string(ask.gen_rank) + " made no progress in " +
+    const bool copying = std::any_of(ask.pieces.begin(), ask.pieces.end(),
+                                     [](const Piece& p) { return !p.terminal && p.copying; });
+    end = Timeout("request " + std::to_string(src.id) + ": the " +
+                  (copying ? "device's copy into host memory of the part for" : "write to") +
+                  " generation rank " + std::to_string(ask.gen_rank) + " made no progress in " +
                   std::to_string(options_.stall_timeout.count()) + " ms");
   } else if (ask.failed) {
     end = *ask.failed;
   } else if (ask.peer_gone) {
     end = Unavailable("generation rank " + std::to_string(ask.gen_rank) + " is gone");
+  }
+  // Device pools behind a host agent: a part whose copy into host memory is done goes now.
+  for (Piece& p : ask.pieces) {
+    if (!end && !ask.failed && !p.terminal && p.copying && p.copying->done()) {
+      landCopyLocked(ask, p, /*post=*/true);
+    }
   }
   // While the engine still writes the layers (its event pending) nothing is packed or posted;
   // the progress loop looks again each turn, and other requests move meanwhile.
@@ -640,7 +657,12 @@ void ContextSender::advanceAskLocked(Source& src, Ask& ask) {
   }
   if (end || ask.failed) {
     for (Piece& p : ask.pieces) {
-      if (!p.terminal) p.transfer.cancel();
+      if (p.terminal) continue;
+      if (p.copying) {
+        landCopyLocked(ask, p, /*post=*/false);  // never posted: nothing to wait for
+      } else {
+        p.transfer.cancel();
+      }
     }
   }
   if (ask.inFlight() > 0) return;
@@ -771,28 +793,65 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
 Status ContextSender::postLocked(Ask& ask, std::vector<transport::WriteOp> ops,
                                  std::unique_ptr<Region> area, uint64_t bytes,
                                  std::shared_ptr<const device::Event> pack) {
-  const size_t n = ops.size();
   if (pack && pack->done() && !pack->status().isOk()) {
     retireAreaLocked(std::move(area), pack);
     return Status(pack->status().code(), "the write's fence failed: " + pack->status().message());
   }
-  // The write waits for the device pack that fills `area` (short, on hxfer's own stream).
-  auto t = pack && !pack->done() ? agent_->postWriteAfter(ask.peer, std::move(ops), pack)
-                                 : agent_->postWrite(ask.peer, std::move(ops));
-  if (!t.isOk()) {
-    retireAreaLocked(std::move(area), pack);
-    return t.status();
-  }
-  metrics_.opsPosted(n);
-  t->notifyWhenTerminal([waker = waker_] { waker->wake(); });
   Piece piece;
-  piece.transfer = *t;
-  piece.posted_at = Clock::now();
   piece.scratch = std::move(area);
   piece.pack = std::move(pack);
+  piece.ops = std::move(ops);
+  if (Status st = writeLocked(ask, piece); !st.isOk()) {
+    retireAreaLocked(std::move(piece.scratch), piece.pack);
+    return st;
+  }
   ask.pieces.push_back(std::move(piece));
   ask.bytes += bytes;
   return OkStatus();
+}
+
+Status ContextSender::writeLocked(const Ask& ask, Piece& piece) {
+  const size_t n = piece.ops.size();
+  // The write waits for the device pack that fills the area (short, on hxfer's own stream).
+  auto t = piece.pack && !piece.pack->done()
+               ? agent_->postWriteAfter(ask.peer, std::move(piece.ops), piece.pack)
+               : agent_->postWrite(ask.peer, std::move(piece.ops));
+  piece.ops.clear();
+  RETURN_IF_ERROR(t.status());
+  metrics_.opsPosted(n);
+  t->notifyWhenTerminal([waker = waker_] { waker->wake(); });
+  piece.transfer = *t;
+  piece.posted_at = Clock::now();
+  return OkStatus();
+}
+
+void ContextSender::landCopyLocked(Ask& ask, Piece& piece, bool post) {
+  Status done = piece.copying->done() ? piece.copying->status() : OkStatus();
+  // The copy's event says nothing of the pack before it on the stream (done by now): a failed
+  // pack left the scratch unfilled, and its bytes must not go.
+  if (done.isOk() && piece.pack && !piece.pack->status().isOk()) {
+    done = Status(piece.pack->status().code(),
+                  "the device pack failed: " + piece.pack->status().message());
+  }
+  if (!done.isOk()) {
+    done = done.withContext("copying a part of " + std::to_string(piece.bytes) +
+                            " bytes from device " + std::to_string(device_ordinal_) +
+                            " into host memory");
+  } else if (post) {
+    piece.copying.reset();
+    piece.pack.reset();
+    done = writeLocked(ask, piece);
+    if (done.isOk()) return;
+  }
+  // Not posted: the area goes back once the device is done with it.
+  piece.terminal = true;
+  piece.ops.clear();
+  retireAreaLocked(std::move(piece.scratch), std::move(piece.copying));
+  piece.pack.reset();
+  if (!done.isOk() && !ask.failed) {
+    HXFER_LOG_WARN("context: a part for generation rank {}: {}", ask.gen_rank, done.toString());
+    ask.failed = done;
+  }
 }
 
 void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan) {
@@ -900,37 +959,36 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
     launched = c.status();
     if (c.isOk()) copied = std::move(c).value();
   }
-  // The write reads the area: the copy must be done first. It is short (the part's bytes over
-  // the bus) and waited for here; one that overruns stall_timeout fails the part, and the
-  // areas stay aside until the device is done with them.
-  Status done = copied ? copied->wait(options_.stall_timeout) : launched;
-  // The copy's event says nothing of the pack before it on the stream (done by now): a failed
-  // pack left the scratch unfilled, and its bytes must not go.
-  if (done.isOk() && pack && !pack->status().isOk()) {
-    done = Status(pack->status().code(), "the device pack failed: " + pack->status().message());
-  }
+  // The pack's area is read by the copy: it goes back once the copy is done.
   retireAreaLocked(std::move(scratch), copied ? copied : pack);
-  if (!done.isOk()) {
-    retireAreaLocked(std::move(area).value(), copied);
-    return fail(done.withContext("copying a part of " + std::to_string(plan.bytes) +
-                                 " bytes from device " + std::to_string(device_ordinal_) +
-                                 " into host memory"));
+  if (!launched.isOk()) {
+    releaseScratchLocked(std::move(area).value());
+    return fail(launched.withContext("copying a part of " + std::to_string(plan.bytes) +
+                                     " bytes from device " + std::to_string(device_ordinal_) +
+                                     " into host memory"));
   }
-  std::unique_ptr<Region> from = std::move(area).value();
-  std::vector<transport::WriteOp> ops;
+  // The write reads the area: it is posted once the copy is done (advanceAskLocked, woken by
+  // copy_watcher_), and the progress thread goes on meanwhile.
+  Piece piece;
+  piece.scratch = std::move(area).value();
+  piece.pack = std::move(pack);
+  piece.copying = copied;
+  piece.bytes = plan.bytes;
+  piece.posted_at = Clock::now();
+  const uint32_t from = piece.scratch->id();
   if (slot) {
     metrics_.stormStaged(plan.ops.size());
-    ops.push_back({from->id(), 0, slot->region, slot->offset, plan.bytes});
+    piece.ops.push_back({from, 0, slot->region, slot->offset, plan.bytes});
   } else {
-    ops.reserve(plan.ops.size());
+    piece.ops.reserve(plan.ops.size());
     for (size_t i = 0; i < plan.ops.size(); ++i) {
       const CopyOp& op = plan.ops[i];
-      ops.push_back({from->id(), gather[i].dst_offset, op.dst_region, op.dst_offset, op.bytes});
+      piece.ops.push_back({from, gather[i].dst_offset, op.dst_region, op.dst_offset, op.bytes});
     }
   }
-  if (Status st = postLocked(ask, std::move(ops), std::move(from), plan.bytes); !st.isOk()) {
-    fail(st);
-  }
+  ask.pieces.push_back(std::move(piece));
+  ask.bytes += plan.bytes;
+  copy_watcher_.watch(std::move(copied));
 }
 
 StatusOr<uint64_t> ContextSender::checksumAskLocked(const Source& src, const Ask& ask) const {
@@ -1332,6 +1390,7 @@ void ContextSender::shutdown() {
       stop_ = true;
     }
     if (thread_.joinable()) thread_.join();
+    copy_watcher_.stop();
     {
       std::lock_guard lock(waker_->mu);
       waker_->agent = nullptr;
@@ -1339,11 +1398,17 @@ void ContextSender::shutdown() {
     std::lock_guard lock(mu_);
     // Cancel every write, then drop the peers (which fails what the backend still has queued
     // for them), then wait. A write still running at the deadline keeps its hold and its
-    // pages: they are never reused while something may still read them.
+    // pages: they are never reused while something may still read them. A part whose device
+    // copy still runs was never posted: it ends here, its area drained with the stream below.
     for (auto& [rid, src] : sources_) {
       for (Ask& a : src->asks) {
         for (Piece& p : a.pieces) {
-          if (!p.terminal) p.transfer.cancel();
+          if (p.terminal) continue;
+          if (p.copying) {
+            landCopyLocked(a, p, /*post=*/false);
+          } else {
+            p.transfer.cancel();
+          }
         }
       }
     }

@@ -54,6 +54,7 @@
 #include "cache/cache_manager.h"
 #include "common/status.h"
 #include "device/device_api.h"
+#include "engine/event_watcher.h"
 #include "engine/metrics.h"
 #include "engine/options.h"
 #include "engine/recent_ids.h"
@@ -193,8 +194,16 @@ class ContextSender {
   void postStagedLocked(Source& src, Ask& ask, const RankPlan& plan);
   // Device pools behind a host agent (staged_device_): the part's bytes copied on the device
   // into a pinned host area (laid out as the generation rank's slot when it asked for staging,
-  // else back to back), then written from there.
+  // else back to back), then written from there. The copy is not waited for here: the piece
+  // stays in flight with its event (copy_watcher_ wakes the progress thread) until
+  // advanceAskLocked posts it (landCopyLocked); it counts against stall_timeout meanwhile.
   void postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& plan);
+  // A piece whose device copy is done (or, `post` false, may still run): its write posted when
+  // `post` and the copy and the pack before it succeeded; otherwise the piece ends unposted
+  // (its area back once the device is done with it) and a failed copy fails the ask.
+  void landCopyLocked(Ask& ask, Piece& piece, bool post);
+  // Posts `piece.ops` (after `piece.pack` where it is pending) and starts its stall clock.
+  Status writeLocked(const Ask& ask, Piece& piece);
   StatusOr<RankPlan> planAskLocked(const Source& src, const Ask& ask, LayerRange layers) const;
   // Posts `ops` as one piece of `ask` (`area`, a registered local source the ops read, is
   // released once the write is terminal, or now when posting fails).
@@ -302,6 +311,8 @@ class ContextSender {
       draining_areas_;  // guarded by mu_
   Metrics metrics_;
   std::shared_ptr<Waker> waker_ = std::make_shared<Waker>();
+  // Wakes the progress thread as each device copy into a host area is done (staged_device_).
+  EventWatcher copy_watcher_{[waker = waker_] { waker->wake(); }};
   std::thread thread_;
   std::once_flag shutdown_once_;
 };

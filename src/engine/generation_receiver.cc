@@ -553,35 +553,8 @@ StatusOr<std::shared_ptr<device::Event>> GenerationReceiver::startScatterLocked(
   }
   ASSIGN_OR_RETURN(std::shared_ptr<device::Event> copied, scatter_stream_->copy(table));
   metrics_.stormStaged(runs.size());
-  watchScatter(copied);
+  scatter_watcher_.watch(copied);
   return copied;
-}
-
-void GenerationReceiver::watchScatter(std::shared_ptr<const device::Event> event) {
-  std::lock_guard lock(watch_mu_);
-  if (!watcher_.joinable()) watcher_ = std::thread([this] { watchLoop(); });
-  watching_.push_back(std::move(event));
-  watch_cv_.notify_one();
-}
-
-void GenerationReceiver::watchLoop() {
-  // The scatter stream runs its copies in order: waiting for the oldest first wakes the
-  // progress thread once per copy done, and it finishes the part (finishScattersLocked).
-  std::unique_lock lock(watch_mu_);
-  while (true) {
-    watch_cv_.wait(lock, [&] { return watch_stop_ || !watching_.empty(); });
-    if (watch_stop_) return;
-    std::shared_ptr<const device::Event> event = watching_.front();
-    lock.unlock();
-    (void)event->wait(std::chrono::milliseconds(50));  // bounded: stop is seen
-    lock.lock();
-    if (event->done()) {
-      watching_.pop_front();
-      lock.unlock();
-      agent_->wakeEventWaiter();
-      lock.lock();
-    }
-  }
 }
 
 void GenerationReceiver::finishScattersLocked() {
@@ -1263,11 +1236,6 @@ void GenerationReceiver::shutdown() {
         (void)staging_.release();         // NOLINT
       }
     }
-    {
-      std::lock_guard watch(watch_mu_);
-      watch_stop_ = true;
-      watch_cv_.notify_all();
-    }
     // A part in flight keeps its fence until the transport reports its connection lost: only
     // then can no write of that context rank still land in the pages (a disconnect returns
     // before the peer's copies stop). Pages may be engine memory, reused the moment they are
@@ -1299,7 +1267,7 @@ void GenerationReceiver::shutdown() {
       }
     }
     lock.unlock();
-    if (watcher_.joinable()) watcher_.join();  // within its 50 ms wait
+    scatter_watcher_.stop();  // within its 50 ms wait
     std::vector<transport::PeerId> lost;
     const Clock::time_point until = Clock::now() + kShutdownFenceWait;
     while (!awaiting.empty() && Clock::now() < until) {

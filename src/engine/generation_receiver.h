@@ -42,6 +42,7 @@
 #include "cache/cache_manager.h"
 #include "common/status.h"
 #include "device/device_api.h"
+#include "engine/event_watcher.h"
 #include "engine/metrics.h"
 #include "engine/options.h"
 #include "plan/memory.h"
@@ -198,12 +199,10 @@ class GenerationReceiver {
   // Host pools: the slot scattered into the pages, here.
   Status scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer);
   // Device pools behind a host agent: the slot's batched copy into the pools queued on the
-  // device, its event watched (watchScatter); the part finishes in finishScattersLocked.
+  // device, its event watched (scatter_watcher_); the part finishes in finishScattersLocked.
   StatusOr<std::shared_ptr<device::Event>> startScatterLocked(const Sink& sink, const Part& part,
                                                               const CtxPeer& peer);
   void finishScattersLocked();
-  void watchScatter(std::shared_ptr<const device::Event> event);
-  void watchLoop();
   // Device pools behind a host agent: a staging slot for `part` before it is asked for. False
   // while the region has no room (the part stays queued); an error for a part that can never
   // fit or a peer without staging.
@@ -274,13 +273,8 @@ class GenerationReceiver {
   // timersLocked serves them.
   bool room_check_ = false;       // guarded by mu_
   bool serving_waiters_ = false;  // guarded by mu_; inside serveRoomWaitersLocked
-  // Wakes the progress thread as each scatter copy is done (the device has no callback here):
-  // a thread started with the first such copy, waiting for them in order.
-  std::mutex watch_mu_;
-  std::condition_variable watch_cv_;
-  std::deque<std::shared_ptr<const device::Event>> watching_;  // guarded by watch_mu_
-  bool watch_stop_ = false;                                    // guarded by watch_mu_
-  std::thread watcher_;
+  // Wakes the progress thread as each scatter copy is done.
+  EventWatcher scatter_watcher_{[this] { agent_->wakeEventWaiter(); }};
   std::thread thread_;
   std::once_flag shutdown_once_;
 };
