@@ -273,14 +273,19 @@ RankPages acrossPages(bool context, uint64_t id) {
                  : RankPages{{b, b + 1}, static_cast<uint32_t>(id)};
 }
 
+// Both sides' transport: ucx over tcp, as between two hosts.
+void acrossTransport(TransportOptions& o, const char* instance) {
+  o.instance = instance;
+  o.token = "gpu-check";
+  o.backend = "ucx";
+  o.ucx_options = {{"TLS", "tcp"}};
+}
+
 Status acrossContext(DeviceApi& device, const std::string& listen, uint32_t requests) {
   ASSIGN_OR_RETURN(Rank ctx, makeRank(true, device, acrossOptions(true, requests)));
   SenderOptions so;
-  so.instance = "across-ctx";
-  so.token = "gpu-check";
-  so.backend = "ucx";
+  acrossTransport(so, "across-ctx");
   so.listen = listen;
-  so.ucx_options = {{"TLS", "tcp"}};
   ASSIGN_OR_RETURN(std::unique_ptr<Sender> tx, Sender::create(*ctx.layout, *ctx.memory, so));
   for (uint64_t id = 1; id <= requests; ++id) {
     const RankPages pages = acrossPages(true, id);
@@ -308,11 +313,8 @@ Status acrossContext(DeviceApi& device, const std::string& listen, uint32_t requ
 Status acrossGeneration(DeviceApi& device, const std::string& peer, uint32_t requests) {
   ASSIGN_OR_RETURN(Rank gen, makeRank(true, device, acrossOptions(false, requests)));
   ReceiverOptions ro;
-  ro.instance = "across-gen";
-  ro.token = "gpu-check";
-  ro.backend = "ucx";
+  acrossTransport(ro, "across-gen");
   ro.peers = {peer};
-  ro.ucx_options = {{"TLS", "tcp"}};
   ASSIGN_OR_RETURN(std::unique_ptr<Receiver> rx, Receiver::create(*gen.layout, *gen.memory, ro));
   RETURN_IF_ERROR(rx->waitForPeers(30s));
   uint32_t exact = 0;

@@ -716,6 +716,15 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   }
   ask.sent_end = src.ready_end;
   if (plan->ops.empty()) return;
+  if (ask.req.staging && plan->bytes != ask.req.staging->bytes) {
+    // A staged part goes whole, as one plan: the slot must hold exactly its bytes.
+    ask.failed = InvalidArgument("request " + std::to_string(src.id) + ": staging slot of " +
+                                 std::to_string(ask.req.staging->bytes) + " bytes for a part of " +
+                                 std::to_string(plan->bytes));
+    HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
+                   ask.failed->toString());
+    return;
+  }
   // Posting waits until the engine's layers-ready event is done (advanceAskLocked).
   if (src.ready_event && !src.ready_event->status().isOk()) {
     ask.failed = Status(src.ready_event->status().code(),
@@ -861,12 +870,6 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan
                    why.toString());
     ask.failed = why;
   };
-  if (plan.bytes != slot.bytes) {
-    fail(InvalidArgument("request " + std::to_string(src.id) + ": staging slot of " +
-                         std::to_string(slot.bytes) + " bytes for a part of " +
-                         std::to_string(plan.bytes)));
-    return;
-  }
   auto runs = stagingRuns(plan.ops);
   if (!runs.isOk()) {
     fail(runs.status());
@@ -913,12 +916,6 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
                    why.toString());
     ask.failed = why;
   };
-  if (slot && plan.bytes != slot->bytes) {
-    fail(InvalidArgument("request " + std::to_string(src.id) + ": staging slot of " +
-                         std::to_string(slot->bytes) + " bytes for a part of " +
-                         std::to_string(plan.bytes)));
-    return;
-  }
   // Where each op's bytes go in the host area (region 0 of `area_memory` below): laid out as
   // the slot when the generation rank asked for staging, else back to back in op order.
   std::vector<CopyOp> gather;

@@ -1035,7 +1035,7 @@ void GenerationReceiver::finishConnectLocked(CtxPeer& peer, StatusOr<transport::
 }
 
 void GenerationReceiver::timersLocked() {
-  if (staged_device_) finishScattersLocked();
+  if (scatters_done_.exchange(false)) finishScattersLocked();
   if (room_check_) {
     // Parts that wait for room in the staging region (device pools behind a host agent).
     room_check_ = false;

@@ -26,6 +26,7 @@
 // own, so a context rank that accepts but never answers delays nobody else.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -273,8 +274,13 @@ class GenerationReceiver {
   // timersLocked serves them.
   bool room_check_ = false;       // guarded by mu_
   bool serving_waiters_ = false;  // guarded by mu_; inside serveRoomWaitersLocked
-  // Wakes the progress thread as each scatter copy is done.
-  EventWatcher scatter_watcher_{[this] { agent_->wakeEventWaiter(); }};
+  // Wakes the progress thread as each scatter copy is done; timersLocked then finishes the
+  // parts whose copies are (finishScattersLocked), and walks no request otherwise.
+  std::atomic<bool> scatters_done_{false};
+  EventWatcher scatter_watcher_{[this] {
+    scatters_done_ = true;
+    agent_->wakeEventWaiter();
+  }};
   std::thread thread_;
   std::once_flag shutdown_once_;
 };
