@@ -951,11 +951,11 @@ TEST(ApiDevice, AGenerationRankGoesOnWhileTheDeviceCopiesAStagedPart) {
 }
 
 // A context rank with device pools behind ucx copies each part on the device into a host area
-// while its progress thread goes on: a generation rank's cancel is answered while the copy runs
-// (the area comes back once it is done), the next request moves whole, and shutdown ends a part
-// whose copy still runs.
+// while its progress thread goes on: a generation rank's cancel is answered while the copy runs,
+// and the context rank's pages stay held until the copy that reads them is done; the next
+// request moves whole, and shutdown ends a part whose copy still runs before freeing its pages.
 TEST(ApiDevice, AContextRankGoesOnWhileTheDeviceCopiesAPart) {
-  FakeDeviceRuntime rt({.devices = 1, .op_delay = 4s, .host_inaccessible = true});
+  FakeDeviceRuntime rt({.devices = 1, .op_delay = 5s, .host_inaccessible = true});
   EngineRank ctx = EngineRank::make(options("sglang", 1, 0), false, rt.fake.get(), 0);
   EngineRank gen = EngineRank::make(options("sglang", 1, 0));  // host memory: no device op there
   Released ctx_released, gen_released;
@@ -977,19 +977,21 @@ TEST(ApiDevice, AContextRankGoesOnWhileTheDeviceCopiesAPart) {
         fillRank(ctx.rankLayout(), ctx.rankMemory(), RankIds{ctx_pages.blocks, 1}, id).isOk());
     EXPECT_TRUE(tx->markReady(id, ctx_pages).isOk());
     EXPECT_TRUE(rx->start(id, tokens, gen_pages).isOk());
-    std::this_thread::sleep_for(500ms);  // the context rank has the request: its copy runs
+    std::this_thread::sleep_for(1s);  // the context rank has the request: its copy runs
   };
-  // Cancelled during the copy: the context rank answers and frees the pages long before the
-  // copy (4 s) ends; its write is never posted.
+  // Cancelled during the copy: the context rank answers long before the copy (5 s) ends, so
+  // the generation rank's pages are released; its own stay held until the copy is done.
   begin(1);
   ASSERT_TRUE(rx->cancel(1).isOk());
-  EXPECT_TRUE(ctx_released.waitFor(1, 2s));
   EXPECT_TRUE(gen_released.waitFor(1, 2s));
   EXPECT_EQ(rt.fake->opsRun(), 0u);
+  EXPECT_EQ(ctx_released.count(1), 0u);
   auto res = rx->wait(1, 1s);
   ASSERT_TRUE(res.isOk()) << res.status().toString();
   EXPECT_EQ(res->state, Result::State::kFailed);
   EXPECT_EQ(res->status.code(), StatusCode::kCancelled) << res->status.toString();
+  EXPECT_TRUE(ctx_released.waitFor(1, 10s));
+  EXPECT_EQ(rt.fake->opsRun(), 1u);
   // The next request waits for its copy and lands whole.
   begin(2);
   res = rx->wait(2, 30s);

@@ -71,6 +71,9 @@ struct ContextSender::Ask {
   bool stalled = false;           // cancelled for making no progress (stall_timeout)
   std::optional<Status> failed;   // a piece failed or could not be planned / posted
   std::vector<Piece> pieces;
+  // A device copy of a part that ended unposted and may still read the request's pages: the
+  // ask's transfer hold outlives its answer until the copy is done (held_for_copies_).
+  std::shared_ptr<const device::Event> reading;
   uint32_t sent_end = 0;  // global layers below this one are planned and posted (kPosted)
   uint64_t bytes = 0;
   // The part's checksum (options_.checksum) when it went as one plan of every layer, taken from
@@ -178,6 +181,7 @@ Status ContextSender::selfCheck() const {
                       ", which the cache does not know");
     }
   }
+  posted += held_for_copies_.size();
   const uint64_t inflight = cache_->counters().inflight_transfers;
   if (inflight != posted) {
     return Internal("context accounting: the cache has " + std::to_string(inflight) +
@@ -668,7 +672,12 @@ void ContextSender::advanceAskLocked(Source& src, Ask& ask) {
   if (ask.inFlight() > 0) return;
   if (!end && ask.failed) end = *ask.failed;
   if (!end && !(src.ready && ask.sent_end == stage_.end())) return;  // more layers to come
-  (void)cache_->endTransfer(src.id);
+  if (ask.reading && !ask.reading->done()) {
+    held_for_copies_.emplace_back(src.id, std::move(ask.reading));  // timersLocked ends it
+  } else {
+    (void)cache_->endTransfer(src.id);
+  }
+  ask.reading.reset();
   std::optional<uint64_t> checksum;
   if (!end && options_.checksum && ask.checksum) {
     checksum = ask.checksum;
@@ -852,7 +861,9 @@ void ContextSender::landCopyLocked(Ask& ask, Piece& piece, bool post) {
     done = writeLocked(ask, piece);
     if (done.isOk()) return;
   }
-  // Not posted: the area goes back once the device is done with it.
+  // Not posted: the area goes back once the device is done with it, and the request's pages
+  // stay held until then (the copy reads them).
+  if (!piece.copying->done()) ask.reading = piece.copying;
   piece.terminal = true;
   piece.ops.clear();
   retireAreaLocked(std::move(piece.scratch), std::move(piece.copying));
@@ -1278,6 +1289,12 @@ void ContextSender::timersLocked() {
     releaseScratchLocked(std::move(it->first));
     it = draining_areas_.erase(it);
   }
+  // Answered requests whose unposted device copy has finished reading their pages.
+  std::erase_if(held_for_copies_, [&](const auto& held) {
+    if (!held.second->done()) return false;
+    (void)cache_->endTransfer(held.first);
+    return true;
+  });
   const auto now = Clock::now();
   std::vector<uint64_t> touched;
   for (auto& [rid, src] : sources_) {
@@ -1409,6 +1426,11 @@ void ContextSender::shutdown() {
         }
       }
     }
+    // No copy or pack runs past the stream (destroying it waits for the running one and
+    // cancels the rest): after it nothing on the device reads a request's pages or an area.
+    pack_stream_.reset();
+    for (auto& [rid, event] : held_for_copies_) (void)cache_->endTransfer(rid);
+    held_for_copies_.clear();
     for (auto& [id, peer] : peers_) (void)agent_->disconnect(id);
     peers_.clear();
     const auto deadline = Clock::now() + std::chrono::seconds(10);
@@ -1439,8 +1461,6 @@ void ContextSender::shutdown() {
       if (!stuck) freePagesLocked(*src);
     }
     sources_.clear();
-    // No pack runs past the stream (its thread ends with it), so every area may go now.
-    pack_stream_.reset();
     for (auto& [area, pack] : draining_areas_) releaseScratchLocked(std::move(area));
     draining_areas_.clear();
     // Spare areas: no write reads them any more; deregistered before they are unmapped.

@@ -309,6 +309,10 @@ class ContextSender {
   std::unique_ptr<device::Stream> pack_stream_;  // guarded by mu_
   std::vector<std::pair<std::unique_ptr<Region>, std::shared_ptr<const device::Event>>>
       draining_areas_;  // guarded by mu_
+  // Answered requests whose transfer hold waits for an unposted device copy that still reads
+  // their pages (Ask::reading): the pages are not freed before it is done.
+  std::vector<std::pair<uint64_t, std::shared_ptr<const device::Event>>>
+      held_for_copies_;  // guarded by mu_
   Metrics metrics_;
   std::shared_ptr<Waker> waker_ = std::make_shared<Waker>();
   // Wakes the progress thread as each device copy into a host area is done (staged_device_).
