@@ -863,7 +863,7 @@ void ContextSender::landCopyLocked(Ask& ask, Piece& piece, bool post) {
   }
   // Not posted: the area goes back once the device is done with it, and the request's pages
   // stay held until then (the copy reads them).
-  if (!piece.copying->done()) ask.reading = piece.copying;
+  if (piece.copying && !piece.copying->done()) ask.reading = piece.copying;
   piece.terminal = true;
   piece.ops.clear();
   retireAreaLocked(std::move(piece.scratch), std::move(piece.copying));
