@@ -840,7 +840,7 @@ std::unique_ptr<PySender> makeSender(py::object layout_obj, py::object memory_ob
                                      const std::string& token, const std::string& instance,
                                      bool checksum, double lease_timeout, py::object ucx_options,
                                      py::object on_released, py::object on_request,
-                                     uint64_t stream_min_tokens) {
+                                     uint64_t stream_min_tokens, double stall_timeout) {
   const hxfer::Layout& layout = layout_obj.cast<const hxfer::Layout&>();
   memory_obj.cast<PyMemory&>().checkIntact();
   const hxfer::Memory& memory = memoryOf(memory_obj);
@@ -854,6 +854,7 @@ std::unique_ptr<PySender> makeSender(py::object layout_obj, py::object memory_ob
   fillTransport(o, backend, token, instance, checksum, ucx_options);
   o.listen = listen;
   o.lease_timeout = toMillis(lease_timeout, "lease_timeout");
+  o.stall_timeout = toMillis(stall_timeout, "stall_timeout");
   o.stream_min_tokens = stream_min_tokens;
   o.on_released = releasedFn(out->on_released);
   if (out->on_request) {
@@ -1364,7 +1365,14 @@ PYBIND11_MODULE(_hxfer, m) {
       .def_property_readonly("aux", [](const hxfer::Result& r) { return py::bytes(r.aux); })
       .def_property_readonly(
           "latency",
-          [](const hxfer::Result& r) { return std::chrono::duration<double>(r.latency).count(); })
+          [](const hxfer::Result& r) { return std::chrono::duration<double>(r.latency).count(); },
+          "Seconds from start() to the end.")
+      .def_property_readonly(
+          "queued",
+          [](const hxfer::Result& r) { return std::chrono::duration<double>(r.queued).count(); },
+          "Seconds of latency before the last of the request's asks went out (waiting for a "
+          "context rank's connection, the pages-free event or staging room); latency - queued "
+          "is the transfer itself.")
       .def(
           "raise_for_error", [](const hxfer::Result& r) { throwIfError(r.status); },
           "Raises hxfer.Error when the request failed.")
@@ -1381,7 +1389,8 @@ PYBIND11_MODULE(_hxfer, m) {
            py::arg("listen") = "", py::arg("backend") = "auto", py::arg("token") = "",
            py::arg("instance") = "", py::arg("checksum") = false, py::arg("lease_timeout") = 30.0,
            py::arg("ucx_options") = py::none(), py::arg("on_released") = py::none(),
-           py::arg("on_request") = py::none(), py::arg("stream_min_tokens") = 512)
+           py::arg("on_request") = py::none(), py::arg("stream_min_tokens") = 512,
+           py::arg("stall_timeout") = 30.0)
       .def_property_readonly("address", [](const PySender& s) { return s.address; })
       .def_property_readonly("backend", [](const PySender& s) { return s.backend; })
       .def_property_readonly("routing", [](const PySender& s) { return s.routing; })

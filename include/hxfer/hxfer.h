@@ -374,6 +374,11 @@ struct SenderOptions : TransportOptions {
   // Pages marked ready that not every overlapping generation rank asked for within this time
   // are released (Metrics::leases_expired).
   std::chrono::milliseconds lease_timeout{30000};
+  // A write to a generation rank (or, device pools behind ucx, the device's copy of a part into
+  // host memory, counted from when the copies queued ahead of it are done) that made no
+  // progress within this time is cancelled and its request part answered Timeout
+  // (`writes_stalled` in Metrics::json).
+  std::chrono::milliseconds stall_timeout{30000};
   // Streamed requests (markReady with layers) shorter than this many tokens go whole after
   // their last range: below it, per-write overheads outweigh what streaming hides.
   uint64_t stream_min_tokens = 512;
@@ -475,10 +480,14 @@ struct ReceiverOptions : TransportOptions {
 struct Result {
   enum class State : uint8_t { kInProgress, kDone, kFailed };
   State state = State::kInProgress;
-  Status status;       // ok when kDone; why when kFailed
-  uint64_t bytes = 0;  // bytes received (kDone)
-  std::string aux;     // what the context side gave markReady (kDone)
-  std::chrono::nanoseconds latency{0};
+  Status status;                        // ok when kDone; why when kFailed
+  uint64_t bytes = 0;                   // bytes received (kDone)
+  std::string aux;                      // what the context side gave markReady (kDone)
+  std::chrono::nanoseconds latency{0};  // start() to the end (kDone, kFailed)
+  // Of latency, the time before the last of the request's asks went to its context ranks:
+  // waiting for a context rank's connection (the first handshake, a reconnect), for the
+  // engine's pages-free event, or for staging room. latency - queued is the transfer itself.
+  std::chrono::nanoseconds queued{0};
   bool ok() const { return state == State::kDone; }
   bool terminal() const { return state != State::kInProgress; }
 };

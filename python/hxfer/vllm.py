@@ -35,7 +35,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 try:
@@ -84,6 +84,7 @@ EXTRA_CONFIG_KEYS = {
     "instance": None,         # the instance's name (all its ranks); default from engine_id
     "lease_timeout": 120.0,   # s: P frees blocks no decode instance asked for in this time
     "request_timeout": 30.0,  # s: D fails a load that has not completed in this time
+    "stall_timeout": 30.0,    # s: P cancels a write to D that made no progress in this time
     "handshake_timeout": 10.0,
     "checksum": False,        # hash every transfer on both sides and compare
     "ucx_options": None,      # {"TLS": "tcp", ...}: UCX settings without the UCX_ prefix
@@ -129,6 +130,7 @@ class _Options:
     instance: str | None
     lease_timeout: float
     request_timeout: float
+    stall_timeout: float
     handshake_timeout: float
     checksum: bool
     ucx_options: dict[str, str] | None
@@ -151,7 +153,7 @@ class _Options:
             raise ValueError(f"kv_connector_extra_config['backend']={backend!r}: expected auto, "
                              f"ucx or shm")
         seconds = {}
-        for k in ("lease_timeout", "request_timeout", "handshake_timeout"):
+        for k in ("lease_timeout", "request_timeout", "stall_timeout", "handshake_timeout"):
             v = get(k)
             if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                     or v <= 0):
@@ -437,9 +439,9 @@ class HxferHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 @dataclass
 class HxferKVConnectorStats(KVConnectorStats):
-    """Per-request transfer times and bytes (D: hxfer's Result.latency, start to the last byte
-    landed, less any wait for the first connection to the prefill instance, which is counted
-    apart as connect time) and failures, lease expiries (P). Logged as vLLM's "KV Transfer
+    """Per-request transfer times and bytes (D: hxfer's Result.latency - Result.queued, from
+    the load's asks going out to its last byte landed; a wait for the first connection to the
+    prefill instance is counted apart as connect time) and failures, lease expiries (P). Logged as vLLM's "KV Transfer
     metrics" line with the keys NIXL's uses."""
 
     def __post_init__(self):
@@ -740,9 +742,7 @@ class _Scheduler:
 class _Loading:
     req: _RecvReq
     rx: Any  # the Receiver, None when it took nothing
-    rx_index: int = -1
     failed: str | None = None  # why, once hxfer said so; reported after its release
-    started: float = field(default_factory=time.monotonic)
 
 
 class _Worker:
@@ -766,7 +766,6 @@ class _Worker:
         self._released_sends: set[str] = set()  # guarded by _lock
         self._loads: dict[str, _Loading] = {}  # D: vLLM request id -> load in flight
         self._expired_seen = 0
-        self._connected: dict[int, float | None] = {}  # Receiver index -> when it connected
 
     # -- registration
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -805,8 +804,8 @@ class _Worker:
                 self.layout, self.memory, listen=f"{self.opts.host}:{port}",
                 backend=self.opts.backend, token=self.opts.token,
                 instance=f"{self.instance}-prefill", checksum=self.opts.checksum,
-                lease_timeout=self.opts.lease_timeout, ucx_options=self.opts.ucx_options,
-                on_released=self._on_send_released)
+                lease_timeout=self.opts.lease_timeout, stall_timeout=self.opts.stall_timeout,
+                ucx_options=self.opts.ucx_options, on_released=self._on_send_released)
             logger.info("hxfer: Sender %s; %s", self.sender.address, self.sender.routing)
 
     def handshake_metadata(self):
@@ -852,7 +851,6 @@ class _Worker:
                 request_timeout=self.opts.request_timeout,
                 handshake_timeout=self.opts.handshake_timeout, ucx_options=self.opts.ucx_options)
             entry = self.receivers[key] = (index, rx)
-            self._connected[index] = None
             logger.info("hxfer: Receiver for prefill instance %s at %s; %s", r.remote_engine_id,
                         list(r.peers), rx.routing)
             # Connect now, off the engine's thread: loads started meanwhile are queued by hxfer
@@ -870,7 +868,6 @@ class _Worker:
             return
         t1 = time.monotonic()
         with self._lock:
-            self._connected[index] = t1
             self.stats.data["connect_duration"].append(t1 - t0)
         logger.info("hxfer: connected to %s in %.1f ms", peers, 1e3 * (t1 - t0))
 
@@ -879,11 +876,11 @@ class _Worker:
             self._loads[rid] = _Loading(r, None, failed=r.failed)
             return
         try:
-            index, rx = self._receiver(r)
+            _, rx = self._receiver(r)
         except Exception as e:  # noqa: BLE001  hxfer.Error, or a TypeError on hostile params
             self._loads[rid] = _Loading(r, None, failed=f"no Receiver for {list(r.peers)}: {e}")
             return
-        load = _Loading(r, rx, index)
+        load = _Loading(r, rx)
         self._loads[rid] = load
         try:
             rx.start(r.hxfer_id, num_tokens=r.num_tokens, blocks=r.blocks, slot=r.slot,
@@ -909,9 +906,9 @@ class _Worker:
                 if r.ok:
                     load.rx.release(load.req.hxfer_id)  # the pages are vLLM's again
                     with self._lock:
-                        connected = self._connected.get(load.rx_index)
-                        waited = max(0.0, connected - load.started) if connected else 0.0
-                        self.stats.record(max(r.latency - waited, 0.0), r.bytes)
+                        # hxfer's own clock: the wait for the first connection (connect time,
+                        # counted apart) is not transfer time.
+                        self.stats.record(max(r.latency - r.queued, 0.0), r.bytes)
                     if self.opts.corrupt:
                         self._corrupt(rid, load.req)
                     del self._loads[rid]

@@ -1013,6 +1013,50 @@ TEST(ApiDevice, AContextRankGoesOnWhileTheDeviceCopiesAPart) {
   EXPECT_EQ(res->state, Result::State::kFailed) << res->status.toString();
 }
 
+// Device copies queue on the context rank's one copy stream: each part's stall clock starts
+// when the copies ahead of it are done, not when it was queued. Four parts whose copies take
+// 1 s each, asked at once with a 2.5 s stall_timeout: the last one waits 3 s for its turn, and
+// all four land (without the turn rule the third and fourth would time out).
+TEST(ApiDevice, QueuedDeviceCopiesStartTheirStallClockWhenTheirTurnComes) {
+  FakeDeviceRuntime rt({.devices = 1, .op_delay = 1s, .host_inaccessible = true});
+  EngineRank ctx = EngineRank::make(options("sglang", 1, 0), false, rt.fake.get(), 0);
+  EngineRank gen = EngineRank::make(options("sglang", 1, 0));  // host memory: no device op there
+  SenderOptions so;
+  so.instance = "ctx";
+  so.backend = "ucx";
+  so.ucx_options = {{"TLS", "tcp"}};
+  so.stall_timeout = 2500ms;
+  std::unique_ptr<Sender> tx = createdSender(ctx, so);
+  ASSERT_NE(tx, nullptr);
+  ReceiverOptions ro;
+  ro.ucx_options = {{"TLS", "tcp"}};
+  std::unique_ptr<Receiver> rx = connectedReceiver(gen, *tx, nullptr, ro);
+  ASSERT_NE(rx, nullptr);
+  const uint32_t tokens = 40, n = 4;
+  auto ctx_pages = [](uint32_t i) { return RankPages{{2 * i, 2 * i + 1}, i}; };
+  auto gen_pages = [](uint32_t i) { return RankPages{{8 + 2 * i, 9 + 2 * i}, i}; };
+  for (uint32_t i = 0; i < n; ++i) {
+    const RankPages c = ctx_pages(i);
+    ASSERT_TRUE(
+        fillRank(ctx.rankLayout(), ctx.rankMemory(), RankIds{c.blocks, *c.slot}, 1 + i).isOk());
+    ASSERT_TRUE(tx->markReady(1 + i, c).isOk());
+  }
+  for (uint32_t i = 0; i < n; ++i) ASSERT_TRUE(rx->start(1 + i, tokens, gen_pages(i)).isOk());
+  for (uint32_t i = 0; i < n; ++i) {
+    auto res = rx->wait(1 + i, 30s);
+    ASSERT_TRUE(res.isOk()) << res.status().toString();
+    EXPECT_TRUE(res->ok()) << "request " << 1 + i << ": " << res->status.toString();
+    const RankPages g = gen_pages(i);
+    auto report = checkRank(gen.rankLayout(), gen.rankMemory(), RankIds{g.blocks, *g.slot}, 1 + i,
+                            BlockRange{0, 2, tokens}, tokens);
+    EXPECT_TRUE(report.isOk() && report->ok()) << (report.isOk() ? report->toString() : "");
+    ASSERT_TRUE(rx->release(1 + i).isOk());
+  }
+  EXPECT_EQ(rt.fake->opsRun(), n);
+  EXPECT_NE(tx->metrics().json.find("\"writes_stalled\":0"), std::string::npos)
+      << tx->metrics().json;
+}
+
 // A generation rank with device pools behind ucx takes each part whole through its staging
 // region: a part waits while the region holds another, and one larger than the whole region
 // fails its request naming staging_bytes; no staging region at all is refused at create.

@@ -908,6 +908,7 @@ StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Mem
   so.pp_rank = l.pp_rank;
   so.checksum = o.checksum;
   so.lease_timeout = clampTimeout(o.lease_timeout);
+  so.stall_timeout = clampTimeout(o.stall_timeout);
   so.stream_min_tokens = o.stream_min_tokens;
   so.device = memory.impl().device;
   if (o.on_request) {
@@ -1143,6 +1144,7 @@ Result toResult(const engine::RequestResult& r) {
   out.bytes = r.bytes;
   out.aux.assign(r.aux.begin(), r.aux.end());
   out.latency = r.latency;
+  out.queued = r.queued;
   return out;
 }
 }  // namespace

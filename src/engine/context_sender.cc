@@ -48,10 +48,16 @@ struct ContextSender::Piece {
   std::shared_ptr<const device::Event> pack;
   // Device pools behind a host agent (postFromDeviceLocked): the device's copy of the part into
   // `scratch` runs, `transfer` is empty, and `ops` (`bytes` in all) are posted once the copy is
-  // done (advanceAskLocked); `posted_at` is when the copy started.
+  // done (advanceAskLocked); `posted_at` is when the copy was queued, or when the work ahead
+  // of it on the stream was done (`behind`).
   std::shared_ptr<const device::Event> copying;
   std::vector<transport::WriteOp> ops;
   uint64_t bytes = 0;
+  // Device pools: the work queued on the pack stream before this piece's pack or copy, while it
+  // is not done. The piece's stall clock starts only once it is (stallsLocked): a part waiting
+  // its turn behind other parts' copies is not stalled.
+  std::shared_ptr<const device::Event> behind;
+  size_t staged_runs = 0;  // the slot's runs (a staged part), counted once it is posted
 };
 
 // One TransferRequest of one generation rank for one request.
@@ -765,6 +771,7 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   }
   std::unique_ptr<Region> scratch;
   std::shared_ptr<const device::Event> pack;
+  std::shared_ptr<const device::Event> behind = streamTailLocked();
   if (!plan->pack_ops.empty() && on_device) {
     auto packed = packOnDeviceLocked(*plan);
     if (!packed.isOk()) {
@@ -802,9 +809,12 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
     const uint32_t from = op.src_region == kScratchRegion ? scratch->id() : op.src_region;
     ops.push_back({from, op.src_offset, op.dst_region, op.dst_offset, op.bytes});
   }
+  const bool packing = pack != nullptr;
   if (Status st = postLocked(ask, std::move(ops), std::move(scratch), plan->bytes, std::move(pack));
       !st.isOk()) {
     ask.failed = st;
+  } else if (packing) {
+    ask.pieces.back().behind = std::move(behind);
   }
 }
 
@@ -858,8 +868,12 @@ void ContextSender::landCopyLocked(Ask& ask, Piece& piece, bool post) {
   } else if (post) {
     piece.copying.reset();
     piece.pack.reset();
+    piece.behind.reset();
     done = writeLocked(ask, piece);
-    if (done.isOk()) return;
+    if (done.isOk()) {
+      if (piece.staged_runs > 0) metrics_.stormStaged(piece.staged_runs);
+      return;
+    }
   }
   // Not posted: the area goes back once the device is done with it, and the request's pages
   // stay held until then (the copy reads them).
@@ -940,6 +954,7 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   }
   std::unique_ptr<Region> scratch;
   std::shared_ptr<const device::Event> pack;
+  std::shared_ptr<const device::Event> behind = streamTailLocked();
   if (!plan.pack_ops.empty()) {
     auto packed = packOnDeviceLocked(plan);  // into a pinned host area, on pack_stream_
     if (!packed.isOk()) return fail(packed.status());
@@ -966,6 +981,7 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
     auto c = pack_stream_->copy(*table);  // after the pack: one stream
     launched = c.status();
     if (c.isOk()) copied = std::move(c).value();
+    if (copied) stream_tail_ = copied;
   }
   // The pack's area is read by the copy: it goes back once the copy is done.
   retireAreaLocked(std::move(scratch), copied ? copied : pack);
@@ -983,9 +999,10 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   piece.copying = copied;
   piece.bytes = plan.bytes;
   piece.posted_at = Clock::now();
+  piece.behind = std::move(behind);
   const uint32_t from = piece.scratch->id();
   if (slot) {
-    metrics_.stormStaged(plan.ops.size());
+    piece.staged_runs = plan.ops.size();
     piece.ops.push_back({from, 0, slot->region, slot->offset, plan.bytes});
   } else {
     piece.ops.reserve(plan.ops.size());
@@ -1088,6 +1105,7 @@ ContextSender::packOnDeviceLocked(const RankPlan& plan) {
                                  plan.scratch_bytes);
   StatusOr<std::shared_ptr<device::Event>> packed = table.status();
   if (table.isOk()) packed = pack_stream_->pack(*table);
+  if (packed.isOk()) stream_tail_ = *packed;
   if (!packed.isOk()) {
     releaseScratchLocked(std::move(area));
     return packed.status().withContext("packing " + std::to_string(plan.pack_ops.size()) +
@@ -1337,15 +1355,25 @@ void ContextSender::stallsLocked(Clock::time_point now) {
     for (Ask& a : src->asks) {
       if (a.state != Ask::State::kPosted || a.inFlight() == 0) continue;
       Clock::time_point oldest = now;
-      for (const Piece& p : a.pieces) {
-        if (!p.terminal) oldest = std::min(oldest, p.posted_at);
+      bool copying = false;
+      for (Piece& p : a.pieces) {
+        if (p.terminal) continue;
+        // Queued behind other device work: its clock starts once that is done.
+        if (p.behind && !p.behind->done()) continue;
+        if (p.behind) {
+          p.behind.reset();
+          p.posted_at = now;
+        }
+        oldest = std::min(oldest, p.posted_at);
+        copying = copying || p.copying != nullptr;
       }
       const auto age = now - oldest;
       if (!a.stalled && age > options_.stall_timeout) {
         HXFER_LOG_WARN(
-            "context: request {}: the write to generation rank {} made no progress "
-            "in {} ms; cancelling it",
-            rid, a.gen_rank, options_.stall_timeout.count());
+            "context: request {}: the {} generation rank {} made no progress in {} ms; "
+            "cancelling it",
+            rid, copying ? "device's copy into host memory of the part for" : "write to",
+            a.gen_rank, options_.stall_timeout.count());
         metrics_.writeStalled();
         a.stalled = true;
         advanceAskLocked(*src, a);
@@ -1429,6 +1457,7 @@ void ContextSender::shutdown() {
     // No copy or pack runs past the stream (destroying it waits for the running one and
     // cancels the rest): after it nothing on the device reads a request's pages or an area.
     pack_stream_.reset();
+    stream_tail_.reset();
     for (auto& [rid, event] : held_for_copies_) (void)cache_->endTransfer(rid);
     held_for_copies_.clear();
     for (auto& [id, peer] : peers_) (void)agent_->disconnect(id);

@@ -221,6 +221,11 @@ class ContextSender {
   // (the engine's layers-ready event is done by then); the area and the pack's event.
   StatusOr<std::pair<std::unique_ptr<Region>, std::shared_ptr<const device::Event>>>
   packOnDeviceLocked(const RankPlan& plan);
+  // The device work a pack or copy queued now would wait behind: the last one queued on
+  // pack_stream_ while it is not done, else nullptr.
+  std::shared_ptr<const device::Event> streamTailLocked() const {
+    return stream_tail_ && !stream_tail_->done() ? stream_tail_ : nullptr;
+  }
   // A piece's area once its write ended: released now, or once its pack (`pack`) is done.
   void retireAreaLocked(std::unique_ptr<Region> area, std::shared_ptr<const device::Event> pack);
   // A registered local area of at least `bytes` (staging, gathering): a spare one, or new.
@@ -307,6 +312,8 @@ class ContextSender {
   // host area (postFromDeviceLocked).
   bool staged_device_ = false;
   std::unique_ptr<device::Stream> pack_stream_;  // guarded by mu_
+  // The last pack or copy queued on pack_stream_ (what the next one waits behind).
+  std::shared_ptr<const device::Event> stream_tail_;  // guarded by mu_
   std::vector<std::pair<std::unique_ptr<Region>, std::shared_ptr<const device::Event>>>
       draining_areas_;  // guarded by mu_
   // Answered requests whose transfer hold waits for an unposted device copy that still reads

@@ -72,6 +72,7 @@ struct GenerationReceiver::Sink {
   uint32_t first_block = 0;
   Bytes aux;  // sent with the TransferRequest
   Clock::time_point start, deadline;
+  Clock::time_point asked;  // when the last of its TransferRequests went out (none yet: start)
   std::vector<Part> parts;
   RequestResult result;
   std::optional<uint32_t> aux_rank;  // the context rank result.aux came from
@@ -343,6 +344,7 @@ StatusOr<Allocation> GenerationReceiver::startRequest(
   sink->first_block = std::min<uint32_t>(prefix_tokens / tpb, sink->alloc.blocks.size());
   sink->aux = std::move(aux);
   sink->start = Clock::now();
+  sink->asked = sink->start;
   sink->deadline = sink->start + options_.request_timeout;
   if (pages_free && !pages_free->done()) sink->pages_free = std::move(pages_free);
   for (size_t i = 0; i < peers_.size(); ++i) sink->parts.push_back(Part{i});
@@ -425,7 +427,9 @@ void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
     part.state = Part::State::kFailed;
     failLocked(sink, st.withContext("context rank " + std::to_string(peer.rank)),
                FailureCause::kPeerLost);
+    return;
   }
+  sink.asked = Clock::now();
 }
 
 void GenerationReceiver::maybeStageLocked(const Sink& sink, Part& part, const CtxPeer& peer,
@@ -614,6 +618,7 @@ void GenerationReceiver::failLocked(Sink& sink, const Status& status, FailureCau
   sink.result.state = RequestResult::State::kFailed;
   sink.result.status = status;
   sink.result.latency = Clock::now() - sink.start;
+  sink.result.queued = sink.asked - sink.start;
   metrics_.requestFailed(cause);
   for (Part& p : sink.parts) {
     if (p.waiting_room) room_check_ = true;  // the waiters behind it may fit now
@@ -667,6 +672,7 @@ void GenerationReceiver::completeIfDoneLocked(Sink& sink) {
   sink.result.status = OkStatus();
   sink.result.bytes = total;
   sink.result.latency = Clock::now() - sink.start;
+  sink.result.queued = sink.asked - sink.start;
   metrics_.requestOk(total, sink.result.latency);
   waiters_.notifyAll();
 }

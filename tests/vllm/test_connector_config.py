@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
     ({"port": "8100"}, ["['port']='8100'"]),
     ({"lease_timeout": 0}, ["['lease_timeout']=0", "seconds > 0"]),
     ({"request_timeout": "30"}, ["['request_timeout']='30'"]),
+    ({"stall_timeout": -1}, ["['stall_timeout']=-1", "seconds > 0"]),
     ({"ucx_options": "TLS=tcp"}, ["['ucx_options']='TLS=tcp'", "a dict"]),
 ])
 def test_bad_extra_config_is_refused_naming_key_and_value(extra, words):
@@ -31,7 +32,8 @@ def test_empty_extra_config_takes_the_documented_defaults(monkeypatch):
     monkeypatch.delenv("HXFER_HOST", raising=False)
     o = hv._Options.parse({})
     assert (o.backend, o.host, o.port, o.token, o.corrupt) == ("auto", "127.0.0.1", 0, "", None)
-    assert (o.lease_timeout, o.request_timeout, o.handshake_timeout) == (120.0, 30.0, 10.0)
+    assert (o.lease_timeout, o.request_timeout, o.stall_timeout, o.handshake_timeout) == (
+        120.0, 30.0, 30.0, 10.0)
     monkeypatch.setenv("HXFER_TOKEN", "s3cret")
     monkeypatch.setenv("HXFER_HOST", "10.0.0.5")
     o = hv._Options.parse({})
