@@ -1370,9 +1370,9 @@ PYBIND11_MODULE(_hxfer, m) {
       .def_property_readonly(
           "queued",
           [](const hxfer::Result& r) { return std::chrono::duration<double>(r.queued).count(); },
-          "Seconds of latency before the last of the request's asks went out (waiting for a "
-          "context rank's connection, the pages-free event or staging room); latency - queued "
-          "is the transfer itself.")
+          "Seconds of latency before the request's first ask went to a context rank (all of it "
+          "when none went): waiting for a connection, the pages-free event or staging room; "
+          "latency - queued is the transfer, from the first ask to the end.")
       .def(
           "raise_for_error", [](const hxfer::Result& r) { throwIfError(r.status); },
           "Raises hxfer.Error when the request failed.")

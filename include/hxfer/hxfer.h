@@ -377,7 +377,7 @@ struct SenderOptions : TransportOptions {
   // A write to a generation rank (or, device pools behind ucx, the device's copy of a part into
   // host memory, counted from when the copies queued ahead of it are done) that made no
   // progress within this time is cancelled and its request part answered Timeout
-  // (`writes_stalled` in Metrics::json).
+  // (`writes_stalled` in Metrics::json). Positive (create() refuses 0 or less).
   std::chrono::milliseconds stall_timeout{30000};
   // Streamed requests (markReady with layers) shorter than this many tokens go whole after
   // their last range: below it, per-write overheads outweigh what streaming hides.
@@ -484,9 +484,9 @@ struct Result {
   uint64_t bytes = 0;                   // bytes received (kDone)
   std::string aux;                      // what the context side gave markReady (kDone)
   std::chrono::nanoseconds latency{0};  // start() to the end (kDone, kFailed)
-  // Of latency, the time before the last of the request's asks went to its context ranks:
-  // waiting for a context rank's connection (the first handshake, a reconnect), for the
-  // engine's pages-free event, or for staging room. latency - queued is the transfer itself.
+  // Of latency, the time before the request's first ask went to a context rank (all of it when
+  // none went): waiting for a context rank's connection, for the engine's pages-free event, or
+  // for staging room. latency - queued is the transfer, from the first ask to the end.
   std::chrono::nanoseconds queued{0};
   bool ok() const { return state == State::kDone; }
   bool terminal() const { return state != State::kInProgress; }

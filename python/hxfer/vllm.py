@@ -440,7 +440,7 @@ class HxferHandshakeMetadata(KVConnectorHandshakeMetadata):
 @dataclass
 class HxferKVConnectorStats(KVConnectorStats):
     """Per-request transfer times and bytes (D: hxfer's Result.latency - Result.queued, from
-    the load's asks going out to its last byte landed; a wait for the first connection to the
+    the load's first ask to its last byte landed; a wait for the first connection to the
     prefill instance is counted apart as connect time) and failures, lease expiries (P). Logged as vLLM's "KV Transfer
     metrics" line with the keys NIXL's uses."""
 

@@ -161,12 +161,13 @@ def test_memory_for_another_layout_is_refused(lay):
     assert "another layout" in e.value.message
 
 
-@pytest.mark.parametrize("field,value", [("stall_timeout", -1.0), ("lease_timeout", float("nan")),
-                                         ("stall_timeout", float("nan"))])
-def test_a_timeout_that_is_not_a_non_negative_number_is_refused_naming_it(lay, field, value):
+@pytest.mark.parametrize("field,value,words", [
+    ("stall_timeout", -1.0, "non-negative"), ("lease_timeout", float("nan"), "non-negative"),
+    ("stall_timeout", float("nan"), "non-negative"), ("stall_timeout", 0.0, "must be positive")])
+def test_a_timeout_out_of_its_range_is_refused_naming_it(lay, field, value, words):
     with raises("InvalidArgument") as e:
         hxfer.Sender(lay, hxfer.Memory(lay, numpy_pools(lay)), backend="inproc", **{field: value})
-    assert e.value.message.startswith(f"{field}=") and "non-negative" in e.value.message
+    assert e.value.message.startswith(f"{field}=") and words in e.value.message
 
 
 def test_one_memory_serves_one_sender_or_receiver_at_a_time(lay):

@@ -7,6 +7,9 @@ context ranks sent (pages.expect_arrived). A transfer between equal layouts at e
 checked directly: the generation pages must hold the context pages' bytes.
 """
 
+import socket
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -299,27 +302,38 @@ def test_auto_backend_picks_ucx_for_numpy_pools_and_shm_for_shared_buffers_sayin
         assert e.value.code == "InvalidArgument" and "shareable" in e.value.message
 
 
-def test_result_queued_is_the_wait_for_the_first_connection_within_latency():
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_result_queued_is_the_wait_for_the_context_rank_within_latency():
     lay = tiny_layout("vllm")
     src, dst = numpy_pools(lay), numpy_pools(lay)
     P = fill(lay, src, [1], 1, 3, 3)
     scatter(lay, dst, [3], 3, ~P)
-    with hxfer.Sender(lay, hxfer.Memory(lay, src), listen="127.0.0.1:0", backend="ucx") as tx:
-        tx.mark_ready(1, [1], 1)
-        tx.mark_ready(2, [2], 2)
-        with hxfer.Receiver(lay, hxfer.Memory(lay, dst), peers=[tx.address],
-                            backend="ucx") as rx:
-            rx.start(1, 32, [3], 3)  # before the handshake: it waits for the connection
-            first = rx.wait(1, timeout=30.0)
-            assert first.ok, first.error
-            expect_arrived(gather(lay, dst, [3], 3), P, first.bytes)
+    port = free_port()
+    with hxfer.Receiver(lay, hxfer.Memory(lay, dst), peers=[f"ucx:127.0.0.1:{port}"],
+                        backend="ucx") as rx:
+        rx.start(1, 32, [3], 3)  # its context rank is not up yet: the ask waits
+        time.sleep(0.5)
+        with hxfer.Sender(lay, hxfer.Memory(lay, src), listen=f"127.0.0.1:{port}",
+                          backend="ucx") as tx:
+            tx.mark_ready(1, [1], 1)
+            res = rx.wait(1, timeout=30.0)
+            assert res.ok, res.error
+            expect_arrived(gather(lay, dst, [3], 3), P, res.bytes)
             rx.release(1)
-            rx.start(2, 32, [4], 4)  # connected: asked at once
-            second = rx.wait(2, timeout=30.0)
-            assert second.ok, second.error
-    assert 0 < first.queued <= first.latency, (first.queued, first.latency)
-    assert 0 <= second.queued <= second.latency, (second.queued, second.latency)
-    assert second.queued < first.queued, (second.queued, first.queued)
+    assert 0.5 <= res.queued <= res.latency, (res.queued, res.latency)
+    assert res.latency - res.queued < 0.5, (res.queued, res.latency)
+    # Never asked (nobody listens there): all of its latency was queued.
+    with hxfer.Receiver(lay, hxfer.Memory(lay, dst), peers=[f"ucx:127.0.0.1:{free_port()}"],
+                        backend="ucx", request_timeout=0.3) as rx:
+        rx.start(2, 32, [3], 3)
+        res = rx.wait(2, timeout=30.0)
+    assert res.code == "Timeout", res.error
+    assert res.queued == res.latency > 0, (res.queued, res.latency)
 
 
 def test_checksummed_transfer_with_a_token_counts_the_connected_peer():

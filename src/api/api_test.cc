@@ -157,13 +157,20 @@ std::unique_ptr<Sender> inprocSender(EngineRank& ctx, Released& released, Sender
   return createdSender(ctx, so);
 }
 
-// A Sender over `ctx`'s memory on ucx over tcp (the path across hosts, on this one).
-std::unique_ptr<Sender> ucxSender(EngineRank& ctx) {
-  SenderOptions so;
+// A Sender over `ctx`'s memory on ucx over tcp (the path across hosts, on this one); `so`
+// carries any other option.
+std::unique_ptr<Sender> ucxSender(EngineRank& ctx, SenderOptions so = {}) {
   so.instance = "ctx";
   so.backend = "ucx";
   so.ucx_options = {{"TLS", "tcp"}};
   return createdSender(ctx, so);
+}
+
+// A Receiver over `gen`'s memory connected to `tx` over ucx over tcp.
+std::unique_ptr<Receiver> ucxReceiver(EngineRank& gen, const Sender& tx, Released* released,
+                                      ReceiverOptions ro = {}) {
+  ro.ucx_options = {{"TLS", "tcp"}};
+  return connectedReceiver(gen, tx, released, ro);
 }
 
 TEST(ApiLayout, PoolsNameEveryRegionOfTheEngineLayoutWithItsBytes) {
@@ -872,9 +879,7 @@ TEST(ApiDevice, AFailedDevicePackBehindUcxFailsItsRequest) {
   EngineRank gen = EngineRank::make(gen_options);  // host memory: no device op there
   std::unique_ptr<Sender> tx = ucxSender(ctx);
   ASSERT_NE(tx, nullptr);
-  ReceiverOptions ro;
-  ro.ucx_options = {{"TLS", "tcp"}};
-  std::unique_ptr<Receiver> rx = connectedReceiver(gen, *tx, nullptr, ro);
+  std::unique_ptr<Receiver> rx = ucxReceiver(gen, *tx, nullptr);
   ASSERT_NE(rx, nullptr);
   const uint32_t tokens = 40;
   const RankPages ctx_pages{{3, 5}, 1}, gen_pages{{2, 7}, 3};
@@ -914,9 +919,8 @@ TEST(ApiDevice, AGenerationRankGoesOnWhileTheDeviceCopiesAStagedPart) {
   ASSERT_NE(tx, nullptr);
   Released released;
   ReceiverOptions ro;
-  ro.ucx_options = {{"TLS", "tcp"}};
   ro.request_timeout = 2s;  // shorter than the device's copy (op_delay)
-  std::unique_ptr<Receiver> rx = connectedReceiver(gen, *tx, &released, ro);
+  std::unique_ptr<Receiver> rx = ucxReceiver(gen, *tx, &released, ro);
   ASSERT_NE(rx, nullptr);
   const uint32_t tokens = 40;
   const RankPages ctx_pages{{3, 5}, 1}, gen_pages{{2, 7}, 3};
@@ -960,15 +964,10 @@ TEST(ApiDevice, AContextRankGoesOnWhileTheDeviceCopiesAPart) {
   EngineRank gen = EngineRank::make(options("sglang", 1, 0));  // host memory: no device op there
   Released ctx_released, gen_released;
   SenderOptions so;
-  so.instance = "ctx";
-  so.backend = "ucx";
-  so.ucx_options = {{"TLS", "tcp"}};
   so.on_released = ctx_released.callback();
-  std::unique_ptr<Sender> tx = createdSender(ctx, so);
+  std::unique_ptr<Sender> tx = ucxSender(ctx, so);
   ASSERT_NE(tx, nullptr);
-  ReceiverOptions ro;
-  ro.ucx_options = {{"TLS", "tcp"}};
-  std::unique_ptr<Receiver> rx = connectedReceiver(gen, *tx, &gen_released, ro);
+  std::unique_ptr<Receiver> rx = ucxReceiver(gen, *tx, &gen_released);
   ASSERT_NE(rx, nullptr);
   const uint32_t tokens = 40;
   const RankPages ctx_pages{{3, 5}, 1}, gen_pages{{2, 7}, 3};
@@ -1022,15 +1021,10 @@ TEST(ApiDevice, QueuedDeviceCopiesStartTheirStallClockWhenTheirTurnComes) {
   EngineRank ctx = EngineRank::make(options("sglang", 1, 0), false, rt.fake.get(), 0);
   EngineRank gen = EngineRank::make(options("sglang", 1, 0));  // host memory: no device op there
   SenderOptions so;
-  so.instance = "ctx";
-  so.backend = "ucx";
-  so.ucx_options = {{"TLS", "tcp"}};
   so.stall_timeout = 2500ms;
-  std::unique_ptr<Sender> tx = createdSender(ctx, so);
+  std::unique_ptr<Sender> tx = ucxSender(ctx, so);
   ASSERT_NE(tx, nullptr);
-  ReceiverOptions ro;
-  ro.ucx_options = {{"TLS", "tcp"}};
-  std::unique_ptr<Receiver> rx = connectedReceiver(gen, *tx, nullptr, ro);
+  std::unique_ptr<Receiver> rx = ucxReceiver(gen, *tx, nullptr);
   ASSERT_NE(rx, nullptr);
   const uint32_t tokens = 40, n = 4;
   auto ctx_pages = [](uint32_t i) { return RankPages{{2 * i, 2 * i + 1}, i}; };
@@ -1054,6 +1048,40 @@ TEST(ApiDevice, QueuedDeviceCopiesStartTheirStallClockWhenTheirTurnComes) {
   }
   EXPECT_EQ(rt.fake->opsRun(), n);
   EXPECT_NE(tx->metrics().json.find("\"writes_stalled\":0"), std::string::npos)
+      << tx->metrics().json;
+}
+
+// A copy that does not end (6 s against a 1 s stall_timeout) holds up the copies queued behind
+// it; they still end: their clocks start when it stalled, and their parts are answered Timeout
+// long before it is done.
+TEST(ApiDevice, PartsQueuedBehindAStuckDeviceCopyStillTimeOut) {
+  FakeDeviceRuntime rt({.devices = 1, .op_delay = 6s, .host_inaccessible = true});
+  EngineRank ctx = EngineRank::make(options("sglang", 1, 0), false, rt.fake.get(), 0);
+  EngineRank gen = EngineRank::make(options("sglang", 1, 0));  // host memory: no device op there
+  SenderOptions so;
+  so.stall_timeout = 1s;
+  std::unique_ptr<Sender> tx = ucxSender(ctx, so);
+  ASSERT_NE(tx, nullptr);
+  std::unique_ptr<Receiver> rx = ucxReceiver(gen, *tx, nullptr);
+  ASSERT_NE(rx, nullptr);
+  const uint32_t tokens = 40, n = 3;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint32_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(tx->markReady(1 + i, RankPages{{2 * i, 2 * i + 1}, i}).isOk());
+    ASSERT_TRUE(rx->start(1 + i, tokens, RankPages{{8 + 2 * i, 9 + 2 * i}, i}).isOk());
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    auto res = rx->wait(1 + i, 30s);
+    ASSERT_TRUE(res.isOk()) << res.status().toString();
+    EXPECT_EQ(res->state, Result::State::kFailed) << "request " << 1 + i;
+    EXPECT_EQ(res->status.code(), StatusCode::kTimeout) << res->status.toString();
+    EXPECT_NE(res->status.message().find("device's copy into host memory"), std::string::npos)
+        << res->status.toString();
+    ASSERT_TRUE(rx->release(1 + i).isOk());
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s) << "the parts waited for the stuck copy";
+  EXPECT_EQ(rt.fake->opsRun(), 0u);  // the first copy still runs
+  EXPECT_NE(tx->metrics().json.find("\"writes_stalled\":3"), std::string::npos)
       << tx->metrics().json;
 }
 

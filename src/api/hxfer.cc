@@ -879,6 +879,11 @@ Sender::~Sender() { shutdown(); }
 
 StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Memory& memory,
                                                  SenderOptions o) {
+  if (o.stall_timeout <= std::chrono::milliseconds(0)) {
+    return InvalidArgument("stall_timeout=" + std::to_string(o.stall_timeout.count()) +
+                           " ms: a write that makes no progress this long is cancelled; it must "
+                           "be positive");
+  }
   auto impl = std::make_unique<Impl>(layout, memory);
   ASSIGN_OR_RETURN(Routed routed, route(o.backend, std::nullopt, memory));
   impl->backend = routed.backend;

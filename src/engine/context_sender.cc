@@ -75,6 +75,7 @@ struct ContextSender::Ask {
   bool counted = false;           // in its peer's open_asks / open_blocks
   bool cancel_requested = false;  // by the generation rank
   bool stalled = false;           // cancelled for making no progress (stall_timeout)
+  bool stalled_in_copy = false;   // that was the device's copy into host memory
   std::optional<Status> failed;   // a piece failed or could not be planned / posted
   std::vector<Piece> pieces;
   // A device copy of a part that ended unposted and may still read the request's pages: the
@@ -642,12 +643,11 @@ void ContextSender::advanceAskLocked(Source& src, Ask& ask) {
   } else if (ask.cancel_requested) {
     end = Cancelled("cancelled by generation");
   } else if (ask.stalled) {
-    const bool copying = std::any_of(ask.pieces.begin(), ask.pieces.end(),
-                                     [](const Piece& p) { return !p.terminal && p.copying; });
-    end = Timeout("request " + std::to_string(src.id) + ": the " +
-                  (copying ? "device's copy into host memory of the part for" : "write to") +
-                  " generation rank " + std::to_string(ask.gen_rank) + " made no progress in " +
-                  std::to_string(options_.stall_timeout.count()) + " ms");
+    end = Timeout(
+        "request " + std::to_string(src.id) + ": the " +
+        (ask.stalled_in_copy ? "device's copy into host memory of the part for" : "write to") +
+        " generation rank " + std::to_string(ask.gen_rank) + " made no progress in " +
+        std::to_string(options_.stall_timeout.count()) + " ms");
   } else if (ask.failed) {
     end = *ask.failed;
   } else if (ask.peer_gone) {
@@ -925,13 +925,14 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan
     return;
   }
   if (!packed.empty()) metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
-  metrics_.stormStaged(plan.ops.size());
   const uint32_t from = gathered->id();
   if (Status st = postLocked(ask, {{from, 0, slot.region, slot.offset, plan.bytes}},
                              std::move(gathered), plan.bytes);
       !st.isOk()) {
     fail(st);
+    return;
   }
+  metrics_.stormStaged(plan.ops.size());
 }
 
 void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& plan) {
@@ -1350,29 +1351,42 @@ void ContextSender::timersLocked() {
 }
 
 void ContextSender::stallsLocked(Clock::time_point now) {
+  if (stuck_copy_ && stuck_copy_->done()) stuck_copy_.reset();  // the stream moved on
   std::vector<transport::PeerId> stuck;
   for (auto& [rid, src] : sources_) {
     for (Ask& a : src->asks) {
       if (a.state != Ask::State::kPosted || a.inFlight() == 0) continue;
       Clock::time_point oldest = now;
-      bool copying = false;
+      const Piece* eldest = nullptr;
       for (Piece& p : a.pieces) {
         if (p.terminal) continue;
-        // Queued behind other device work: its clock starts once that is done.
-        if (p.behind && !p.behind->done()) continue;
-        if (p.behind) {
+        Clock::time_point since = p.posted_at;
+        if (p.behind && !p.behind->done()) {
+          // Queued behind other device work: its clock starts once that is done, or once the
+          // stream is known to be stuck (a copy ahead of it stalled).
+          if (!stuck_copy_) continue;
+          since = std::max(since, stuck_since_);
+        } else if (p.behind) {
           p.behind.reset();
-          p.posted_at = now;
+          p.posted_at = since = now;
         }
-        oldest = std::min(oldest, p.posted_at);
-        copying = copying || p.copying != nullptr;
+        if (since < oldest || eldest == nullptr) {
+          oldest = std::min(oldest, since);
+          eldest = &p;
+        }
       }
       const auto age = now - oldest;
       if (!a.stalled && age > options_.stall_timeout) {
+        a.stalled_in_copy = eldest != nullptr && eldest->copying != nullptr;
+        // A copy that runs this long holds up every copy queued behind it on the stream.
+        if (a.stalled_in_copy && !stuck_copy_) {
+          stuck_copy_ = eldest->copying;
+          stuck_since_ = now;
+        }
         HXFER_LOG_WARN(
             "context: request {}: the {} generation rank {} made no progress in {} ms; "
             "cancelling it",
-            rid, copying ? "device's copy into host memory of the part for" : "write to",
+            rid, a.stalled_in_copy ? "device's copy into host memory of the part for" : "write to",
             a.gen_rank, options_.stall_timeout.count());
         metrics_.writeStalled();
         a.stalled = true;
@@ -1458,6 +1472,7 @@ void ContextSender::shutdown() {
     // cancels the rest): after it nothing on the device reads a request's pages or an area.
     pack_stream_.reset();
     stream_tail_.reset();
+    stuck_copy_.reset();
     for (auto& [rid, event] : held_for_copies_) (void)cache_->endTransfer(rid);
     held_for_copies_.clear();
     for (auto& [id, peer] : peers_) (void)agent_->disconnect(id);

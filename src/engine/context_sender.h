@@ -314,6 +314,11 @@ class ContextSender {
   std::unique_ptr<device::Stream> pack_stream_;  // guarded by mu_
   // The last pack or copy queued on pack_stream_ (what the next one waits behind).
   std::shared_ptr<const device::Event> stream_tail_;  // guarded by mu_
+  // A device copy on pack_stream_ that stalled (stall_timeout) and is not done, and when it
+  // did: the parts queued behind it count their stall clocks from then, so a stuck device
+  // still ends every part. Forgotten once the copy is done.
+  std::shared_ptr<const device::Event> stuck_copy_;  // guarded by mu_
+  Clock::time_point stuck_since_;                    // guarded by mu_
   std::vector<std::pair<std::unique_ptr<Region>, std::shared_ptr<const device::Event>>>
       draining_areas_;  // guarded by mu_
   // Answered requests whose transfer hold waits for an unposted device copy that still reads

@@ -72,7 +72,7 @@ struct GenerationReceiver::Sink {
   uint32_t first_block = 0;
   Bytes aux;  // sent with the TransferRequest
   Clock::time_point start, deadline;
-  Clock::time_point asked;  // when the last of its TransferRequests went out (none yet: start)
+  std::optional<Clock::time_point> asked;  // when its first TransferRequest went out
   std::vector<Part> parts;
   RequestResult result;
   std::optional<uint32_t> aux_rank;  // the context rank result.aux came from
@@ -344,7 +344,6 @@ StatusOr<Allocation> GenerationReceiver::startRequest(
   sink->first_block = std::min<uint32_t>(prefix_tokens / tpb, sink->alloc.blocks.size());
   sink->aux = std::move(aux);
   sink->start = Clock::now();
-  sink->asked = sink->start;
   sink->deadline = sink->start + options_.request_timeout;
   if (pages_free && !pages_free->done()) sink->pages_free = std::move(pages_free);
   for (size_t i = 0; i < peers_.size(); ++i) sink->parts.push_back(Part{i});
@@ -429,7 +428,7 @@ void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
                FailureCause::kPeerLost);
     return;
   }
-  sink.asked = Clock::now();
+  if (!sink.asked) sink.asked = Clock::now();
 }
 
 void GenerationReceiver::maybeStageLocked(const Sink& sink, Part& part, const CtxPeer& peer,
@@ -618,7 +617,7 @@ void GenerationReceiver::failLocked(Sink& sink, const Status& status, FailureCau
   sink.result.state = RequestResult::State::kFailed;
   sink.result.status = status;
   sink.result.latency = Clock::now() - sink.start;
-  sink.result.queued = sink.asked - sink.start;
+  sink.result.queued = sink.asked ? *sink.asked - sink.start : sink.result.latency;
   metrics_.requestFailed(cause);
   for (Part& p : sink.parts) {
     if (p.waiting_room) room_check_ = true;  // the waiters behind it may fit now
@@ -672,7 +671,7 @@ void GenerationReceiver::completeIfDoneLocked(Sink& sink) {
   sink.result.status = OkStatus();
   sink.result.bytes = total;
   sink.result.latency = Clock::now() - sink.start;
-  sink.result.queued = sink.asked - sink.start;
+  sink.result.queued = sink.asked ? *sink.asked - sink.start : sink.result.latency;
   metrics_.requestOk(total, sink.result.latency);
   waiters_.notifyAll();
 }

@@ -60,9 +60,9 @@ struct RequestResult {
   Status status;                        // ok when kDone; why when kFailed
   uint64_t bytes = 0;                   // bytes received (kDone)
   std::chrono::nanoseconds latency{0};  // start to completion
-  // Of latency, the time before the last of its TransferRequests went out: waiting for a
-  // context rank's connection (the first handshake, a reconnect), for the engine's pages-free
-  // event, or for staging room. latency - queued is the transfer itself.
+  // Of latency, the time before its first TransferRequest went out (all of it when none did):
+  // waiting for a context rank's connection, for the engine's pages-free event, or for staging
+  // room. latency - queued is the transfer, from the first ask to the end.
   std::chrono::nanoseconds queued{0};
   // What the context side gave markReady (kDone): of the context ranks this request read from,
   // the lowest global rank that sent a non-empty one; empty when none did.
