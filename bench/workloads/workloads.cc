@@ -1328,8 +1328,34 @@ StatusOr<Samples> socketPingPong(uint32_t rounds) {
   return s;
 }
 
+// Threads that spin until destroyed, taking CPU time from every other thread of the machine.
+class BusyThreads {
+ public:
+  explicit BusyThreads(uint32_t n) {
+    for (uint32_t i = 0; i < n; ++i) {
+      threads_.emplace_back([this] {
+        uint64_t x = 0;
+        while (!stop_.load(std::memory_order_relaxed)) x = x * 6364136223846793005ull + 1;
+        sink_.fetch_add(x, std::memory_order_relaxed);
+      });
+    }
+  }
+  ~BusyThreads() {
+    stop_ = true;
+    for (std::thread& t : threads_) t.join();
+  }
+  BusyThreads(const BusyThreads&) = delete;
+  BusyThreads& operator=(const BusyThreads&) = delete;
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> sink_{0};
+  std::vector<std::thread> threads_;
+};
+
 Status runControlWorkload(Context& cx) {
   const ModelSpec m = controlProbeModel();
+  const BusyThreads busy(cx.o.busy_threads);
   Table t({"backend", "rounds", "p50 us", "p99 us", "p999 us", "max us", "target p50 < 100 us"},
           {false, true, true, true, true, true, false});
   for (const std::string& be : backendsFor(cx.o, "shm,ucx,inproc")) {
@@ -1369,9 +1395,14 @@ Status runControlWorkload(Context& cx) {
       cx.rows->push_back(std::move(*r));
     }
   }
+  const std::string busy_note =
+      cx.o.busy_threads == 0
+          ? ""
+          : "; " + std::to_string(cx.o.busy_threads) + " CPU-bound threads spinning beside them";
   std::printf(
       "control (zero-payload request round trip: startRequest to completion; the two "
-      "ping-pongs are thread hand-off floors measured in the same run)\n");
+      "ping-pongs are thread hand-off floors measured in the same run%s)\n",
+      busy_note.c_str());
   t.print(stdout, 2);
   return OkStatus();
 }

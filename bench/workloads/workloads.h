@@ -40,6 +40,9 @@ struct WorkloadOptions {
   uint32_t small_block = 16, large_block = 256;
   uint32_t requests = 128;  // load: timed requests per configuration
   uint32_t control_rounds = 2000;
+  // control: CPU-bound threads spinning beside the round trips for the whole workload, as a
+  // serving engine's busy loops do beside hxfer's threads (0: none).
+  uint32_t busy_threads = 0;
   double prefill_us_per_token = 40;       // streaming: simulated prefill cost (whole model)
   uint64_t stream_min_tokens = 512;       // streaming: ContextSender::Options::stream_min_tokens
   uint64_t staging_bytes = 512ull << 20;  // storm: the generation ranks' staging regions

@@ -62,5 +62,14 @@ TEST(BenchCommand, BenchAloneRunsEveryWorkload) {
   EXPECT_NE(testing::runHxfer("bench nonesuch").exit_code, 0);
 }
 
+// The control round trip with CPU-bound threads beside it (a serving engine's busy loops): a
+// few rounds, no speed asserted; the report says what ran beside it.
+TEST(BenchCommand, ControlRunsBesideBusyThreadsAndSaysSo) {
+  auto r = testing::runHxfer("bench control --backend inproc --rounds 20 --busy-threads 2 --quiet");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("2 CPU-bound threads spinning beside them"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("inproc"), std::string::npos) << r.out;
+}
+
 }  // namespace
 }  // namespace hxfer::cli

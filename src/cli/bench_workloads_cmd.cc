@@ -60,6 +60,10 @@ void addWorkloadOptions(CLI::App* cmd, Options* opts) {
       ->capture_default_str();
   cmd->add_option("--rounds", o->control_rounds, "control: timed round trips")
       ->capture_default_str();
+  cmd->add_option("--busy-threads", o->busy_threads,
+                  "control: CPU-bound threads spinning beside the round trips, as a serving "
+                  "engine's busy loops do")
+      ->capture_default_str();
   cmd->add_option("--repetitions", o->repetitions, "timed runs per configuration")
       ->capture_default_str();
   cmd->add_option("--warmup", o->warmup, "untimed runs first")->capture_default_str();
