@@ -1332,22 +1332,29 @@ StatusOr<Samples> socketPingPong(uint32_t rounds) {
 class BusyThreads {
  public:
   explicit BusyThreads(uint32_t n) {
-    for (uint32_t i = 0; i < n; ++i) {
-      threads_.emplace_back([this] {
-        uint64_t x = 0;
-        while (!stop_.load(std::memory_order_relaxed)) x = x * 6364136223846793005ull + 1;
-        sink_.fetch_add(x, std::memory_order_relaxed);
-      });
+    try {
+      for (uint32_t i = 0; i < n; ++i) {
+        threads_.emplace_back([this] {
+          uint64_t x = 0;
+          while (!stop_.load(std::memory_order_relaxed)) x = x * 6364136223846793005ull + 1;
+          sink_.fetch_add(x, std::memory_order_relaxed);
+        });
+      }
+    } catch (...) {  // no thread left running when one could not start
+      stop();
+      throw;
     }
   }
-  ~BusyThreads() {
-    stop_ = true;
-    for (std::thread& t : threads_) t.join();
-  }
+  ~BusyThreads() { stop(); }
   BusyThreads(const BusyThreads&) = delete;
   BusyThreads& operator=(const BusyThreads&) = delete;
 
  private:
+  void stop() {
+    stop_ = true;
+    for (std::thread& t : threads_) t.join();
+    threads_.clear();
+  }
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> sink_{0};
   std::vector<std::thread> threads_;

@@ -441,8 +441,8 @@ class HxferHandshakeMetadata(KVConnectorHandshakeMetadata):
 class HxferKVConnectorStats(KVConnectorStats):
     """Per-request transfer times and bytes (D: hxfer's Result.latency - Result.queued, from
     the load's first ask to its last byte landed; a wait for the first connection to the
-    prefill instance is counted apart as connect time) and failures, lease expiries (P). Logged as vLLM's "KV Transfer
-    metrics" line with the keys NIXL's uses."""
+    prefill instance is counted apart as connect time) and failures, lease expiries (P).
+    Logged as vLLM's "KV Transfer metrics" line with the keys NIXL's uses."""
 
     def __post_init__(self):
         if not self.data:
@@ -509,8 +509,8 @@ class HxferPromMetrics(KVConnectorPromMetrics):
 
         self.xfer_time = per_engine(
             self._histogram_cls, "vllm:hxfer_xfer_time_seconds",
-            "Per loaded request: hxfer's transfer time, start to the last byte landed, less "
-            "any wait for the first connection to the prefill instance.", buckets=seconds)
+            "Per loaded request: hxfer's transfer time, from the load's first ask to the prefill "
+            "instance to its last byte landed (Result latency - queued).", buckets=seconds)
         self.bytes = per_engine(
             self._histogram_cls, "vllm:hxfer_bytes_transferred",
             "Bytes moved per loaded request.", buckets=[2.0 ** k for k in range(11, 35, 2)])

@@ -1085,6 +1085,43 @@ TEST(ApiDevice, PartsQueuedBehindAStuckDeviceCopyStillTimeOut) {
       << tx->metrics().json;
 }
 
+// The same over cuda, where each write waits for its part's device pack: a pack that does not
+// end holds up the packs queued behind it, and their writes still time out.
+TEST(ApiDevice, WritesWaitingBehindAStuckDevicePackStillTimeOut) {
+  FakeDeviceRuntime rt({.devices = 1, .op_delay = 6s, .host_inaccessible = true});
+  LayoutOptions ctx_options = options("vllm", 1, 0);
+  ctx_options.conv_layout = "sd";
+  LayoutOptions gen_options = options("vllm", 1, 0);
+  gen_options.conv_layout = "ds";  // conv sd against ds: every part is packed first
+  EngineRank ctx = EngineRank::make(ctx_options, false, rt.fake.get(), 0);
+  EngineRank gen = EngineRank::make(gen_options, false, rt.fake.get(), 0);
+  SenderOptions so;
+  so.instance = "ctx";
+  so.backend = "cuda";
+  so.stall_timeout = 1s;
+  std::unique_ptr<Sender> tx = createdSender(ctx, so);
+  ASSERT_NE(tx, nullptr);
+  std::unique_ptr<Receiver> rx = connectedReceiver(gen, *tx, nullptr);
+  ASSERT_NE(rx, nullptr);
+  const uint32_t tokens = 40, n = 2;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint32_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(tx->markReady(1 + i, RankPages{{2 * i, 2 * i + 1}, i}).isOk());
+    ASSERT_TRUE(rx->start(1 + i, tokens, RankPages{{8 + 2 * i, 9 + 2 * i}, i}).isOk());
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    auto res = rx->wait(1 + i, 30s);
+    ASSERT_TRUE(res.isOk()) << res.status().toString();
+    EXPECT_EQ(res->state, Result::State::kFailed) << "request " << 1 + i;
+    EXPECT_EQ(res->status.code(), StatusCode::kTimeout) << res->status.toString();
+    EXPECT_NE(res->status.message().find("made no progress"), std::string::npos)
+        << res->status.toString();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s) << "a write waited for the stuck pack";
+  EXPECT_NE(tx->metrics().json.find("\"writes_stalled\":2"), std::string::npos)
+      << tx->metrics().json;
+}
+
 // A generation rank with device pools behind ucx takes each part whole through its staging
 // region: a part waits while the region holds another, and one larger than the whole region
 // fails its request naming staging_bytes; no staging region at all is refused at create.

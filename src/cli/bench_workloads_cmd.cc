@@ -63,6 +63,7 @@ void addWorkloadOptions(CLI::App* cmd, Options* opts) {
   cmd->add_option("--busy-threads", o->busy_threads,
                   "control: CPU-bound threads spinning beside the round trips, as a serving "
                   "engine's busy loops do")
+      ->check(CLI::Range(0u, 256u))
       ->capture_default_str();
   cmd->add_option("--repetitions", o->repetitions, "timed runs per configuration")
       ->capture_default_str();

@@ -982,7 +982,7 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
     auto c = pack_stream_->copy(*table);  // after the pack: one stream
     launched = c.status();
     if (c.isOk()) copied = std::move(c).value();
-    if (copied) stream_tail_ = copied;
+    if (copied) queuedOnStreamLocked(copied);
   }
   // The pack's area is read by the copy: it goes back once the copy is done.
   retireAreaLocked(std::move(scratch), copied ? copied : pack);
@@ -1106,7 +1106,7 @@ ContextSender::packOnDeviceLocked(const RankPlan& plan) {
                                  plan.scratch_bytes);
   StatusOr<std::shared_ptr<device::Event>> packed = table.status();
   if (table.isOk()) packed = pack_stream_->pack(*table);
-  if (packed.isOk()) stream_tail_ = *packed;
+  if (packed.isOk()) queuedOnStreamLocked(*packed);
   if (!packed.isOk()) {
     releaseScratchLocked(std::move(area));
     return packed.status().withContext("packing " + std::to_string(plan.pack_ops.size()) +
@@ -1351,7 +1351,13 @@ void ContextSender::timersLocked() {
 }
 
 void ContextSender::stallsLocked(Clock::time_point now) {
-  if (stuck_copy_ && stuck_copy_->done()) stuck_copy_.reset();  // the stream moved on
+  // The stream's head: the work it runs now, and since when.
+  bool moved = false;
+  while (!stream_work_.empty() && stream_work_.front()->done()) {
+    stream_work_.pop_front();
+    moved = true;
+  }
+  if (moved) stream_head_since_ = now;
   std::vector<transport::PeerId> stuck;
   for (auto& [rid, src] : sources_) {
     for (Ask& a : src->asks) {
@@ -1362,10 +1368,10 @@ void ContextSender::stallsLocked(Clock::time_point now) {
         if (p.terminal) continue;
         Clock::time_point since = p.posted_at;
         if (p.behind && !p.behind->done()) {
-          // Queued behind other device work: its clock starts once that is done, or once the
-          // stream is known to be stuck (a copy ahead of it stalled).
-          if (!stuck_copy_) continue;
-          since = std::max(since, stuck_since_);
+          // Queued behind other device work: its clock runs while the stream makes no progress
+          // (from when its head started), so a part waiting its turn behind work that moves is
+          // never stalled, and one behind work that never ends still is.
+          since = std::max(since, stream_head_since_);
         } else if (p.behind) {
           p.behind.reset();
           p.posted_at = since = now;
@@ -1378,11 +1384,6 @@ void ContextSender::stallsLocked(Clock::time_point now) {
       const auto age = now - oldest;
       if (!a.stalled && age > options_.stall_timeout) {
         a.stalled_in_copy = eldest != nullptr && eldest->copying != nullptr;
-        // A copy that runs this long holds up every copy queued behind it on the stream.
-        if (a.stalled_in_copy && !stuck_copy_) {
-          stuck_copy_ = eldest->copying;
-          stuck_since_ = now;
-        }
         HXFER_LOG_WARN(
             "context: request {}: the {} generation rank {} made no progress in {} ms; "
             "cancelling it",
@@ -1471,8 +1472,7 @@ void ContextSender::shutdown() {
     // No copy or pack runs past the stream (destroying it waits for the running one and
     // cancels the rest): after it nothing on the device reads a request's pages or an area.
     pack_stream_.reset();
-    stream_tail_.reset();
-    stuck_copy_.reset();
+    stream_work_.clear();
     for (auto& [rid, event] : held_for_copies_) (void)cache_->endTransfer(rid);
     held_for_copies_.clear();
     for (auto& [id, peer] : peers_) (void)agent_->disconnect(id);

@@ -41,6 +41,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -224,7 +225,13 @@ class ContextSender {
   // The device work a pack or copy queued now would wait behind: the last one queued on
   // pack_stream_ while it is not done, else nullptr.
   std::shared_ptr<const device::Event> streamTailLocked() const {
-    return stream_tail_ && !stream_tail_->done() ? stream_tail_ : nullptr;
+    return !stream_work_.empty() && !stream_work_.back()->done() ? stream_work_.back() : nullptr;
+  }
+  // Records a pack or copy just queued on pack_stream_ (its head's clock starts when the stream
+  // was idle).
+  void queuedOnStreamLocked(std::shared_ptr<const device::Event> work) {
+    if (stream_work_.empty()) stream_head_since_ = Clock::now();
+    stream_work_.push_back(std::move(work));
   }
   // A piece's area once its write ended: released now, or once its pack (`pack`) is done.
   void retireAreaLocked(std::unique_ptr<Region> area, std::shared_ptr<const device::Event> pack);
@@ -312,13 +319,11 @@ class ContextSender {
   // host area (postFromDeviceLocked).
   bool staged_device_ = false;
   std::unique_ptr<device::Stream> pack_stream_;  // guarded by mu_
-  // The last pack or copy queued on pack_stream_ (what the next one waits behind).
-  std::shared_ptr<const device::Event> stream_tail_;  // guarded by mu_
-  // A device copy on pack_stream_ that stalled (stall_timeout) and is not done, and when it
-  // did: the parts queued behind it count their stall clocks from then, so a stuck device
-  // still ends every part. Forgotten once the copy is done.
-  std::shared_ptr<const device::Event> stuck_copy_;  // guarded by mu_
-  Clock::time_point stuck_since_;                    // guarded by mu_
+  // The packs and copies queued on pack_stream_ in order, those seen done dropped from the
+  // front (stallsLocked), and when the front one became the head: a part queued behind the
+  // head counts its stall clock from then, so it stalls only when the stream makes no progress.
+  std::deque<std::shared_ptr<const device::Event>> stream_work_;  // guarded by mu_
+  Clock::time_point stream_head_since_;                           // guarded by mu_
   std::vector<std::pair<std::unique_ptr<Region>, std::shared_ptr<const device::Event>>>
       draining_areas_;  // guarded by mu_
   // Answered requests whose transfer hold waits for an unposted device copy that still reads
