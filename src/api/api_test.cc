@@ -1051,6 +1051,29 @@ TEST(ApiDevice, QueuedDeviceCopiesStartTheirStallClockWhenTheirTurnComes) {
       << tx->metrics().json;
 }
 
+// Starts requests 1..n on disjoint pages (context blocks {2i, 2i+1} and slot i, generation
+// blocks {8+2i, 9+2i} and slot i; the context pages not filled) and waits for each: every one
+// must fail Timeout naming `words`. Returns how long they took together.
+std::chrono::steady_clock::duration expectAllStall(Sender& tx, Receiver& rx, uint32_t n,
+                                                   const std::string& words) {
+  const uint32_t tokens = 40;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint32_t i = 0; i < n; ++i) {
+    EXPECT_TRUE(tx.markReady(1 + i, RankPages{{2 * i, 2 * i + 1}, i}).isOk());
+    EXPECT_TRUE(rx.start(1 + i, tokens, RankPages{{8 + 2 * i, 9 + 2 * i}, i}).isOk());
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    auto res = rx.wait(1 + i, 30s);
+    EXPECT_TRUE(res.isOk()) << res.status().toString();
+    if (!res.isOk()) continue;
+    EXPECT_EQ(res->state, Result::State::kFailed) << "request " << 1 + i;
+    EXPECT_EQ(res->status.code(), StatusCode::kTimeout) << res->status.toString();
+    EXPECT_NE(res->status.message().find(words), std::string::npos) << res->status.toString();
+    EXPECT_TRUE(rx.release(1 + i).isOk());
+  }
+  return std::chrono::steady_clock::now() - t0;
+}
+
 // A copy that does not end (6 s against a 1 s stall_timeout) holds up the copies queued behind
 // it; they still end: their clocks start when it stalled, and their parts are answered Timeout
 // long before it is done.
@@ -1064,22 +1087,8 @@ TEST(ApiDevice, PartsQueuedBehindAStuckDeviceCopyStillTimeOut) {
   ASSERT_NE(tx, nullptr);
   std::unique_ptr<Receiver> rx = ucxReceiver(gen, *tx, nullptr);
   ASSERT_NE(rx, nullptr);
-  const uint32_t tokens = 40, n = 3;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (uint32_t i = 0; i < n; ++i) {
-    ASSERT_TRUE(tx->markReady(1 + i, RankPages{{2 * i, 2 * i + 1}, i}).isOk());
-    ASSERT_TRUE(rx->start(1 + i, tokens, RankPages{{8 + 2 * i, 9 + 2 * i}, i}).isOk());
-  }
-  for (uint32_t i = 0; i < n; ++i) {
-    auto res = rx->wait(1 + i, 30s);
-    ASSERT_TRUE(res.isOk()) << res.status().toString();
-    EXPECT_EQ(res->state, Result::State::kFailed) << "request " << 1 + i;
-    EXPECT_EQ(res->status.code(), StatusCode::kTimeout) << res->status.toString();
-    EXPECT_NE(res->status.message().find("device's copy into host memory"), std::string::npos)
-        << res->status.toString();
-    ASSERT_TRUE(rx->release(1 + i).isOk());
-  }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s) << "the parts waited for the stuck copy";
+  EXPECT_LT(expectAllStall(*tx, *rx, 3, "device's copy into host memory"), 5s)
+      << "the parts waited for the stuck copy";
   EXPECT_EQ(rt.fake->opsRun(), 0u);  // the first copy still runs
   EXPECT_NE(tx->metrics().json.find("\"writes_stalled\":3"), std::string::npos)
       << tx->metrics().json;
@@ -1103,21 +1112,8 @@ TEST(ApiDevice, WritesWaitingBehindAStuckDevicePackStillTimeOut) {
   ASSERT_NE(tx, nullptr);
   std::unique_ptr<Receiver> rx = connectedReceiver(gen, *tx, nullptr);
   ASSERT_NE(rx, nullptr);
-  const uint32_t tokens = 40, n = 2;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (uint32_t i = 0; i < n; ++i) {
-    ASSERT_TRUE(tx->markReady(1 + i, RankPages{{2 * i, 2 * i + 1}, i}).isOk());
-    ASSERT_TRUE(rx->start(1 + i, tokens, RankPages{{8 + 2 * i, 9 + 2 * i}, i}).isOk());
-  }
-  for (uint32_t i = 0; i < n; ++i) {
-    auto res = rx->wait(1 + i, 30s);
-    ASSERT_TRUE(res.isOk()) << res.status().toString();
-    EXPECT_EQ(res->state, Result::State::kFailed) << "request " << 1 + i;
-    EXPECT_EQ(res->status.code(), StatusCode::kTimeout) << res->status.toString();
-    EXPECT_NE(res->status.message().find("made no progress"), std::string::npos)
-        << res->status.toString();
-  }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s) << "a write waited for the stuck pack";
+  EXPECT_LT(expectAllStall(*tx, *rx, 2, "made no progress"), 5s)
+      << "a write waited for the stuck pack";
   EXPECT_NE(tx->metrics().json.find("\"writes_stalled\":2"), std::string::npos)
       << tx->metrics().json;
 }

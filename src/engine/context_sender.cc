@@ -48,14 +48,14 @@ struct ContextSender::Piece {
   std::shared_ptr<const device::Event> pack;
   // Device pools behind a host agent (postFromDeviceLocked): the device's copy of the part into
   // `scratch` runs, `transfer` is empty, and `ops` (`bytes` in all) are posted once the copy is
-  // done (advanceAskLocked); `posted_at` is when the copy was queued, or when the work ahead
-  // of it on the stream was done (`behind`).
+  // done (advanceAskLocked); `posted_at` is when the copy was queued, reset when the work
+  // ahead of it on the stream is seen done (`behind`).
   std::shared_ptr<const device::Event> copying;
   std::vector<transport::WriteOp> ops;
   uint64_t bytes = 0;
   // Device pools: the work queued on the pack stream before this piece's pack or copy, while it
-  // is not done. The piece's stall clock starts only once it is (stallsLocked): a part waiting
-  // its turn behind other parts' copies is not stalled.
+  // is not done. Until it is, the piece's stall clock runs only while the stream makes no
+  // progress (stallsLocked, stream_work_); then it restarts for the piece's own work.
   std::shared_ptr<const device::Event> behind;
   size_t staged_runs = 0;  // the slot's runs (a staged part), counted once it is posted
 };
