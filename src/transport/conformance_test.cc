@@ -4,6 +4,7 @@
 // the environment, so the tests are hermetic). Deadlines are generous and nothing is timed:
 // these run on loaded machines.
 #include <dirent.h>
+#include <sys/eventfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 
 #include "common/coding.h"
 #include "device/fake_device.h"
+#include "transport/local_common.h"
 #include "transport/transport.h"
 
 namespace hxfer::transport {
@@ -364,6 +366,92 @@ TEST_P(Conformance, MessagesArriveInSendOrderBothWays) {
   EXPECT_EQ(writer_->sendMessage(to_receiver_, too_big).code(), StatusCode::kInvalidArgument);
 }
 
+// Messages from several threads at once, each thread alternating large ones and small ones,
+// while the receiver polls: each thread's messages arrive in the order it sent them. (ucx posts
+// a small message on the caller's thread when nothing is queued before it, and a large one on
+// its progress thread: a small one must never overtake a large one sent before it.)
+TEST_P(Conformance, SmallMessagesNeverOvertakeLargeOnesSentBeforeThem) {
+  connectPair();
+  constexpr uint32_t kThreads = 3, kPerThread = 40;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> senders;
+  for (uint32_t th = 0; th < kThreads; ++th) {
+    senders.emplace_back([&, th] {
+      for (uint32_t i = 0; i < kPerThread; ++i) {
+        Bytes m;
+        putFixed32(m, th);
+        putFixed32(m, i);
+        m.resize(i % 2 == 0 ? (256u << 10) : 16u, static_cast<uint8_t>(i));
+        if (!writer_->sendMessage(to_receiver_, m).isOk()) ++failures;
+      }
+    });
+  }
+  std::vector<uint32_t> next(kThreads, 0);
+  for (uint32_t n = 0; n < kThreads * kPerThread; ++n) {
+    auto e = waitForEvent(*receiver_, Event::Kind::kMessage);
+    if (!e.has_value() || e->payload.size() < 8) {
+      ADD_FAILURE() << "message " << n << " did not arrive whole";
+      break;
+    }
+    const uint32_t th = loadFixed32(e->payload.data());
+    const uint32_t i = loadFixed32(e->payload.data() + 4);
+    if (th >= kThreads) {
+      ADD_FAILURE() << "message " << n << " names thread " << th;
+      break;
+    }
+    EXPECT_EQ(i, next[th]) << "thread " << th;
+    EXPECT_EQ(e->payload.size(), i % 2 == 0 ? (256u << 10) : 16u);
+    next[th] = i + 1;
+  }
+  for (auto& t : senders) t.join();  // the senders never wait on the receiver
+  EXPECT_EQ(failures.load(), 0);
+}
+
+// Nobody waits on the 100 ms fallback timer of a progress thread: the receiver polls all along
+// (ucx: it serves the worker itself) while regions come and go on another thread (commands of
+// its progress thread); the writer polls once between writes and then only waits on the
+// transfer, so its agent must see the acknowledgement on its own, whether the write was posted
+// on the caller's thread (4 KiB) or on the progress thread (1 MiB). A wait that fell to
+// the timer would take up to 100 ms, 50 ms on average: the median must stay under half that
+// (a healthy write takes about a millisecond here, a few under a sanitizer).
+TEST_P(Conformance, WritesCompleteWithoutWaitingForAProgressTimer) {
+  connectPair();
+  constexpr uint64_t kLen = 1 << 20;
+  setUpRegions(kLen);
+  std::atomic<bool> stop{false};
+  std::thread receiver_poll([&] {
+    while (!stop) receiver_->pollEvent(100ms);
+  });
+  std::thread registrations([&] {
+    for (uint32_t id = 100; !stop; id = id == 199 ? 100 : id + 1) {
+      auto r = makeRegion(id, 4096);
+      if (r && receiver_->registerRegion(*r, RegionAccess::kLocalSource).isOk()) {
+        (void)receiver_->deregisterRegion(id);
+      }
+      std::this_thread::sleep_for(2ms);
+    }
+  });
+  std::vector<double> ms;
+  for (int i = 0; i < 40; ++i) {
+    writer_->pollEvent(2ms);
+    const uint64_t bytes = i % 2 == 0 ? 4096 : kLen;
+    const auto start = Clock::now();
+    auto t = writer_->postWrite(to_receiver_, {{1, 0, 7, 0, bytes}});
+    if (!t.isOk() || !t->wait(Clock::now() + kDeadline).isOk()) {
+      ADD_FAILURE() << "write " << i << " failed";
+      break;
+    }
+    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  }
+  stop = true;
+  receiver_poll.join();
+  registrations.join();
+  ASSERT_EQ(ms.size(), 40u);
+  std::sort(ms.begin(), ms.end());
+  EXPECT_LT(ms[20], 25.0) << "median of 40 writes, ms; the slowest " << ms[39] << " ms";
+  EXPECT_EQ(std::memcmp(dst_->data(), src_->data(), kLen), 0);
+}
+
 // Sends do not wait for the peer (shm queues what the socket does not take): large messages
 // queued ahead of a region announcement and of the message carrying its key still arrive in
 // order, and the region is usable the moment its key arrives.
@@ -599,6 +687,51 @@ INSTANTIATE_TEST_SUITE_P(Backends, CrossProcess, ::testing::ValuesIn(crossProces
                          [](const auto& info) { return info.param.name; });
 
 // --- backend-specific contract points ---
+
+// The popper serves a readable fd itself: on_ready runs on its thread and what it pushes is
+// returned; a quiet fd is never served; wake() ends the wait; once on_ready gives up, the fd
+// is no longer watched (the popper does not spin on it).
+TEST(EventQueue, APopperServesAReadableFdAndReturnsWhatItPushed) {
+  detail::EventQueue q;
+  const int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  ASSERT_GE(fd, 0);
+  int served = 0;
+  const std::thread::id popper = std::this_thread::get_id();
+  auto on_ready = [&] {
+    ++served;
+    EXPECT_EQ(std::this_thread::get_id(), popper);
+    uint64_t v = 0;
+    if (read(fd, &v, sizeof(v)) == sizeof(v)) q.push(Event{Event::Kind::kMessage, 42, {7}, {}});
+    return true;
+  };
+  EXPECT_FALSE(q.popOrServe(20ms, fd, on_ready).has_value());
+  EXPECT_EQ(served, 0);
+  std::thread poke([fd] {
+    std::this_thread::sleep_for(50ms);
+    const uint64_t one = 1;
+    EXPECT_EQ(write(fd, &one, sizeof(one)), static_cast<ssize_t>(sizeof(one)));
+  });
+  auto e = q.popOrServe(kDeadline, fd, on_ready);
+  poke.join();
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->peer, 42u);
+  EXPECT_EQ(e->payload, std::vector<uint8_t>{7});
+  EXPECT_EQ(served, 1);
+  std::thread waker([&q] {
+    std::this_thread::sleep_for(50ms);
+    q.wake();
+  });
+  EXPECT_FALSE(q.popOrServe(kDeadline, fd, on_ready).has_value());
+  waker.join();
+  EXPECT_EQ(served, 1);
+  // A server that gives up (returns false) leaves the fd readable; it is not called again.
+  const uint64_t one = 1;
+  ASSERT_EQ(write(fd, &one, sizeof(one)), static_cast<ssize_t>(sizeof(one)));
+  int gave_up = 0;
+  EXPECT_FALSE(q.popOrServe(100ms, fd, [&] { return ++gave_up, false; }).has_value());
+  EXPECT_EQ(gave_up, 1);
+  close(fd);
+}
 
 TEST(ShmTransport, RefusesAnonymousRegions) {
   auto a = createAgent(plainConfig("shm"));

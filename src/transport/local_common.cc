@@ -40,7 +40,17 @@ void EventQueue::wake() {
   signal();
 }
 
+bool EventQueue::ready() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return woken_ || !events_.empty();
+}
+
 std::optional<Event> EventQueue::pop(std::chrono::milliseconds timeout) {
+  return popOrServe(timeout, -1, {});
+}
+
+std::optional<Event> EventQueue::popOrServe(std::chrono::milliseconds timeout, int fd,
+                                            const std::function<bool()>& on_ready) {
   const auto deadline = Clock::now() + timeout;
   for (;;) {
     {
@@ -60,15 +70,19 @@ std::optional<Event> EventQueue::pop(std::chrono::milliseconds timeout) {
     if (left <= Clock::duration::zero()) return std::nullopt;
     if (efd_ < 0) {
       std::this_thread::sleep_for(std::min<Clock::duration>(left, std::chrono::microseconds(50)));
+      if (fd >= 0 && !on_ready()) fd = -1;
       continue;
     }
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
     timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
-    pollfd pfd{efd_, POLLIN, 0};
+    pollfd pfd[2] = {{efd_, POLLIN, 0}, {fd, POLLIN, 0}};
     // A push between the check above and this call left the fd readable: no lost wake-up.
-    if (ppoll(&pfd, 1, &ts, nullptr) > 0 && (pfd.revents & POLLIN)) {
-      uint64_t count = 0;
-      (void)!read(efd_, &count, sizeof(count));
+    if (ppoll(pfd, fd >= 0 ? 2 : 1, &ts, nullptr) > 0) {
+      if (pfd[0].revents & POLLIN) {
+        uint64_t count = 0;
+        (void)!read(efd_, &count, sizeof(count));
+      }
+      if (fd >= 0 && pfd[1].revents != 0 && !on_ready()) fd = -1;
     }
   }
 }

@@ -40,8 +40,16 @@ class EventQueue {
   void push(Event event);
   // The oldest event, waiting up to `timeout`; nullopt on timeout or after wake().
   std::optional<Event> pop(std::chrono::milliseconds timeout);
+  // pop that also wakes when `fd` is readable and then calls `on_ready` (which may push), so
+  // that the popper itself can serve a transport's fd instead of waiting for another thread
+  // to do it. Once `on_ready` returns false the fd is no longer watched. Without an eventfd of
+  // its own the queue naps as pop does and calls `on_ready` after each nap.
+  std::optional<Event> popOrServe(std::chrono::milliseconds timeout, int fd,
+                                  const std::function<bool()>& on_ready);
   // Makes the pop blocked now, or the next one, return (Agent::wakeEventWaiter).
   void wake();
+  // Whether a pop would return at once: an event is queued, or wake() was called.
+  bool ready();
 
  private:
   void signal();

@@ -51,6 +51,14 @@ constexpr uint64_t kMaxReorderBytes = 256ull << 20;
 constexpr size_t kMaxInTransfers = 4096;
 // Writes may arrive out of order (across lanes), never this far: older seqs are refused.
 constexpr size_t kWriteSeqWindow = 4096;
+// Messages and writes up to these sizes are posted on the caller's thread when the worker is
+// free (UcxAgent::postHere); larger ones go to the progress thread.
+constexpr uint64_t kInlineMessageBytes = 64ull << 10;
+constexpr size_t kInlineWriteOps = 64;
+constexpr uint64_t kInlineWriteBytes = 256ull << 10;
+// A caller serving the worker (UcxAgent::serveWorkerLocked) progresses it at most this many
+// times before handing it back to the progress thread.
+constexpr unsigned kServeProgressCalls = 64;
 // A refused connection gets this long to read the reason before we close it.
 constexpr auto kRefusedGrace = std::chrono::milliseconds(250);
 constexpr size_t kMaxReasonBytes = 1024;
@@ -197,6 +205,22 @@ std::string describe(const UcxPeer& p) {
 
 struct ReqCtx;
 class UcxAgent;
+
+// The agent whose worker this thread drives now (UcxAgent::worker_mu_ held), if any: a
+// callback that sends on this thread queues the send instead of taking the lock again.
+thread_local const UcxAgent* t_worker_owner = nullptr;
+
+// Marks this thread as driving `agent`'s worker for its scope.
+class DrivingScope {
+ public:
+  explicit DrivingScope(const UcxAgent* agent) : outer_(std::exchange(t_worker_owner, agent)) {}
+  ~DrivingScope() { t_worker_owner = outer_; }
+  DrivingScope(const DrivingScope&) = delete;
+  DrivingScope& operator=(const DrivingScope&) = delete;
+
+ private:
+  const UcxAgent* outer_;
+};
 
 // The error-callback argument of one endpoint; owned by the agent (freed at teardown).
 struct EpErrArg {
@@ -388,7 +412,7 @@ class UcxAgent final : public Agent {
           if (auto q = weak.lock()) q->queued_bytes -= bytes;
           delete v;
         });
-    post([this, p, data] {
+    postHere(bytes <= kInlineMessageBytes, [this, p, data] {
       if (p->lost) return;
       Bytes header;
       putFixed64(header, p->next_send_seq++);
@@ -399,9 +423,77 @@ class UcxAgent final : public Agent {
     return OkStatus();
   }
 
+  // A waiting caller serves the worker itself while it waits, when the worker is free at the
+  // call: a message that arrives then wakes the caller, not the progress thread and then the
+  // caller (one thread hand-off less per message received; docs/performance.md, "Control round
+  // trip"). The progress thread stops watching the worker meanwhile and still runs posted
+  // commands. The caller hands the worker back to it when it finds it at work, so that it never
+  // waits behind a long command, and when a burst of traffic keeps the worker busy
+  // (serveWorkerLocked). A zero timeout, or an event already queued, only takes what is queued.
   std::optional<Event> pollEvent(std::chrono::milliseconds timeout) override {
-    return events_.pop(timeout);
+    if (timeout.count() <= 0 || t_worker_owner == this || events_.ready()) {
+      return events_.pop(timeout);
+    }
+    std::unique_lock<std::mutex> worker(worker_mu_, std::try_to_lock);
+    if (!worker.owns_lock()) return events_.pop(timeout);
+    setServing(+1);
+    if (!serveWorkerLocked()) {
+      setServing(-1);
+      worker.unlock();
+      wakeProgress();
+      return events_.pop(timeout);
+    }
+    worker.unlock();
+    bool serving = true;
+    std::optional<Event> e = events_.popOrServe(timeout, worker_fd_, [&] {
+      std::unique_lock<std::mutex> lock(worker_mu_, std::try_to_lock);
+      const bool armed = lock.owns_lock() && serveWorkerLocked();
+      if (armed) return true;
+      // The progress thread is at work (it progresses and arms the worker before it sleeps),
+      // or the worker is still busy: the progress thread goes on from here.
+      setServing(-1);
+      serving = false;
+      if (lock.owns_lock()) {
+        lock.unlock();
+        wakeProgress();
+      }
+      return false;
+    });
+    if (serving) setServing(-1);
+    return e;
   }
+
+  // Counts the callers serving the worker (pollEvent); the progress thread's epoll set leaves
+  // the worker's fd out while there is one. The worker is armed whenever it is handed back
+  // (serveWorkerLocked, or the progress thread before it sleeps), so a readable fd wakes the
+  // progress thread at once.
+  void setServing(int delta) {
+    std::lock_guard<std::mutex> lock(serving_mu_);
+    const int before = servers_;
+    servers_ += delta;
+    if (before == 0 && servers_ == 1) {
+      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, worker_fd_, nullptr);
+    } else if (before == 1 && servers_ == 0) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = worker_fd_;
+      epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, worker_fd_, &ev);
+    }
+  }
+
+  // Progresses the worker until it arms, as the progress thread does before it sleeps: true.
+  // false after kServeProgressCalls calls without arming (a burst of traffic): the worker is
+  // then not armed, and the caller wakes the progress thread to go on.
+  bool serveWorkerLocked() {
+    DrivingScope driving(this);
+    bool armed = false;
+    for (unsigned calls = 0; calls < kServeProgressCalls && !armed; ++calls) {
+      if (ucp_worker_progress(worker_) != 0) continue;
+      armed = ucp_worker_arm(worker_) != UCS_ERR_BUSY;
+    }
+    return armed;
+  }
+
   void wakeEventWaiter() override { events_.wake(); }
 
   void requireWriteGrants() override { grants_required_ = true; }
@@ -450,11 +542,45 @@ class UcxAgent final : public Agent {
 
   void pushEvent(Event e) { events_.push(std::move(e)); }
 
+  // Runs `fn` on the progress thread.
   void post(std::function<void()> fn) {
     {
       std::lock_guard<std::mutex> lock(cmd_mu_);
       commands_.push_back(std::move(fn));
     }
+    wakeProgress();
+  }
+
+  // Runs `fn` on this thread when `small` and the worker is free with nothing queued before
+  // it, else as post does. A message the engine sends then leaves without waking the progress
+  // thread first: one thread hand-off less per message (docs/performance.md, "Control round
+  // trip"). Large work still goes to the progress thread, so the caller can prepare the next
+  // part while it is posted.
+  void postHere(bool small, std::function<void()> fn) {
+    if (small && t_worker_owner != this) {
+      std::unique_lock<std::mutex> worker(worker_mu_, std::try_to_lock);
+      bool queue_empty = false;
+      if (worker.owns_lock()) {
+        std::lock_guard<std::mutex> lock(cmd_mu_);
+        queue_empty = commands_.empty();
+      }
+      if (queue_empty) {  // every command posted before this one has run
+        {
+          DrivingScope driving(this);
+          fn();
+        }
+        // Handed back as the progress thread leaves it before it sleeps: progressed and armed,
+        // so that what the send left in flight wakes it; else it is woken to go on.
+        const bool armed = serveWorkerLocked();
+        worker.unlock();
+        if (!armed) wakeProgress();
+        return;
+      }
+    }
+    post(std::move(fn));
+  }
+
+  void wakeProgress() {
     uint64_t one = 1;
     (void)!write(wake_fd_, &one, sizeof(one));
   }
@@ -518,6 +644,13 @@ class UcxAgent final : public Agent {
   int epoll_fd_ = -1;
   std::thread progress_;
   bool stopping_ = false;  // progress thread only
+  // Held by whichever thread drives worker_ and the state marked "progress thread": the
+  // progress thread, except while it sleeps, or a caller while the progress thread sleeps (a
+  // send in postHere, a wait in pollEvent). Whoever lets go of it leaves the worker armed, or
+  // wakes the progress thread.
+  std::mutex worker_mu_;
+  std::mutex serving_mu_;
+  int servers_ = 0;  // guarded by serving_mu_: pollEvent callers serving the worker
 
   std::mutex cmd_mu_;
   std::deque<std::function<void()>> commands_;  // guarded by cmd_mu_
@@ -726,7 +859,7 @@ Status UcxAgent::init() {
 
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // one thread at a time, under worker_mu_
   st = ucp_worker_create(context_, &wp, &worker_);
   if (st != UCS_OK) return ucxError("ucp_worker_create", st);
   st = ucp_worker_get_efd(worker_, &worker_fd_);
@@ -793,6 +926,8 @@ Status UcxAgent::init() {
 }
 
 void UcxAgent::progressLoop() {
+  DrivingScope driving(this);
+  std::unique_lock<std::mutex> worker(worker_mu_);
   while (!stopping_) {
     std::deque<std::function<void()>> cmds;
     {
@@ -813,11 +948,13 @@ void UcxAgent::progressLoop() {
     }
     ucs_status_t st = ucp_worker_arm(worker_);
     if (st == UCS_ERR_BUSY) continue;
+    worker.unlock();  // callers may drive the worker while this thread sleeps (postHere, pollEvent)
     epoll_event evs[2];
     epoll_wait(epoll_fd_, evs, 2, 100);
     uint64_t v;
     while (read(wake_fd_, &v, sizeof(v)) > 0) {
     }
+    worker.lock();
   }
 }
 
@@ -839,6 +976,8 @@ void UcxAgent::drainLostPeers(bool force) {
 
 void UcxAgent::teardown() {
   // Runs after the progress thread stopped: this thread now owns the worker.
+  std::lock_guard<std::mutex> worker(worker_mu_);
+  DrivingScope driving(this);
   std::vector<std::shared_ptr<UcxPeer>> peers;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -983,7 +1122,8 @@ StatusOr<Transfer> UcxAgent::postWrite(PeerId peer, std::vector<WriteOp> ops) {
   }
   auto core = std::make_shared<TransferCore>(total, ops.size());
   const uint64_t tid = next_transfer_.fetch_add(1);
-  post([this, p, tid, core, ops = std::move(ops)]() mutable {
+  const bool small = ops.size() <= kInlineWriteOps && total <= kInlineWriteBytes;
+  postHere(small, [this, p, tid, core, ops = std::move(ops)]() mutable {
     startWrite(p, tid, core, std::move(ops));
   });
   return Transfer(core);
