@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <sys/eventfd.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -552,6 +553,30 @@ TEST_P(Conformance, DestroyedPeerFailsPendingTransfersWithinADeadline) {
   EXPECT_EQ(lost->peer, to_receiver_);
   EXPECT_EQ(writer_->postWrite(to_receiver_, {{1, 0, 7, 0, 10}}).status().code(),
             StatusCode::kUnavailable);
+}
+
+// Once a peer is gone the agent left behind sleeps: its threads do not spin on a wake-up that
+// was never consumed (a level-triggered eventfd left unread makes every later wait return at
+// once). CPU time, not wall time: a spinning thread burns about a core whatever the load; an
+// idle agent wakes for its timers only.
+TEST_P(Conformance, AnAgentIdlesOnceItsPeerIsLost) {
+  connectPair();
+  setUpRegions(1 << 20);
+  auto t = writer_->postWrite(to_receiver_, {{1, 0, 7, 0, 1 << 20}});
+  ASSERT_TRUE(t.isOk());
+  ASSERT_TRUE(t->wait(Clock::now() + kDeadline).isOk());
+  receiver_.reset();
+  ASSERT_TRUE(waitForEvent(*writer_, Event::Kind::kPeerLost).has_value());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // closing the socket settles
+  auto cpu = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
+  };
+  const auto before = cpu();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const auto used = std::chrono::duration_cast<std::chrono::milliseconds>(cpu() - before);
+  EXPECT_LT(used.count(), 200) << "CPU time of the process over one idle second";
 }
 
 TEST_P(Conformance, NoFdsLeakAfterAFullCycle) {

@@ -962,7 +962,12 @@ class ShmAgent final : public Agent {
       }
       for (int i = 0; i < n && !stop_; ++i) {
         const int fd = evs[i].data.fd;
-        if (fd == wake_fd_) continue;
+        if (fd == wake_fd_) {  // level-triggered: left unread, every later wait returns at once
+          uint64_t v;
+          while (read(wake_fd_, &v, sizeof(v)) > 0) {
+          }
+          continue;
+        }
         if (fd == listen_fd_) {
           acceptPeers();
           continue;
