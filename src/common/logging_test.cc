@@ -21,7 +21,9 @@ TEST(LogLimiter, LetsOneLineAnIntervalThroughAndCountsTheRest) {
   std::this_thread::sleep_for(std::chrono::milliseconds(250));
   held = 0;
   ASSERT_TRUE(limiter.admit(&held));
-  if (admitted == 0) EXPECT_EQ(held, 1000u);
+  if (admitted == 0) {
+    EXPECT_EQ(held, 1000u);
+  }
   EXPECT_LE(held, 1000u);
   EXPECT_GE(held, 1u);
 }

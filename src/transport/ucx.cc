@@ -438,29 +438,31 @@ class UcxAgent final : public Agent {
     if (!worker.owns_lock()) return events_.pop(timeout);
     setServing(+1);
     if (!serveWorkerLocked()) {
-      setServing(-1);
-      worker.unlock();
-      wakeProgress();
+      handBack(worker);
       return events_.pop(timeout);
     }
     worker.unlock();
     bool serving = true;
     std::optional<Event> e = events_.popOrServe(timeout, worker_fd_, [&] {
       std::unique_lock<std::mutex> lock(worker_mu_, std::try_to_lock);
-      const bool armed = lock.owns_lock() && serveWorkerLocked();
-      if (armed) return true;
-      // The progress thread is at work (it progresses and arms the worker before it sleeps),
-      // or the worker is still busy: the progress thread goes on from here.
-      setServing(-1);
+      if (lock.owns_lock() && serveWorkerLocked()) return true;
       serving = false;
-      if (lock.owns_lock()) {
-        lock.unlock();
-        wakeProgress();
-      }
+      handBack(lock);
       return false;
     });
     if (serving) setServing(-1);
     return e;
+  }
+
+  // A serving caller gives the worker back to the progress thread, which goes on from here:
+  // it watches the worker's fd again and, when the caller held the worker (still busy after
+  // serving), is woken. Without the lock the progress thread is at work already; it
+  // progresses and arms the worker before it sleeps.
+  void handBack(std::unique_lock<std::mutex>& worker) {
+    setServing(-1);
+    if (!worker.owns_lock()) return;
+    worker.unlock();
+    wakeProgress();
   }
 
   // Counts the callers serving the worker (pollEvent); the progress thread's epoll set leaves
