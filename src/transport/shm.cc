@@ -213,12 +213,14 @@ struct DeviceLane {
 
 class ShmAgent final : public Agent {
  public:
-  ShmAgent(const AgentConfig& config, std::string name, int listen_fd, int epoll_fd, int wake_fd)
+  ShmAgent(const AgentConfig& config, std::string name, int listen_fd, int epoll_fd, int wake_fd,
+           int progress_epoll_fd)
       : config_(config),
         name_(std::move(name)),
         listen_fd_(listen_fd),
         epoll_fd_(epoll_fd),
         wake_fd_(wake_fd),
+        progress_epoll_fd_(progress_epoll_fd),
         spare_fd_(open("/dev/null", O_RDONLY | O_CLOEXEC)) {
     const bool cuda = config_.backend == "cuda";
     caps_.name = cuda ? "cuda" : "shm";
@@ -247,6 +249,7 @@ class ShmAgent final : public Agent {
     uint64_t one = 1;
     (void)!write(wake_fd_, &one, sizeof(one));
     progress_.join();
+    std::lock_guard<std::mutex> driving(drive_mu_);  // a caller may still be serving (pollEvent)
     std::vector<std::shared_ptr<ShmPeer>> peers;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -276,6 +279,7 @@ class ShmAgent final : public Agent {
     }
     close(listen_fd_);
     close(epoll_fd_);
+    close(progress_epoll_fd_);
     close(wake_fd_);
     if (spare_fd_ >= 0) close(spare_fd_);
     // copy_ (declared last) is destroyed first: queued jobs fail, the running one finishes.
@@ -551,8 +555,34 @@ class ShmAgent final : public Agent {
     return s;
   }
 
+  // A waiting caller serves the agent's sockets itself while it waits, when the progress thread
+  // is asleep at the call: a message that arrives then wakes the caller, not the progress
+  // thread and then the caller (one thread hand-off less per message received;
+  // docs/performance.md, "Control round trip"). The progress thread stops watching the sockets
+  // meanwhile and still runs its timers. The caller gives them back when it finds the progress
+  // thread at work, so that it never waits behind it. A zero timeout, or an event already
+  // queued, only takes what is queued.
   std::optional<Event> pollEvent(std::chrono::milliseconds timeout) override {
-    return events_.pop(timeout);
+    if (timeout.count() <= 0 || events_.ready()) return events_.pop(timeout);
+    std::unique_lock<std::mutex> driving(drive_mu_, std::try_to_lock);
+    if (!driving.owns_lock()) return events_.pop(timeout);
+    setServing(+1);
+    serveSockets();
+    driving.unlock();
+    bool serving = true;
+    std::optional<Event> e = events_.popOrServe(timeout, epoll_fd_, [&] {
+      std::unique_lock<std::mutex> lock(drive_mu_, std::try_to_lock);
+      if (lock.owns_lock()) {
+        serveSockets();
+        return true;
+      }
+      // The progress thread is at work: it watches the sockets again before it sleeps.
+      serving = false;
+      setServing(-1);
+      return false;
+    });
+    if (serving) setServing(-1);
+    return e;
   }
   void wakeEventWaiter() override { events_.wake(); }
 
@@ -940,8 +970,49 @@ class ShmAgent final : public Agent {
     return n;
   }
 
-  void progressLoop() {
+  // Counts the callers serving the sockets (pollEvent); the progress thread's epoll set leaves
+  // the sockets' set out while there is one. Level-triggered: whatever is readable when the set
+  // comes back wakes the progress thread at once.
+  void setServing(int delta) {
+    std::lock_guard<std::mutex> lock(serving_mu_);
+    const int before = servers_;
+    servers_ += delta;
+    if (before == 0 && servers_ == 1) {
+      epoll_ctl(progress_epoll_fd_, EPOLL_CTL_DEL, epoll_fd_, nullptr);
+    } else if (before == 1 && servers_ == 0) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = epoll_fd_;
+      epoll_ctl(progress_epoll_fd_, EPOLL_CTL_ADD, epoll_fd_, &ev);
+    }
+  }
+
+  // Handles what the sockets have ready now (the listener's connections, peers' frames, room
+  // to write queued frames). REQUIRES: drive_mu_ held.
+  void serveSockets() {
     epoll_event evs[16];
+    const int n = epoll_wait(epoll_fd_, evs, 16, 0);
+    for (int i = 0; i < n && !stop_; ++i) {
+      const int fd = evs[i].data.fd;
+      if (fd == listen_fd_) {
+        acceptPeers();
+        continue;
+      }
+      std::shared_ptr<ShmPeer> p;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = fd_peers_.find(fd);
+        if (it != fd_peers_.end()) p = it->second;
+      }
+      if (!p) continue;
+      if (evs[i].events & EPOLLOUT) flushPeer(p);
+      if (evs[i].events & ~static_cast<uint32_t>(EPOLLOUT)) readPeer(p);
+    }
+  }
+
+  void progressLoop() {
+    std::unique_lock<std::mutex> driving(drive_mu_);  // released while it sleeps
+    epoll_event evs[2];
     while (!stop_) {
       // Wake often enough to end handshakes and stalled sends on time while any is pending.
       int wait_ms = closing_wait_ ? 2 : 1000;
@@ -955,33 +1026,24 @@ class ShmAgent final : public Agent {
         wait_ms = std::min(wait_ms, static_cast<int>(std::clamp<int64_t>(
                                         config_.send_stall_timeout.count() / 4, 1, 250)));
       }
-      int n = epoll_wait(epoll_fd_, evs, 16, wait_ms);
-      if (n < 0 && errno != EINTR) {
-        HXFER_LOG_ERROR("{}: epoll_wait failed: {}", log_name_, std::strerror(errno));
+      driving.unlock();
+      const int n = epoll_wait(progress_epoll_fd_, evs, 2, wait_ms);
+      const int err = errno;
+      driving.lock();
+      if (n < 0 && err != EINTR) {
+        HXFER_LOG_ERROR("{}: epoll_wait failed: {}", log_name_, std::strerror(err));
         return;
       }
-      for (int i = 0; i < n && !stop_; ++i) {
-        const int fd = evs[i].data.fd;
-        if (fd == wake_fd_) {  // level-triggered: left unread, every later wait returns at once
-          uint64_t v;
-          while (read(wake_fd_, &v, sizeof(v)) > 0) {
-          }
-          continue;
+      for (int i = 0; i < n; ++i) {
+        if (evs[i].data.fd != wake_fd_) continue;
+        // Level-triggered: left unread, every later wait would return at once.
+        uint64_t v;
+        while (read(wake_fd_, &v, sizeof(v)) > 0) {
         }
-        if (fd == listen_fd_) {
-          acceptPeers();
-          continue;
-        }
-        std::shared_ptr<ShmPeer> p;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          auto it = fd_peers_.find(fd);
-          if (it != fd_peers_.end()) p = it->second;
-        }
-        if (!p) continue;
-        if (evs[i].events & EPOLLOUT) flushPeer(p);
-        if (evs[i].events & ~static_cast<uint32_t>(EPOLLOUT)) readPeer(p);
       }
+      // Also when a serving caller has the sockets: after it returned, what it left readable
+      // is taken here at once; a non-blocking look costs one call when nothing is.
+      serveSockets();
       expireHandshakes();
       sends_queued_ = expireStalledSends();
       closing_wait_ = finishClosing();
@@ -1481,9 +1543,17 @@ class ShmAgent final : public Agent {
   // cuda: the device runtime and its streams; null for shm.
   std::shared_ptr<DeviceLane> lane_;
   const int listen_fd_;
-  const int epoll_fd_;
+  const int epoll_fd_;  // the sockets: the listener and every peer's
   const int wake_fd_;
-  int spare_fd_;  // progress thread; given up to shed a connection when out of fds
+  // What the progress thread sleeps on: wake_fd_, and epoll_fd_ while no caller serves it.
+  const int progress_epoll_fd_;
+  // Held by whoever handles the sockets: the progress thread while it is awake, or a caller
+  // serving them while it waits for an event (pollEvent). The state marked "progress thread"
+  // below belongs to the holder.
+  std::mutex drive_mu_;
+  std::mutex serving_mu_;
+  int servers_ = 0;  // guarded by serving_mu_
+  int spare_fd_;     // progress thread; given up to shed a connection when out of fds
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> auth_failures_{0};
   std::atomic<uint64_t> unauthenticated_dropped_{0};
@@ -1534,11 +1604,13 @@ StatusOr<std::unique_ptr<Agent>> createShmAgent(const AgentConfig& config) {
   }
   int efd = epoll_create1(EPOLL_CLOEXEC);
   int wfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (efd < 0 || wfd < 0) {
+  int pfd = epoll_create1(EPOLL_CLOEXEC);
+  if (efd < 0 || wfd < 0 || pfd < 0) {
     Status s = ResourceExhausted(errnoText("epoll_create1/eventfd"));
     close(lfd);
-    if (efd >= 0) close(efd);
-    if (wfd >= 0) close(wfd);
+    for (int fd : {efd, wfd, pfd}) {
+      if (fd >= 0) close(fd);
+    }
     return s;
   }
   epoll_event ev{};
@@ -1546,8 +1618,10 @@ StatusOr<std::unique_ptr<Agent>> createShmAgent(const AgentConfig& config) {
   ev.data.fd = lfd;
   epoll_ctl(efd, EPOLL_CTL_ADD, lfd, &ev);
   ev.data.fd = wfd;
-  epoll_ctl(efd, EPOLL_CTL_ADD, wfd, &ev);
-  return std::unique_ptr<Agent>(std::make_unique<ShmAgent>(config, name, lfd, efd, wfd));
+  epoll_ctl(pfd, EPOLL_CTL_ADD, wfd, &ev);
+  ev.data.fd = efd;
+  epoll_ctl(pfd, EPOLL_CTL_ADD, efd, &ev);
+  return std::unique_ptr<Agent>(std::make_unique<ShmAgent>(config, name, lfd, efd, wfd, pfd));
 }
 
 }  // namespace hxfer::transport
