@@ -1133,6 +1133,10 @@ class ShmAgent final : public Agent {
         continue;
       }
       p->in_epoll = true;
+      // Its handshake deadline needs the progress thread's short timer, and a caller serving
+      // the sockets (pollEvent) may have accepted it while that thread sleeps a long one.
+      uint64_t one = 1;
+      (void)!write(wake_fd_, &one, sizeof(one));
     }
   }
 

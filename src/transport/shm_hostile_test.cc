@@ -643,6 +643,28 @@ TEST(ShmHostile, SilentConnectionsAreClosedAndCapped) {
   EXPECT_TRUE(honest->connect(agent->localAddress()).isOk());
 }
 
+// A silent connection accepted by a caller serving the sockets in pollEvent, while the socket
+// thread sleeps its one-second timer, is still closed at its 300 ms handshake deadline: the
+// accept wakes the socket thread to take the short timer (without it, the close came at that
+// thread's next wake-up, about a second after it began to sleep).
+TEST(ShmHostile, ASilentConnectionAcceptedByAPollingCallerClosesOnTime) {
+  AgentConfig c = config("victim");
+  c.auth_timeout = 300ms;
+  auto agent = agentOrDie(c);
+  std::atomic<bool> stop{false};
+  std::thread poller([&] {
+    while (!stop) (void)agent->pollEvent(2000ms);
+  });
+  std::this_thread::sleep_for(50ms);
+  auto silent = RawPeer::connectTo(agent->localAddress());
+  EXPECT_NE(silent, nullptr);
+  if (silent) EXPECT_TRUE(silent->waitForEof(750ms)) << "not closed within 750 ms of connecting";
+  stop = true;
+  agent->wakeEventWaiter();
+  poller.join();
+  EXPECT_GE(agent->agentStats().auth_failures, 1u);
+}
+
 // Whether the other end of `fd` closed it (checked without waiting).
 bool closedByTheListener(int fd) {
   pollfd p{fd, POLLIN, 0};
