@@ -4,6 +4,7 @@
 // the environment, so the tests are hermetic). Deadlines are generous and nothing is timed:
 // these run on loaded machines.
 #include <dirent.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -11,6 +12,9 @@
 
 #include <atomic>
 #include <cstring>
+#include <future>
+#include <mutex>
+#include <stdexcept>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -789,6 +793,84 @@ TEST(EventQueue, APopperServesAReadableFdAndReturnsWhatItPushed) {
   EXPECT_FALSE(q.popOrServe(100ms, fd, [&] { return ++gave_up, false; }).has_value());
   EXPECT_EQ(gave_up, 1);
   close(fd);
+}
+
+// pollServing takes the served fd out of the progress thread's epoll set only while a caller
+// serves it, and puts it back however the wait ends: on an event, when serve leaves work (the
+// progress thread is woken to go on) and when serve throws (else the progress thread would
+// stop watching the fd for good).
+TEST(PollServing, TheProgressThreadWatchesTheFdAgainHoweverTheWaitEnds) {
+  const int progress_epoll = epoll_create1(EPOLL_CLOEXEC);
+  const int fd = eventfd(1, EFD_CLOEXEC | EFD_NONBLOCK);  // readable throughout
+  ASSERT_GE(progress_epoll, 0);
+  ASSERT_GE(fd, 0);
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = fd;
+  ASSERT_EQ(epoll_ctl(progress_epoll, EPOLL_CTL_ADD, fd, &ev), 0);
+  detail::ServedFd served;
+  served.watch(progress_epoll, fd);
+  auto watched = [&] {
+    epoll_event out{};
+    return epoll_wait(progress_epoll, &out, 1, 0) == 1;
+  };
+  detail::EventQueue q;
+  std::mutex drive_mu;
+  int wakes = 0;
+  auto wake = [&] { ++wakes; };
+
+  // Served: out of the set while serving; the event serve pushed is returned.
+  int calls = 0;
+  auto e = detail::pollServing(
+      q, kDeadline, drive_mu, served,
+      [&] {
+        EXPECT_FALSE(watched());
+        if (++calls == 2) q.push(Event{Event::Kind::kMessage, 7, {1}, {}});
+        return true;
+      },
+      wake);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->peer, 7u);
+  EXPECT_EQ(calls, 2);
+  EXPECT_TRUE(watched());
+  EXPECT_EQ(wakes, 0);
+
+  // Work left: handed back at once, the progress thread woken, the wait goes on unserved.
+  calls = 0;
+  EXPECT_FALSE(detail::pollServing(
+                   q, 50ms, drive_mu, served, [&] { return ++calls, false; }, wake)
+                   .has_value());
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(wakes, 1);
+  EXPECT_TRUE(watched());
+
+  // serve throws: the exception reaches the caller, the fd and the lock are given back.
+  EXPECT_THROW(detail::pollServing(
+                   q, kDeadline, drive_mu, served,
+                   []() -> bool { throw std::runtime_error("serve failed"); }, wake),
+               std::runtime_error);
+  EXPECT_TRUE(watched());
+  EXPECT_TRUE(drive_mu.try_lock());
+  drive_mu.unlock();
+
+  // The lock held elsewhere (the progress thread at work): never served, the set untouched.
+  std::promise<void> held, release;
+  std::thread progress([&] {
+    std::lock_guard<std::mutex> lock(drive_mu);
+    held.set_value();
+    release.get_future().wait();
+  });
+  held.get_future().wait();
+  calls = 0;
+  EXPECT_FALSE(detail::pollServing(
+                   q, 30ms, drive_mu, served, [&] { return ++calls, true; }, wake)
+                   .has_value());
+  EXPECT_EQ(calls, 0);
+  EXPECT_TRUE(watched());
+  release.set_value();
+  progress.join();
+  close(fd);
+  close(progress_epoll);
 }
 
 TEST(ShmTransport, RefusesAnonymousRegions) {

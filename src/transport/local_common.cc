@@ -1,6 +1,7 @@
 #include "transport/local_common.h"
 
 #include <poll.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -85,6 +86,56 @@ std::optional<Event> EventQueue::popOrServe(std::chrono::milliseconds timeout, i
       if (fd >= 0 && pfd[1].revents != 0 && !on_ready()) fd = -1;
     }
   }
+}
+
+void ServedFd::enter() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (servers_++ == 0) epoll_ctl(progress_epoll_, EPOLL_CTL_DEL, fd_, nullptr);
+}
+
+void ServedFd::leave() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--servers_ != 0) return;
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = fd_;
+  epoll_ctl(progress_epoll_, EPOLL_CTL_ADD, fd_, &ev);
+}
+
+std::optional<Event> pollServing(EventQueue& events, std::chrono::milliseconds timeout,
+                                 std::mutex& drive_mu, ServedFd& served,
+                                 const std::function<bool()>& serve,
+                                 const std::function<void()>& wake_progress) {
+  std::unique_lock<std::mutex> driving(drive_mu, std::try_to_lock);
+  if (!driving.owns_lock()) return events.pop(timeout);
+  served.enter();
+  // Gives the fd back once: when serve leaves work or drive_mu is taken, else when the wait
+  // ends (an exception from serve included, so the progress thread never stops watching).
+  struct Serving {
+    ServedFd& served;
+    bool on = true;
+    ~Serving() {
+      if (on) served.leave();
+    }
+  } serving{served};
+  auto hand_back = [&](std::unique_lock<std::mutex>& lock) {
+    serving.on = false;
+    served.leave();
+    if (!lock.owns_lock()) return;
+    lock.unlock();
+    if (wake_progress) wake_progress();
+  };
+  if (!serve()) {
+    hand_back(driving);
+    return events.pop(timeout);
+  }
+  driving.unlock();
+  return events.popOrServe(timeout, served.fd(), [&] {
+    std::unique_lock<std::mutex> lock(drive_mu, std::try_to_lock);
+    if (lock.owns_lock() && serve()) return true;
+    hand_back(lock);
+    return false;
+  });
 }
 
 Status validateOp(size_t index, const WriteOp& op, uint64_t local_length, uint64_t remote_length) {

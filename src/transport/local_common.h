@@ -62,6 +62,45 @@ class EventQueue {
   int efd_ = -1;
 };
 
+// A transport fd that a caller waiting for an event may serve itself instead of the progress
+// thread (pollServing): while any caller serves it, the fd is out of the progress thread's
+// epoll set. The set is level-triggered, so whatever is readable when the fd comes back wakes
+// the progress thread at once.
+class ServedFd {
+ public:
+  // Once, before any caller serves: `fd` is in `progress_epoll` (EPOLLIN) as the progress
+  // thread watches it.
+  void watch(int progress_epoll, int fd) {
+    progress_epoll_ = progress_epoll;
+    fd_ = fd;
+  }
+  int fd() const { return fd_; }
+  // A caller starts serving; the first takes the fd out of the progress thread's set.
+  void enter();
+  // A caller stops serving; the last puts the fd back.
+  void leave();
+
+ private:
+  std::mutex mu_;
+  int servers_ = 0;  // guarded by mu_
+  int progress_epoll_ = -1;
+  int fd_ = -1;
+};
+
+// EventQueue::popOrServe for an agent whose sockets (shm) or worker (ucx) a waiting caller
+// serves while the progress thread sleeps: a message that arrives then wakes the caller, not
+// the progress thread and then the caller (docs/transport.md, "Who handles the sockets").
+// `drive_mu` is held by whoever handles the fd; a caller that finds it taken only waits for
+// events. `serve`, called with drive_mu held, handles what is ready and returns false when
+// work is left that the progress thread must go on with (a burst of traffic): the caller then
+// gives the fd back and calls `wake_progress` (may be empty). The caller also gives it back
+// when it finds drive_mu taken later (the progress thread is at work and watches the fd again
+// before it sleeps), and when the wait ends, however it ends.
+std::optional<Event> pollServing(EventQueue& events, std::chrono::milliseconds timeout,
+                                 std::mutex& drive_mu, ServedFd& served,
+                                 const std::function<bool()>& serve,
+                                 const std::function<void()>& wake_progress);
+
 // A destination a writer may copy into. `owner` (optional) keeps a mapping alive (shm maps
 // the peer's fd); writers hold `mu` shared while copying and the region's owner takes it
 // exclusively to retire it, so deregistration waits for copies in flight and no copy lands

@@ -32,7 +32,9 @@ using detail::CopyJob;
 using detail::CopySegment;
 using detail::CopyWorker;
 using detail::EventQueue;
+using detail::pollServing;
 using detail::RegionGuard;
+using detail::ServedFd;
 using detail::TransferCore;
 
 constexpr std::string_view kShmScheme = "shm:@";
@@ -241,6 +243,7 @@ class ShmAgent final : public Agent {
           "can connect and write into exported regions",
           log_name_);
     }
+    served_.watch(progress_epoll_fd_, epoll_fd_);
     progress_ = std::thread([this] { progressLoop(); });
   }
 
@@ -249,7 +252,9 @@ class ShmAgent final : public Agent {
     uint64_t one = 1;
     (void)!write(wake_fd_, &one, sizeof(one));
     progress_.join();
-    std::lock_guard<std::mutex> driving(drive_mu_);  // a caller may still be serving (pollEvent)
+    // Destroying an agent while a caller is inside pollEvent is undefined use (Agent); the lock
+    // only keeps the state below ordered after the progress thread's last hold of it.
+    std::lock_guard<std::mutex> driving(drive_mu_);
     std::vector<std::shared_ptr<ShmPeer>> peers;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -555,34 +560,13 @@ class ShmAgent final : public Agent {
     return s;
   }
 
-  // A waiting caller serves the agent's sockets itself while it waits, when the progress thread
-  // is asleep at the call: a message that arrives then wakes the caller, not the progress
-  // thread and then the caller (one thread hand-off less per message received;
-  // docs/performance.md, "Control round trip"). The progress thread stops watching the sockets
-  // meanwhile and still runs its timers. The caller gives them back when it finds the progress
-  // thread at work, so that it never waits behind it. A zero timeout, or an event already
-  // queued, only takes what is queued.
+  // A waiting caller serves the agent's sockets itself while the socket thread sleeps
+  // (pollServing; docs/transport.md, "Who handles the sockets"). The socket thread still runs
+  // its timers meanwhile. A zero timeout, or an event already queued, only takes what is
+  // queued.
   std::optional<Event> pollEvent(std::chrono::milliseconds timeout) override {
     if (timeout.count() <= 0 || events_.ready()) return events_.pop(timeout);
-    std::unique_lock<std::mutex> driving(drive_mu_, std::try_to_lock);
-    if (!driving.owns_lock()) return events_.pop(timeout);
-    setServing(+1);
-    serveSockets();
-    driving.unlock();
-    bool serving = true;
-    std::optional<Event> e = events_.popOrServe(timeout, epoll_fd_, [&] {
-      std::unique_lock<std::mutex> lock(drive_mu_, std::try_to_lock);
-      if (lock.owns_lock()) {
-        serveSockets();
-        return true;
-      }
-      // The progress thread is at work: it watches the sockets again before it sleeps.
-      serving = false;
-      setServing(-1);
-      return false;
-    });
-    if (serving) setServing(-1);
-    return e;
+    return pollServing(events_, timeout, drive_mu_, served_, [this] { return serveSockets(); }, {});
   }
   void wakeEventWaiter() override { events_.wake(); }
 
@@ -970,26 +954,10 @@ class ShmAgent final : public Agent {
     return n;
   }
 
-  // Counts the callers serving the sockets (pollEvent); the progress thread's epoll set leaves
-  // the sockets' set out while there is one. Level-triggered: whatever is readable when the set
-  // comes back wakes the progress thread at once.
-  void setServing(int delta) {
-    std::lock_guard<std::mutex> lock(serving_mu_);
-    const int before = servers_;
-    servers_ += delta;
-    if (before == 0 && servers_ == 1) {
-      epoll_ctl(progress_epoll_fd_, EPOLL_CTL_DEL, epoll_fd_, nullptr);
-    } else if (before == 1 && servers_ == 0) {
-      epoll_event ev{};
-      ev.events = EPOLLIN;
-      ev.data.fd = epoll_fd_;
-      epoll_ctl(progress_epoll_fd_, EPOLL_CTL_ADD, epoll_fd_, &ev);
-    }
-  }
-
   // Handles what the sockets have ready now (the listener's connections, peers' frames, room
-  // to write queued frames). REQUIRES: drive_mu_ held.
-  void serveSockets() {
+  // to write queued frames); always true, as the sockets are level-triggered and whatever is
+  // left wakes the next to wait on them. REQUIRES: drive_mu_ held.
+  bool serveSockets() {
     epoll_event evs[16];
     const int n = epoll_wait(epoll_fd_, evs, 16, 0);
     for (int i = 0; i < n && !stop_; ++i) {
@@ -1008,6 +976,7 @@ class ShmAgent final : public Agent {
       if (evs[i].events & EPOLLOUT) flushPeer(p);
       if (evs[i].events & ~static_cast<uint32_t>(EPOLLOUT)) readPeer(p);
     }
+    return true;
   }
 
   void progressLoop() {
@@ -1148,9 +1117,9 @@ class ShmAgent final : public Agent {
     Status why = OkStatus();
     bool closed = false;
     for (;;) {
-      uint8_t buf[64 * 1024];
+      uint8_t* buf = rx_buf_.get();
       alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * 16)];
-      iovec iov{buf, sizeof(buf)};
+      iovec iov{buf, kRxBufBytes};
       msghdr msg{};
       msg.msg_iov = &iov;
       msg.msg_iovlen = 1;
@@ -1555,9 +1524,12 @@ class ShmAgent final : public Agent {
   // serving them while it waits for an event (pollEvent). The state marked "progress thread"
   // below belongs to the holder.
   std::mutex drive_mu_;
-  std::mutex serving_mu_;
-  int servers_ = 0;  // guarded by serving_mu_
-  int spare_fd_;     // progress thread; given up to shed a connection when out of fds
+  ServedFd served_;  // epoll_fd_, served by waiting callers (pollEvent)
+  // readPeer's receive buffer, held by whoever holds drive_mu_: off the stack, as a caller
+  // serving the sockets reads with it on its own thread.
+  static constexpr size_t kRxBufBytes = 64 * 1024;
+  std::unique_ptr<uint8_t[]> rx_buf_ = std::make_unique<uint8_t[]>(kRxBufBytes);
+  int spare_fd_;  // progress thread; given up to shed a connection when out of fds
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> auth_failures_{0};
   std::atomic<uint64_t> unauthenticated_dropped_{0};

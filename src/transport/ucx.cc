@@ -33,6 +33,8 @@
 namespace hxfer::transport {
 namespace {
 
+using detail::pollServing;
+using detail::ServedFd;
 using detail::TransferCore;
 
 constexpr std::string_view kScheme = "ucx:";
@@ -423,64 +425,18 @@ class UcxAgent final : public Agent {
     return OkStatus();
   }
 
-  // A waiting caller serves the worker itself while it waits, when the worker is free at the
-  // call: a message that arrives then wakes the caller, not the progress thread and then the
-  // caller (one thread hand-off less per message received; docs/performance.md, "Control round
-  // trip"). The progress thread stops watching the worker meanwhile and still runs posted
-  // commands. The caller hands the worker back to it when it finds it at work, so that it never
-  // waits behind a long command, and when a burst of traffic keeps the worker busy
-  // (serveWorkerLocked). A zero timeout, or an event already queued, only takes what is queued.
+  // A waiting caller serves the worker itself while the progress thread sleeps (pollServing;
+  // docs/transport.md, "Who handles the sockets"). The progress thread still runs posted
+  // commands meanwhile. The caller hands the worker back when a burst of traffic keeps it busy
+  // (serveWorkerLocked leaves it unarmed), and wakes the progress thread to go on. A zero
+  // timeout, or an event already queued, only takes what is queued.
   std::optional<Event> pollEvent(std::chrono::milliseconds timeout) override {
     if (timeout.count() <= 0 || t_worker_owner == this || events_.ready()) {
       return events_.pop(timeout);
     }
-    std::unique_lock<std::mutex> worker(worker_mu_, std::try_to_lock);
-    if (!worker.owns_lock()) return events_.pop(timeout);
-    setServing(+1);
-    if (!serveWorkerLocked()) {
-      handBack(worker);
-      return events_.pop(timeout);
-    }
-    worker.unlock();
-    bool serving = true;
-    std::optional<Event> e = events_.popOrServe(timeout, worker_fd_, [&] {
-      std::unique_lock<std::mutex> lock(worker_mu_, std::try_to_lock);
-      if (lock.owns_lock() && serveWorkerLocked()) return true;
-      serving = false;
-      handBack(lock);
-      return false;
-    });
-    if (serving) setServing(-1);
-    return e;
-  }
-
-  // A serving caller gives the worker back to the progress thread, which goes on from here:
-  // it watches the worker's fd again and, when the caller held the worker (still busy after
-  // serving), is woken. Without the lock the progress thread is at work already; it
-  // progresses and arms the worker before it sleeps.
-  void handBack(std::unique_lock<std::mutex>& worker) {
-    setServing(-1);
-    if (!worker.owns_lock()) return;
-    worker.unlock();
-    wakeProgress();
-  }
-
-  // Counts the callers serving the worker (pollEvent); the progress thread's epoll set leaves
-  // the worker's fd out while there is one. The worker is armed whenever it is handed back
-  // (serveWorkerLocked, or the progress thread before it sleeps), so a readable fd wakes the
-  // progress thread at once.
-  void setServing(int delta) {
-    std::lock_guard<std::mutex> lock(serving_mu_);
-    const int before = servers_;
-    servers_ += delta;
-    if (before == 0 && servers_ == 1) {
-      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, worker_fd_, nullptr);
-    } else if (before == 1 && servers_ == 0) {
-      epoll_event ev{};
-      ev.events = EPOLLIN;
-      ev.data.fd = worker_fd_;
-      epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, worker_fd_, &ev);
-    }
+    return pollServing(
+        events_, timeout, worker_mu_, served_, [this] { return serveWorkerLocked(); },
+        [this] { wakeProgress(); });
   }
 
   // Progresses the worker until it arms, as the progress thread does before it sleeps: true.
@@ -651,8 +607,7 @@ class UcxAgent final : public Agent {
   // send in postHere, a wait in pollEvent). Whoever lets go of it leaves the worker armed, or
   // wakes the progress thread.
   std::mutex worker_mu_;
-  std::mutex serving_mu_;
-  int servers_ = 0;  // guarded by serving_mu_: pollEvent callers serving the worker
+  ServedFd served_;  // worker_fd_, served by waiting callers (pollEvent)
 
   std::mutex cmd_mu_;
   std::deque<std::function<void()>> commands_;  // guarded by cmd_mu_
@@ -916,6 +871,7 @@ Status UcxAgent::init() {
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
   ev.data.fd = worker_fd_;
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, worker_fd_, &ev);
+  served_.watch(epoll_fd_, worker_fd_);
   HXFER_LOG_DEBUG("ucx {}: listening on {}", config_.label, address_);
   if (config_.auth_token.empty()) {
     HXFER_LOG_WARN(
