@@ -873,6 +873,60 @@ TEST(PollServing, TheProgressThreadWatchesTheFdAgainHoweverTheWaitEnds) {
   close(progress_epoll);
 }
 
+// A small host job that finds the copy worker idle is copied by the submitting thread before
+// submit returns (no wake of the worker, no wake back); a larger one, or one behind a job still
+// running, goes to the worker thread as before.
+TEST(CopyWorker, ASmallJobOnAnIdleWorkerIsCopiedByItsSubmitter) {
+  detail::CopyWorker worker;
+  std::vector<uint8_t> src(2 * detail::kInlineCopyBytes, 0x5A);
+  std::vector<uint8_t> dst(src.size(), 0);
+  auto guard = std::make_shared<detail::RegionGuard>();
+  guard->base = dst.data();
+  guard->length = dst.size();
+  const std::thread::id me = std::this_thread::get_id();
+  // Submits `bytes` and returns the job's transfer and the thread that finished it.
+  auto submit = [&](uint64_t bytes, std::function<Status()> check) {
+    detail::CopyJob job;
+    job.core = std::make_shared<detail::TransferCore>(bytes, 1);
+    job.segments.push_back(detail::CopySegment{src.data(), guard, 0, bytes});
+    job.check = std::move(check);
+    auto finisher = std::make_shared<std::promise<std::thread::id>>();
+    job.core->notifyWhenTerminal([finisher] { finisher->set_value(std::this_thread::get_id()); });
+    Transfer t(job.core);
+    worker.submit(std::move(job));
+    return std::make_pair(t, finisher->get_future());
+  };
+
+  auto [small, small_by] = submit(detail::kInlineCopyBytes, nullptr);
+  EXPECT_EQ(small.poll(), TransferState::kDone);  // before submit returned
+  EXPECT_EQ(small_by.get(), me);
+  EXPECT_EQ(dst[detail::kInlineCopyBytes - 1], 0x5A);
+
+  auto [large, large_by] = submit(detail::kInlineCopyBytes + 1, nullptr);
+  EXPECT_NE(large_by.get(), me);
+  EXPECT_TRUE(large.wait(Clock::now() + kDeadline).isOk());
+
+  // The worker busy with a job (its check holds it): a small job queues behind it.
+  std::promise<void> entered, release;
+  auto release_f = release.get_future().share();
+  bool first = true;
+  auto [busy, busy_by] = submit(detail::kInlineCopyBytes + 1, [&]() -> Status {
+    if (first) {
+      first = false;
+      entered.set_value();
+      release_f.wait();
+    }
+    return OkStatus();
+  });
+  entered.get_future().wait();
+  auto [queued, queued_by] = submit(64, nullptr);
+  EXPECT_EQ(queued.poll(), TransferState::kInProgress);
+  release.set_value();
+  EXPECT_NE(queued_by.get(), me);
+  EXPECT_TRUE(queued.wait(Clock::now() + kDeadline).isOk());
+  EXPECT_TRUE(busy.wait(Clock::now() + kDeadline).isOk());
+}
+
 TEST(ShmTransport, RefusesAnonymousRegions) {
   auto a = createAgent(plainConfig("shm"));
   ASSERT_TRUE(a.isOk());

@@ -222,17 +222,30 @@ void CopyWorker::submit(CopyJob job) {
       }
       execute(*q, mine);
     });
+  // A small host job finds the worker idle with nothing queued: the caller copies it now, as
+  // the worker would, and skips two thread hand-offs (waking the worker, and the worker waking
+  // whoever waits for the transfer).
+  uint64_t total = 0;
+  for (const CopySegment& seg : job.segments) total += seg.bytes;
+  const bool small = !job.device_copy && !job.ready && total <= kInlineCopyBytes;
   std::shared_ptr<TransferCore> refused;
+  bool here = false;
   {
     std::lock_guard<std::mutex> lock(q_->mu);
     if (q_->stop) {
       refused = job.core;
+    } else if (small && !q_->running && q_->jobs.empty()) {
+      here = true;
     } else {
       q_->jobs.push_back(std::move(job));
     }
   }
   if (refused) {
     refused->complete(Unavailable("transport agent shut down"));
+    return;
+  }
+  if (here) {
+    execute(*q_, job);
     return;
   }
   q_->cv.notify_one();
@@ -413,12 +426,14 @@ void CopyWorker::run() {
     CopyJob job;
     {
       std::unique_lock<std::mutex> lock(q_->mu);
+      q_->running = false;  // the last job, if any, has finished
       for (;;) {
         if (q_->stop) return;
         auto it = std::find_if(q_->jobs.begin(), q_->jobs.end(), mayRun);
         if (it != q_->jobs.end()) {
           job = std::move(*it);
           q_->jobs.erase(it);
+          q_->running = true;
           break;
         }
         if (q_->jobs.empty()) {

@@ -185,8 +185,12 @@ struct CopyJob {
 // large request uses the machine's copy bandwidth, not one thread's; the job still finishes only
 // once every part stopped.
 // A thread waiting on a transfer whose job has not started takes the job out of the queue and
-// runs it itself (TransferCore::setWaitHelper): no hand-off to this thread and back.
+// runs it itself (TransferCore::setWaitHelper): no hand-off to this thread and back. A host job
+// of at most kInlineCopyBytes submitted while the worker is idle with nothing queued is copied
+// by the submitting thread before submit returns (its transfer is then terminal), for the same
+// reason: a small request's write is a few microseconds of copying and two wake-ups.
 inline constexpr uint64_t kParallelCopyBytes = 8ull << 20;
+inline constexpr uint64_t kInlineCopyBytes = 256 << 10;
 
 class CopyWorker {
  public:
@@ -218,6 +222,7 @@ class CopyWorker {
     std::condition_variable cv;
     std::deque<CopyJob> jobs;  // guarded by mu
     bool stop = false;         // guarded by mu
+    bool running = false;      // guarded by mu: the worker thread is executing a job
     Helpers helpers;
   };
   static void execute(Queue& q, CopyJob& job);
