@@ -165,8 +165,9 @@ struct CopyJob {
   std::shared_ptr<TransferCore> core;
   std::vector<CopySegment> segments;
   // Called before every segment and after the last one: a non-ok status (e.g. Unavailable when
-  // the peer was lost) stops the copy and finishes the transfer with it. The worker alone
-  // finishes a job's transfer, so a terminal transfer never has a copy running: once a caller
+  // the peer was lost) stops the copy and finishes the transfer with it. Only whoever runs the
+  // job (the worker, a waiter, or its submitter for a small job) finishes a job's transfer, so a
+  // terminal transfer never has a copy running: once a caller
   // sees kDone / kFailed / kCancelled, neither its source nor its destination is touched again.
   std::function<Status()> check;
   // Set for device memory (the cuda backend): runs the whole job's segments as device work and
@@ -178,8 +179,9 @@ struct CopyJob {
 };
 
 // One thread that runs copy jobs in FIFO order, except that a job behind a pending fence
-// (CopyJob::ready) waits aside while later ones run. Before each stretch of segments into one
-// region (at most 256 KiB, or one larger segment) it honours cancellation and the job's check
+// (CopyJob::ready) waits aside while later ones run, and that a waiter or (small jobs) the
+// submitter may run a job itself, beside the worker (below). Before each stretch of segments into
+// one region (at most 256 KiB, or one larger segment) it honours cancellation and the job's check
 // (peer lost). A job of at least kParallelCopyBytes is cut
 // into equal parts that helper threads copy alongside it (one per further core, at most 3), so one
 // large request uses the machine's copy bandwidth, not one thread's; the job still finishes only
@@ -239,20 +241,29 @@ class CopyWorker {
   std::thread thread_;
 };
 
-// Starts `job` (its segments filled, `total` bytes over `op_count` ops) on `worker` and returns
-// its transfer; the copy stops Unavailable once `peer` (id `id`) is lost. An empty batch is
-// done at once.
+// Gives `job` (its segments filled, `total` bytes over `op_count` ops, at least one) its
+// transfer, whose copy stops Unavailable once `peer` (id `id`) is lost. The caller records the
+// transfer where its peer-loss handling looks, then submits the job: a small job may be copied
+// within submit (CopyWorker), so it must be visible as outgoing before.
 template <typename Peer>
-Transfer submitCopy(CopyWorker& worker, CopyJob job, uint64_t total, size_t op_count,
-                    const std::shared_ptr<Peer>& peer, PeerId id) {
-  if (op_count == 0) return finishedTransfer(OkStatus());
+Transfer prepareCopy(CopyJob& job, uint64_t total, size_t op_count,
+                     const std::shared_ptr<Peer>& peer, PeerId id) {
   job.core = std::make_shared<TransferCore>(total, op_count);
   job.check = [weak = std::weak_ptr<Peer>(peer), id]() -> Status {
     auto q = weak.lock();
     if (!q || q->lost) return Unavailable("peer " + std::to_string(id) + " was lost");
     return OkStatus();
   };
-  Transfer t(job.core);
+  return Transfer(job.core);
+}
+
+// prepareCopy and submit, for a backend that tracks no outgoing copies. An empty batch is done
+// at once.
+template <typename Peer>
+Transfer submitCopy(CopyWorker& worker, CopyJob job, uint64_t total, size_t op_count,
+                    const std::shared_ptr<Peer>& peer, PeerId id) {
+  if (op_count == 0) return finishedTransfer(OkStatus());
+  Transfer t = prepareCopy(job, total, op_count, peer, id);
   worker.submit(std::move(job));
   return t;
 }

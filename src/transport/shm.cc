@@ -543,10 +543,17 @@ class ShmAgent final : public Agent {
       };
       job.ready = std::move(ready);
     }
-    Transfer t = detail::submitCopy(copy_, std::move(job), total, ops.size(), p, peer);
-    std::lock_guard<std::mutex> lock(mu_);
-    std::erase_if(p->outgoing, [](const Transfer& o) { return terminal(o); });
-    if (!terminal(t)) p->outgoing.push_back(t);
+    if (ops.empty()) return detail::finishedTransfer(OkStatus());
+    Transfer t = detail::prepareCopy(job, total, ops.size(), p, peer);
+    {
+      // Outgoing before the copy can start (a small one runs within submit): finishClosing
+      // shuts the socket only once no copy into the peer can run any more.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (p->lost) return Unavailable("peer " + std::to_string(peer) + " is gone");
+      std::erase_if(p->outgoing, [](const Transfer& o) { return terminal(o); });
+      p->outgoing.push_back(t);
+    }
+    copy_.submit(std::move(job));
     return t;
   }
 
