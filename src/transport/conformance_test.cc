@@ -804,12 +804,8 @@ TEST(PollServing, TheProgressThreadWatchesTheFdAgainHoweverTheWaitEnds) {
   const int fd = eventfd(1, EFD_CLOEXEC | EFD_NONBLOCK);  // readable throughout
   ASSERT_GE(progress_epoll, 0);
   ASSERT_GE(fd, 0);
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  ev.data.fd = fd;
-  ASSERT_EQ(epoll_ctl(progress_epoll, EPOLL_CTL_ADD, fd, &ev), 0);
   detail::ServedFd served;
-  served.watch(progress_epoll, fd);
+  served.watch(progress_epoll, fd);  // the progress thread's set holds it now
   auto watched = [&] {
     epoll_event out{};
     return epoll_wait(progress_epoll, &out, 1, 0) == 1;
@@ -893,6 +889,7 @@ TEST(CopyWorker, ASmallJobOnAnIdleWorkerIsCopiedByItsSubmitter) {
     auto finisher = std::make_shared<std::promise<std::thread::id>>();
     job.core->notifyWhenTerminal([finisher] { finisher->set_value(std::this_thread::get_id()); });
     Transfer t(job.core);
+    worker.prepare(job);
     worker.submit(std::move(job));
     return std::make_pair(t, finisher->get_future());
   };

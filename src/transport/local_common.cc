@@ -88,6 +88,19 @@ std::optional<Event> EventQueue::popOrServe(std::chrono::milliseconds timeout, i
   }
 }
 
+void ServedFd::watch(int progress_epoll, int fd) {
+  progress_epoll_ = progress_epoll;
+  fd_ = fd;
+  addToProgressSet();
+}
+
+void ServedFd::addToProgressSet() {
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = fd_;
+  epoll_ctl(progress_epoll_, EPOLL_CTL_ADD, fd_, &ev);
+}
+
 void ServedFd::enter() {
   std::lock_guard<std::mutex> lock(mu_);
   if (servers_++ == 0) epoll_ctl(progress_epoll_, EPOLL_CTL_DEL, fd_, nullptr);
@@ -95,11 +108,7 @@ void ServedFd::enter() {
 
 void ServedFd::leave() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (--servers_ != 0) return;
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  ev.data.fd = fd_;
-  epoll_ctl(progress_epoll_, EPOLL_CTL_ADD, fd_, &ev);
+  if (--servers_ == 0) addToProgressSet();
 }
 
 std::optional<Event> pollServing(EventQueue& events, std::chrono::milliseconds timeout,
@@ -202,7 +211,7 @@ CopyWorker::~CopyWorker() {
   for (auto& job : left) job.core->complete(Unavailable("transport agent shut down"));
 }
 
-void CopyWorker::submit(CopyJob job) {
+void CopyWorker::prepare(CopyJob& job) {
   std::weak_ptr<Queue> weak = q_;
   TransferCore* core = job.core.get();
   // A device job is not run by its waiter: it may wait for a fence that the waiting thread
@@ -222,12 +231,13 @@ void CopyWorker::submit(CopyJob job) {
       }
       execute(*q, mine);
     });
+}
+
+void CopyWorker::submit(CopyJob job) {
   // A small host job finds the worker idle with nothing queued: the caller copies it now, as
   // the worker would, and skips two thread hand-offs (waking the worker, and the worker waking
   // whoever waits for the transfer).
-  uint64_t total = 0;
-  for (const CopySegment& seg : job.segments) total += seg.bytes;
-  const bool small = !job.device_copy && !job.ready && total <= kInlineCopyBytes;
+  const bool small = !job.device_copy && !job.ready && job.core->bytes() <= kInlineCopyBytes;
   std::shared_ptr<TransferCore> refused;
   bool here = false;
   {

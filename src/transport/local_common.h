@@ -68,12 +68,9 @@ class EventQueue {
 // the progress thread at once.
 class ServedFd {
  public:
-  // Once, before any caller serves: `fd` is in `progress_epoll` (EPOLLIN) as the progress
-  // thread watches it.
-  void watch(int progress_epoll, int fd) {
-    progress_epoll_ = progress_epoll;
-    fd_ = fd;
-  }
+  // Once, before any caller serves: puts `fd` in `progress_epoll` (EPOLLIN), where the
+  // progress thread watches it while nobody serves it.
+  void watch(int progress_epoll, int fd);
   int fd() const { return fd_; }
   // A caller starts serving; the first takes the fd out of the progress thread's set.
   void enter();
@@ -81,6 +78,8 @@ class ServedFd {
   void leave();
 
  private:
+  void addToProgressSet();
+
   std::mutex mu_;
   int servers_ = 0;  // guarded by mu_
   int progress_epoll_ = -1;
@@ -200,6 +199,10 @@ class CopyWorker {
   // Fails queued jobs with Unavailable("agent shut down") and joins; the running job stops at
   // its next check.
   ~CopyWorker();
+  // Before the job's transfer escapes (its core set, `core->bytes()` its segments' total): lets
+  // a thread that waits on the transfer run the job itself while it is still queued.
+  void prepare(CopyJob& job);
+  // Runs or queues a prepared job.
   void submit(CopyJob job);
   // A stretch of a job's segments, in bytes: from byte `from_offset` of segment `from` up to
   // (not including) byte `to_offset` of segment `to` (to_offset 0: up to segment `to`).
@@ -246,7 +249,7 @@ class CopyWorker {
 // transfer where its peer-loss handling looks, then submits the job: a small job may be copied
 // within submit (CopyWorker), so it must be visible as outgoing before.
 template <typename Peer>
-Transfer prepareCopy(CopyJob& job, uint64_t total, size_t op_count,
+Transfer prepareCopy(CopyWorker& worker, CopyJob& job, uint64_t total, size_t op_count,
                      const std::shared_ptr<Peer>& peer, PeerId id) {
   job.core = std::make_shared<TransferCore>(total, op_count);
   job.check = [weak = std::weak_ptr<Peer>(peer), id]() -> Status {
@@ -254,6 +257,7 @@ Transfer prepareCopy(CopyJob& job, uint64_t total, size_t op_count,
     if (!q || q->lost) return Unavailable("peer " + std::to_string(id) + " was lost");
     return OkStatus();
   };
+  worker.prepare(job);
   return Transfer(job.core);
 }
 
@@ -263,7 +267,7 @@ template <typename Peer>
 Transfer submitCopy(CopyWorker& worker, CopyJob job, uint64_t total, size_t op_count,
                     const std::shared_ptr<Peer>& peer, PeerId id) {
   if (op_count == 0) return finishedTransfer(OkStatus());
-  Transfer t = prepareCopy(job, total, op_count, peer, id);
+  Transfer t = prepareCopy(worker, job, total, op_count, peer, id);
   worker.submit(std::move(job));
   return t;
 }

@@ -544,7 +544,7 @@ class ShmAgent final : public Agent {
       job.ready = std::move(ready);
     }
     if (ops.empty()) return detail::finishedTransfer(OkStatus());
-    Transfer t = detail::prepareCopy(job, total, ops.size(), p, peer);
+    Transfer t = detail::prepareCopy(copy_, job, total, ops.size(), p, peer);
     {
       // Outgoing before the copy can start (a small one runs within submit): finishClosing
       // shuts the socket only once no copy into the peer can run any more.
@@ -1601,9 +1601,7 @@ StatusOr<std::unique_ptr<Agent>> createShmAgent(const AgentConfig& config) {
   ev.data.fd = lfd;
   epoll_ctl(efd, EPOLL_CTL_ADD, lfd, &ev);
   ev.data.fd = wfd;
-  epoll_ctl(pfd, EPOLL_CTL_ADD, wfd, &ev);
-  ev.data.fd = efd;
-  epoll_ctl(pfd, EPOLL_CTL_ADD, efd, &ev);
+  epoll_ctl(pfd, EPOLL_CTL_ADD, wfd, &ev);  // efd joins it when the agent watches it (ServedFd)
   return std::unique_ptr<Agent>(std::make_unique<ShmAgent>(config, name, lfd, efd, wfd, pfd));
 }
 

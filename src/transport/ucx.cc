@@ -869,8 +869,6 @@ Status UcxAgent::init() {
   ev.events = EPOLLIN;
   ev.data.fd = wake_fd_;
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
-  ev.data.fd = worker_fd_;
-  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, worker_fd_, &ev);
   served_.watch(epoll_fd_, worker_fd_);
   HXFER_LOG_DEBUG("ucx {}: listening on {}", config_.label, address_);
   if (config_.auth_token.empty()) {
