@@ -473,7 +473,9 @@ struct ReceiverOptions : TransportOptions {
   // Storm control: a registered region of this many bytes into which a context rank writes a
   // request part of many small ops (NHD or token-major kv at TP mismatch) as one write, which
   // this rank then scatters into the pages; only over transports whose per-op cost is above a
-  // memcpy call (ucx), never with device memory. 0: never (docs/engine.md).
+  // memcpy call (ucx), never over cuda. Device pools behind ucx take every part through it:
+  // whole, or window by window for a part larger than the region; 0 is refused there
+  // (docs/engine.md). 0: never.
   uint64_t staging_bytes = 64ull << 20;
 };
 

@@ -594,7 +594,7 @@ TEST(ApiMemory, RefusesAMissingPoolAnUnknownNameAShortBufferAndMalformedDeviceMe
 // that side's in host memory.
 void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std::string& backend,
                     bool shareable, device::FakeDevice* fake = nullptr, bool* packed = nullptr,
-                    bool host_ctx = false, bool host_gen = false) {
+                    bool host_ctx = false, bool host_gen = false, uint64_t staging_bytes = 0) {
   SCOPED_TRACE(ctx.toString() + " -> " + gen.toString() + " over " + backend +
                (fake == nullptr ? ""
                 : host_ctx      ? ", generation pools on the device"
@@ -646,6 +646,7 @@ void moveOneRequest(const EngineLayout& ctx, const EngineLayout& gen, const std:
   ro.token = "secret";
   ro.ucx_options = {{"TLS", "tcp"}};
   ro.on_released = gen_released.callback();
+  if (staging_bytes > 0) ro.staging_bytes = staging_bytes;
   auto rx = Receiver::create(g.layout, *g.memory, ro);
   ASSERT_TRUE(rx.isOk()) << rx.status().toString();
   ASSERT_TRUE((*rx)->waitForPeers(20s).isOk());
@@ -853,16 +854,24 @@ TEST(ApiDevice, PoolsInDeviceMemoryMoveOverCudaInEveryEngineLayout) {
 TEST(ApiDevice, DevicePoolsMoveOverUcxThroughPinnedHostMemory) {
   FakeDeviceRuntime rt;
   const std::vector<EngineLayout> all = allEngineLayouts();
-  size_t packing_pairs = 0;
+  std::vector<size_t> packing_pairs;
   for (size_t i = 0; i < all.size(); i += 2) {
     bool packed = false;
     moveOneRequest(all[i], all[(i + 3) % all.size()], "ucx", false, rt.fake.get(), &packed);
-    packing_pairs += packed ? 1 : 0;
+    if (packed) packing_pairs.push_back(i);
   }
-  EXPECT_GT(packing_pairs, 0u) << "no pair packs: the device pack into host memory went untested";
+  ASSERT_FALSE(packing_pairs.empty())
+      << "no pair packs: the device pack into host memory went untested";
   const uint64_t before = rt.fake->opsRun();
   moveOneRequest(all[1], all[4], "ucx", false, rt.fake.get(), nullptr, false, /*host_gen=*/true);
   moveOneRequest(all[3], all[0], "ucx", false, rt.fake.get(), nullptr, /*host_ctx=*/true, false);
+  // Parts larger than a 4 KiB staging region go window by window (2 KiB each), gathered on the
+  // host, or packed and copied on the device.
+  moveOneRequest(all[3], all[0], "ucx", false, rt.fake.get(), nullptr, /*host_ctx=*/true, false,
+                 4096);
+  const size_t p = packing_pairs.front();
+  moveOneRequest(all[p], all[(p + 3) % all.size()], "ucx", false, rt.fake.get(), nullptr, false,
+                 false, 4096);
   moveOneRequest(sharedEngineLayouts()[1], all[2], "ucx", false, rt.fake.get());
   EXPECT_GT(rt.fake->opsRun(), before);
 }
@@ -952,6 +961,109 @@ TEST(ApiDevice, AGenerationRankGoesOnWhileTheDeviceCopiesAStagedPart) {
   rx.reset();
   EXPECT_TRUE(released.waitFor(2, 10s));
   EXPECT_EQ(rt.fake->opsRun(), 2u);
+}
+
+// A host-memory sglang context rank and a generation rank whose pools are on the fake device
+// behind ucx, with a 4 KiB staging region: a request's part (about 30 KB) goes in 2 KiB windows.
+struct WindowedPair {
+  static constexpr uint32_t kTokens = 40;
+  const RankPages ctx_pages{{3, 5}, 1}, gen_pages{{2, 7}, 3};
+  FakeDeviceRuntime rt;
+  EngineRank ctx, gen;
+  Released ctx_released, gen_released;
+  std::unique_ptr<Sender> tx;
+  std::unique_ptr<Receiver> rx;
+
+  explicit WindowedPair(device::FakeDeviceOptions device,
+                        std::chrono::milliseconds lease = std::chrono::milliseconds(30000))
+      : rt(device),
+        ctx(EngineRank::make(options("sglang", 1, 0))),
+        gen(EngineRank::make(options("sglang", 1, 0), false, rt.fake.get(), 0)) {
+    SenderOptions so;
+    so.lease_timeout = lease;
+    so.on_released = ctx_released.callback();
+    tx = ucxSender(ctx, so);
+    ReceiverOptions ro;
+    ro.staging_bytes = 4096;
+    if (tx) rx = ucxReceiver(gen, *tx, &gen_released, ro);
+  }
+  // Request `id`: filled and marked ready on the context rank, started on the generation rank.
+  void start(uint64_t id) {
+    EXPECT_TRUE(
+        fillRank(ctx.rankLayout(), ctx.rankMemory(), RankIds{ctx_pages.blocks, 1}, id).isOk());
+    EXPECT_TRUE(tx->markReady(id, ctx_pages).isOk());
+    EXPECT_TRUE(rx->start(id, kTokens, gen_pages).isOk());
+  }
+};
+
+// A part larger than the staging region moves window by window, the context rank holding the
+// request between two windows. A cancel while a window's copy into the pools runs lets the
+// context rank free its pages at once (no further window is asked for), the generation pages
+// staying fenced until that copy is done; so does the context rank going away between windows.
+TEST(ApiDevice, BetweenTwoWindowsACancelOrALostContextRankEndsThePartOnBothSides) {
+  WindowedPair p({.devices = 1, .op_delay = 3s, .host_inaccessible = true});
+  ASSERT_TRUE(p.tx && p.rx);
+  p.start(1);
+  std::this_thread::sleep_for(1s);  // the first window landed: its copy runs (3 s)
+  EXPECT_TRUE(p.tx->holds(1)) << "the context rank let go before the last window";
+  EXPECT_EQ(p.tx->metrics().requests_ok, 0u);
+  ASSERT_TRUE(p.rx->cancel(1).isOk());
+  EXPECT_TRUE(p.ctx_released.waitFor(1, 1500ms)) << "the context rank still waits for a window";
+  EXPECT_TRUE(p.rx->holds(1));
+  EXPECT_EQ(p.gen_released.count(1), 0u);
+  auto res = p.rx->wait(1, 1s);
+  ASSERT_TRUE(res.isOk()) << res.status().toString();
+  EXPECT_EQ(res->status.code(), StatusCode::kCancelled) << res->status.toString();
+  EXPECT_TRUE(p.gen_released.waitFor(1, 10s));
+  EXPECT_EQ(p.rt.fake->opsRun(), 1u) << "a window after the cancel was copied";
+  const auto ctx_metrics = p.tx->metrics();
+  EXPECT_EQ(ctx_metrics.requests_started, 1u);
+  EXPECT_EQ(ctx_metrics.requests_cancelled, 1u) << ctx_metrics.json;
+  EXPECT_EQ(ctx_metrics.requests_held, 0u);
+
+  p.start(2);
+  std::this_thread::sleep_for(1s);
+  p.tx.reset();  // gone between two windows
+  res = p.rx->wait(2, 5s);
+  ASSERT_TRUE(res.isOk()) << res.status().toString();
+  EXPECT_EQ(res->state, Result::State::kFailed);
+  EXPECT_NE(res->status.message().find("context rank 0"), std::string::npos)
+      << res->status.toString();
+  EXPECT_TRUE(p.gen_released.waitFor(2, 10s));
+  EXPECT_EQ(p.rt.fake->opsRun(), 2u);
+}
+
+// A window's copy into the pools that fails fails the request, and the context rank, which
+// answered that window and held the request for the next, is told at once (a Cancel): it frees
+// its pages long before its lease (30 s) would.
+TEST(ApiDevice, AFailedWindowCopyLetsTheContextRankGoAtOnce) {
+  WindowedPair p({.devices = 1, .fail_every = 2, .host_inaccessible = true});
+  ASSERT_TRUE(p.tx && p.rx);
+  p.start(1);
+  auto res = p.rx->wait(1, 20s);
+  ASSERT_TRUE(res.isOk()) << res.status().toString();
+  EXPECT_EQ(res->state, Result::State::kFailed);
+  EXPECT_NE(res->status.message().find("fake device: op 2 failed"), std::string::npos)
+      << res->status.toString();
+  EXPECT_TRUE(p.ctx_released.waitFor(1, 2s)) << "the context rank still waits for a window";
+  EXPECT_EQ(p.rt.fake->opsRun(), 2u);
+}
+
+// Windows that take longer in all than the context rank's lease: the lease runs from the last
+// window answered, so the part completes.
+TEST(ApiDevice, WindowsOfOnePartMayTakeLongerThanTheLease) {
+  WindowedPair p({.devices = 1, .op_delay = 250ms, .host_inaccessible = true}, 1s);
+  ASSERT_TRUE(p.tx && p.rx);
+  p.start(1);
+  auto res = p.rx->wait(1, 60s);
+  ASSERT_TRUE(res.isOk()) << res.status().toString();
+  ASSERT_TRUE(res->ok()) << res->status.toString();
+  EXPECT_GT(res->latency, 1500ms) << "too few windows to outlast the lease";
+  auto report = checkRank(p.gen.rankLayout(), p.gen.rankMemory(), RankIds{p.gen_pages.blocks, 3}, 1,
+                          BlockRange{0, 2, WindowedPair::kTokens}, WindowedPair::kTokens);
+  ASSERT_TRUE(report.isOk() && report->ok()) << (report.isOk() ? report->toString() : "");
+  EXPECT_TRUE(p.ctx_released.waitFor(1, 5s));
+  EXPECT_EQ(p.tx->metrics().leases_expired, 0u);
 }
 
 // A context rank with device pools behind ucx copies each part on the device into a host area
@@ -1118,10 +1230,10 @@ TEST(ApiDevice, WritesWaitingBehindAStuckDevicePackStillTimeOut) {
       << tx->metrics().json;
 }
 
-// A generation rank with device pools behind ucx takes each part whole through its staging
-// region: a part waits while the region holds another, and one larger than the whole region
-// fails its request naming staging_bytes; no staging region at all is refused at create.
-TEST(ApiDevice, DevicePoolsBehindUcxWaitForRoomAndNameTheStagingRegion) {
+// A generation rank with device pools behind ucx takes each part through its staging region:
+// a part waits while the region holds another, one larger than the whole region goes window by
+// window, and no staging region at all is refused at create, naming staging_bytes.
+TEST(ApiDevice, DevicePoolsBehindUcxWaitForRoomAndTakeLargePartsInWindows) {
   FakeDeviceRuntime rt;
   LayoutOptions ctx_options = options("trtllm-v2", 2, 0);
   std::vector<EngineRank> ctx;
@@ -1244,16 +1356,27 @@ TEST(ApiDevice, DevicePoolsBehindUcxWaitForRoomAndNameTheStagingRegion) {
   ASSERT_TRUE(report.isOk() && report->ok()) << (report.isOk() ? report->toString() : "");
   fifo->reset();
 
-  // No room for any part: start() fails at once, naming the sizes and the option.
-  auto small = receiver(part / 2);
-  ASSERT_TRUE(small.isOk()) << small.status().toString();
-  Status refused = (*small)->start(3, tokens, gen_pages);
-  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused.toString();
-  EXPECT_NE(refused.message().find("more than the staging region of " + std::to_string(part / 2) +
-                                   " (staging_bytes)"),
-            std::string::npos)
-      << refused.toString();
-  EXPECT_FALSE((*small)->holds(3));
+  // No room for a whole part: each goes window by window through a slot of half the region
+  // (wire 1.7), the windows cutting runs anywhere, and lands as a whole part would. The context
+  // ranks count the request once, with all its bytes.
+  for (const uint64_t region : {part - 64, uint64_t{4096}}) {
+    auto small = receiver(region);
+    ASSERT_TRUE(small.isOk()) << small.status().toString();
+    const uint64_t id = 10 + region % 7;
+    const auto before = senders[0]->metrics();
+    const Result windowed = move(**small, id);
+    ASSERT_TRUE(windowed.ok()) << region << ": " << windowed.status.toString();
+    EXPECT_EQ(windowed.bytes, first.bytes);
+    report = checkRank(gen.rankLayout(), gen.rankMemory(), RankIds{gen_pages.blocks, 2}, id,
+                       BlockRange{0, 2, tokens}, tokens);
+    ASSERT_TRUE(report.isOk() && report->ok())
+        << region << ": " << (report.isOk() ? report->toString() : "");
+    const auto after = senders[0]->metrics();
+    EXPECT_EQ(after.requests_started - before.requests_started, 1u) << region;
+    EXPECT_EQ(after.requests_ok - before.requests_ok, 1u) << region;
+    EXPECT_EQ(after.bytes - before.bytes, part) << region;
+    ASSERT_TRUE((*small)->release(id).isOk());
+  }
 }
 
 // Device memory: auto picks cuda, saying why; the host paths are refused naming what is

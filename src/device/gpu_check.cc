@@ -200,12 +200,17 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "--ipc-child") == 0) return ipcChild(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "--fake-api") == 0) {
     // The engine rows over the fake device: their logic checked where there is no GPU.
+    // Over ucx also through a 16 MiB staging region: 8 MiB windows of the part.
     bool ok = true;
-    for (const char* backend : {"cuda", "ucx"}) {
-      const ApiResult r = apiCheck(true, "nemotron-h-8b", 2500, backend);
-      std::printf("fake api %s: ran=%d exact=%d fence_held=%d packed=%d bytes=%llu %.3f ms %s\n",
-                  backend, r.ran, r.exact, r.fence_held, r.packed,
-                  static_cast<unsigned long long>(r.bytes), r.ms, r.why.c_str());
+    for (const auto& [backend, staging] : {std::pair<const char*, uint64_t>{"cuda", 1ull << 30},
+                                           {"ucx", 1ull << 30},
+                                           {"ucx", 16ull << 20}}) {
+      const ApiResult r = apiCheck(true, "nemotron-h-8b", 2500, backend, staging);
+      std::printf(
+          "fake api %s (staging %llu MiB): ran=%d exact=%d fence_held=%d packed=%d bytes=%llu "
+          "%.3f ms %s\n",
+          backend, static_cast<unsigned long long>(staging >> 20), r.ran, r.exact, r.fence_held,
+          r.packed, static_cast<unsigned long long>(r.bytes), r.ms, r.why.c_str());
       ok = ok && r.ran && r.exact && r.fence_held && r.packed;
     }
     return ok ? 0 : 1;
@@ -251,12 +256,16 @@ int main(int argc, char** argv) {
     row(std::string("fence: nothing moved before the event (") + kind + ")", r.fence_held,
         r.fence_held ? "held 100 ms, then landed" : "moved before the event");
   }
-  for (const char* backend : {"cuda", "ucx"}) {
+  for (const auto& [backend, staging] : {std::pair<const char*, uint64_t>{"cuda", 1ull << 30},
+                                         {"ucx", 1ull << 30},
+                                         {"ucx", 64ull << 20}}) {
     // The engine: Sender and Receiver over device pools, vllm (conv sd) to sglang (conv ds);
-    // over cuda, and over ucx through pinned host memory (the path across hosts).
-    const ApiResult r = apiCheck(false, "nemotron-h-8b", 8192, backend);
+    // over cuda, and over ucx through pinned host memory (the path across hosts): the part
+    // staged whole, and window by window through the default 64 MiB region.
+    const ApiResult r = apiCheck(false, "nemotron-h-8b", 8192, backend, staging);
     const std::string what =
-        std::string("one 8k-token nemotron-h-8b request, vllm -> sglang, API over ") + backend;
+        std::string("one 8k-token nemotron-h-8b request, vllm -> sglang, API over ") + backend +
+        (staging < (1ull << 30) ? ", 32 MiB windows" : "");
     if (!r.ran) {
       row(what, false, r.why.substr(0, 40), "oracle exact");
       std::fprintf(stderr, "%s: %s\n", what.c_str(), r.why.c_str());
@@ -265,7 +274,7 @@ int main(int argc, char** argv) {
           fmt("%.1f MB", r.bytes / 1e6) + fmt(" in %.2f ms", r.ms) +
               fmt(" = %.1f GB/s", gbps(r.bytes, r.ms)),
           "oracle exact, packed on the device");
-      row(std::string("events (") + backend +
+      row(std::string("events (") + backend + (staging < (1ull << 30) ? ", windows" : "") +
               "): nothing landed while layers-ready/pages-free pended",
           r.fence_held, r.fence_held ? "held 100 ms, then landed" : "moved before the events");
       if (!r.exact) std::fprintf(stderr, "%s: %s\n", what.c_str(), r.why.c_str());

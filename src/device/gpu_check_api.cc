@@ -161,7 +161,7 @@ Status checkRequest(bool fake, Rank& gen, const RankPages& pages, uint64_t id, u
 }
 
 Status run(bool fake, const std::string& model, uint32_t tokens, const std::string& backend,
-           ApiResult* out) {
+           uint64_t staging_bytes, ApiResult* out) {
   ASSIGN_OR_RETURN(std::shared_ptr<DeviceApi> device, deviceRuntime());
   auto* fake_device = fake ? dynamic_cast<FakeDevice*>(device.get()) : nullptr;
   LayoutOptions o;
@@ -203,7 +203,7 @@ Status run(bool fake, const std::string& model, uint32_t tokens, const std::stri
   ro.backend = backend;
   if (backend == "ucx") {
     so.ucx_options = ro.ucx_options = {{"TLS", "tcp"}};  // as between hosts
-    ro.staging_bytes = 1ull << 30;  // the whole part, which one context rank sends
+    ro.staging_bytes = staging_bytes;
   }
   ASSIGN_OR_RETURN(std::unique_ptr<Sender> tx, Sender::create(*ctx.layout, *ctx.memory, so));
   ro.peers = {tx->address()};
@@ -351,11 +351,11 @@ int fakeAcross(const std::string& side, const std::string& address, uint32_t req
   return s.isOk() ? 0 : 1;
 }
 
-ApiResult apiCheck(bool fake, const std::string& model, uint32_t tokens,
-                   const std::string& backend) {
+ApiResult apiCheck(bool fake, const std::string& model, uint32_t tokens, const std::string& backend,
+                   uint64_t staging_bytes) {
   ApiResult out;
   if (fake) setDeviceRuntimeForTesting(std::make_shared<FakeDevice>());
-  Status s = run(fake, model, tokens, backend, &out);
+  Status s = run(fake, model, tokens, backend, staging_bytes, &out);
   if (fake) setDeviceRuntimeForTesting(nullptr);
   if (!s.isOk()) {
     out.ran = false;

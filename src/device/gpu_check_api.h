@@ -24,9 +24,10 @@ struct ApiResult {
 // `tokens` tokens of preset `model` from a vllm rank (conv sd) to an sglang rank on device 0:
 // over the CUDA runtime, or over FakeDevice (`fake`: no GPU needed). `backend`: "cuda" (the
 // same-host path), or "ucx" (the path across hosts, over loopback TCP: each part copied on the
-// device into pinned host memory, staged whole at the generation rank and copied in there).
+// device into pinned host memory, staged at the generation rank and copied in there: whole,
+// or with `staging_bytes` smaller than the part window by window through half of it).
 ApiResult apiCheck(bool fake, const std::string& model, uint32_t tokens,
-                   const std::string& backend = "cuda");
+                   const std::string& backend = "cuda", uint64_t staging_bytes = 1ull << 30);
 
 // The path across hosts in two processes over FakeDevice (each may run in a network namespace
 // of its own): `side` "ctx" serves `requests` requests of a vllm rank (conv sd) with device

@@ -83,6 +83,12 @@ struct ContextSender::Ask {
   std::shared_ptr<const device::Event> reading;
   uint32_t sent_end = 0;  // global layers below this one are planned and posted (kPosted)
   uint64_t bytes = 0;
+  // A staged part asked for window by window (wire::Staging::window): the part's bytes, and
+  // those its earlier windows moved. `more`: answered, but a window of it is still to
+  // come; the generation rank's next ask (same epoch, the next window) continues this one.
+  uint64_t part_bytes = 0;
+  uint64_t earlier_bytes = 0;
+  bool more = false;
   // The part's checksum (options_.checksum) when it went as one plan of every layer, taken from
   // that plan; a streamed part's is computed once its last piece ended.
   std::optional<uint64_t> checksum;
@@ -99,6 +105,7 @@ struct ContextSender::Source {
   bool marked = false;  // some markReady came
   bool owned = false;   // we hold the cache allocation and must free it
   std::optional<Status> cancelled;
+  // progress_at: the latest markReady, or the latest window answered (Ask::more).
   Clock::time_point created_at, ready_at, progress_at;
   uint32_t ready_end = 0;  // global layers below this one are final (marked ready)
   std::vector<Ask> asks;
@@ -323,6 +330,8 @@ void ContextSender::cancelLocked(Source& src, const Status& why) {
       answerLocked(src, a, why, 0, std::nullopt);
     } else if (a.state == Ask::State::kPosted) {
       advanceAskLocked(src, a);  // cancels its pieces; answers once none is in flight
+    } else {
+      endWindowsLocked(src, a, FailureCause::kCancelled);  // its next window hears `why`
     }
   }
   freePagesLocked(src);
@@ -361,8 +370,13 @@ void ContextSender::maybeFinishLocked(uint64_t request_id) {
   if (it == sources_.end()) return;
   Source& src = *it->second;
   if (src.postedCount() > 0) return;
-  // A streamed request's pages are still being written by prefill until its last range.
-  if (src.owned && src.ready && src.expected) {
+  // A streamed request's pages are still being written by prefill until its last range. A rank
+  // that asks again (a new connection, or the next window of a staged part) is not finished,
+  // whatever an earlier ask of it left in `finished`.
+  const bool live = std::any_of(src.asks.begin(), src.asks.end(), [](const Ask& a) {
+    return a.more || (a.state != Ask::State::kAnswered && !a.peer_gone);
+  });
+  if (src.owned && src.ready && src.expected && !live) {
     const bool all = std::all_of(src.expected->begin(), src.expected->end(),
                                  [&](uint32_t r) { return src.finished.count(r) > 0; });
     if (all) freePagesLocked(src);
@@ -478,8 +492,20 @@ void ContextSender::supersedeLocked(Peer& old, const Peer& newer) {
 
 void ContextSender::refuseRequestLocked(Peer& peer, const wire::TransferRequest& req,
                                         const Status& why) {
-  metrics_.requestFailed(causeOf(why));
+  // A part waiting for its next window from this connection ends with it: nothing else asks.
+  bool ended = false;
+  if (auto it = sources_.find(req.request_id); it != sources_.end()) {
+    for (Ask& a : it->second->asks) {
+      if (a.more && a.peer == peer.id && a.req.epoch == req.epoch) {
+        endWindowsLocked(*it->second, a, causeOf(why));
+        ended = true;
+      }
+    }
+  }
+  // Counted once: with the part it ended, or, for a first window or a whole part, here.
+  if (!ended && !(req.staging && req.staging->window > 0)) metrics_.requestFailed(causeOf(why));
   sendDoneLocked(peer.id, wire::TransferDone{req.request_id, why, 0, std::nullopt, {}, req.epoch});
+  if (ended) maybeFinishLocked(req.request_id);
 }
 
 Status ContextSender::checkJoinLocked(const Peer& peer, const Source& src,
@@ -488,6 +514,16 @@ Status ContextSender::checkJoinLocked(const Peer& peer, const Source& src,
     if (a.instance != peer.info.instance_id) {
       return InvalidArgument("request " + std::to_string(src.id) + " belongs to generation '" +
                              a.instance + "'; '" + peer.info.instance_id + "' asked for it too");
+    }
+    if (a.gen_rank == peer.globalRank() && !a.peer_gone && continues(a, peer, req)) continue;
+    if (a.gen_rank == peer.globalRank() && !a.peer_gone && a.more) {
+      return InvalidArgument(
+          "request " + std::to_string(src.id) + ": generation rank " + rankName(peer.info.layout) +
+          " asked for staging window " +
+          (req.staging ? std::to_string(req.staging->window) : std::string("(none)")) +
+          " of epoch " + std::to_string(req.epoch) + "; the next is " +
+          std::to_string(a.req.staging->window + a.req.staging->bytes) + " of epoch " +
+          std::to_string(a.req.epoch));
     }
     if (a.gen_rank == peer.globalRank() && !a.peer_gone) {
       return InvalidArgument("request id " + std::to_string(src.id) + " reused: generation rank " +
@@ -499,10 +535,37 @@ Status ContextSender::checkJoinLocked(const Peer& peer, const Source& src,
   return OkStatus();
 }
 
+bool ContextSender::continues(const Ask& a, const Peer& peer, const wire::TransferRequest& req) {
+  return a.more && a.peer == peer.id && a.req.epoch == req.epoch && req.staging &&
+         req.staging->part == a.req.staging->part &&
+         req.staging->window == a.req.staging->window + a.req.staging->bytes;
+}
+
+bool ContextSender::lastWindowBefore(const Ask& a) {
+  const auto& slot = a.req.staging;
+  return slot && slot->part != 0 && slot->window + slot->bytes < slot->part;
+}
+
+void ContextSender::endWindowsLocked(Source& src, Ask& a, FailureCause cause) {
+  if (!a.more) return;
+  a.more = false;
+  src.finished.insert(a.gen_rank);
+  metrics_.requestFailed(cause);
+}
+
 void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
                                     std::vector<Callback>* callbacks) {
   const uint64_t id = req.request_id;
-  metrics_.requestStarted();
+  // The next window of a part asked for before: the same request, counted once.
+  Ask* prior = nullptr;
+  if (auto it = sources_.find(id); it != sources_.end()) {
+    for (Ask& a : it->second->asks) {
+      if (a.gen_rank == peer.globalRank() && continues(a, peer, req)) prior = &a;
+    }
+  }
+  // A later window of a part counts with its first; one whose first is gone was counted then.
+  const bool later_window = req.staging && req.staging->window > 0;
+  if (!later_window) metrics_.requestStarted();
   // Checked on arrival, so that nothing a peer could not own waits here: the pages named are
   // the connection's own rank's, inside its pools, each once.
   if (Status s = wire::checkDestination(req, peer.info.layout); !s.isOk()) {
@@ -530,8 +593,9 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
     peer.regions_declared = true;
   }
   const uint64_t block_budget = peer.block_budget;
-  if (peer.open_asks >= options_.max_waiting_requests ||
-      peer.open_blocks + req.dst_block_ids.size() > block_budget) {
+  // The next window of an admitted part is not held to the bounds it passed already.
+  if (prior == nullptr && (peer.open_asks >= options_.max_waiting_requests ||
+                           peer.open_blocks + req.dst_block_ids.size() > block_budget)) {
     metrics_.requestOverLimit();
     refuseRequestLocked(
         peer, req,
@@ -559,6 +623,17 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
       return;
     }
   }
+  if (later_window && prior == nullptr) {
+    // Never served from a request started over: its first window went elsewhere.
+    const Status s = InvalidArgument(
+        "request " + std::to_string(id) + ": generation rank " + rankName(peer.info.layout) +
+        " asked for staging window " + std::to_string(req.staging->window) + " of epoch " +
+        std::to_string(req.epoch) + ", and this rank holds no earlier window of that part");
+    HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", id, peer.id,
+                   s.toString());
+    refuseRequestLocked(peer, req, s);
+    return;
+  }
   auto& slot = sources_[id];
   if (!slot) {
     slot = std::make_unique<Source>();
@@ -583,6 +658,11 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
   ++peer.open_asks;
   peer.open_blocks += req.dst_block_ids.size();
   ask.req = std::move(req);
+  if (prior != nullptr) {  // answered, nothing in flight: the next window takes its place
+    ask.asked_at = prior->asked_at;
+    ask.earlier_bytes = prior->earlier_bytes + prior->bytes;
+    src.asks.erase(src.asks.begin() + (prior - src.asks.data()));
+  }
   src.asks.push_back(std::move(ask));
   tryStartLocked(src);
   maybeFinishLocked(id);
@@ -685,9 +765,11 @@ void ContextSender::advanceAskLocked(Source& src, Ask& ask) {
   }
   ask.reading.reset();
   std::optional<uint64_t> checksum;
+  // A window before a staged part's last carries none: the last one's covers the part.
+  const bool last_window = !lastWindowBefore(ask);
   if (!end && options_.checksum && ask.checksum) {
     checksum = ask.checksum;
-  } else if (!end && options_.checksum) {
+  } else if (!end && options_.checksum && last_window) {
     auto sum = checksumAskLocked(src, ask);
     if (sum.isOk()) {
       checksum = *sum;
@@ -731,15 +813,27 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   }
   ask.sent_end = src.ready_end;
   if (plan->ops.empty()) return;
-  if (ask.req.staging && plan->bytes != ask.req.staging->bytes) {
-    // A staged part goes whole, as one plan: the slot must hold exactly its bytes.
-    ask.failed = InvalidArgument("request " + std::to_string(src.id) + ": staging slot of " +
-                                 std::to_string(ask.req.staging->bytes) + " bytes for a part of " +
-                                 std::to_string(plan->bytes));
-    HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
-                   ask.failed->toString());
-    return;
+  if (const auto& slot = ask.req.staging) {
+    // A staged part goes as one plan: whole, the slot holding exactly its bytes, or window by
+    // window, both sides counting the same part and the window inside it.
+    const bool fits = slot->part == 0 ? slot->bytes == plan->bytes
+                                      : slot->part == plan->bytes && slot->bytes > 0 &&
+                                            slot->window < plan->bytes &&
+                                            slot->bytes <= plan->bytes - slot->window;
+    if (!fits) {
+      ask.failed =
+          InvalidArgument("request " + std::to_string(src.id) + ": staging slot of " +
+                          std::to_string(slot->bytes) + " bytes" +
+                          (slot->part == 0 ? std::string()
+                                           : " at window " + std::to_string(slot->window) +
+                                                 " of a part of " + std::to_string(slot->part)) +
+                          " for a part of " + std::to_string(plan->bytes));
+      HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
+                     ask.failed->toString());
+      return;
+    }
   }
+  ask.part_bytes = plan->bytes;
   // Posting waits until the engine's layers-ready event is done (advanceAskLocked).
   if (src.ready_event && !src.ready_event->status().isOk()) {
     ask.failed = Status(src.ready_event->status().code(),
@@ -900,10 +994,12 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan
     fail(runs.status());
     return;
   }
-  // The ops' sources in one local area laid out as the slot, written as one op.
-  auto area = acquireAreaLocked(plan.bytes);
+  // The ops' sources in one local area laid out as the slot (the window of the part it asks
+  // for), written as one op.
+  const StagingWindow window{slot.window, slot.bytes};
+  auto area = acquireAreaLocked(slot.bytes);
   if (!area.isOk()) {
-    fail(area.status().withContext("gather area of " + std::to_string(plan.bytes) + " bytes"));
+    fail(area.status().withContext("gather area of " + std::to_string(slot.bytes) + " bytes"));
     return;
   }
   std::unique_ptr<Region> gathered = std::move(area).value();
@@ -911,10 +1007,10 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan
   Status s = packed.empty() ? OkStatus() : packScratch(plan, memory_, packed);
   if (s.isOk()) {
     s = gatherStaged(plan, *runs, memory_, packed,
-                     std::span<uint8_t>(gathered->data(), gathered->length()));
+                     std::span<uint8_t>(gathered->data(), gathered->length()), window);
   }
-  if (s.isOk() && options_.checksum) {
-    // A staged part is always the whole part in one plan.
+  if (s.isOk() && options_.checksum && slot.window + slot.bytes == plan.bytes) {
+    // A staged part is always the whole part in one plan; its last window carries the sum.
     auto sum = checksumOps(plan.ops, memory_, /*source=*/true, packed);
     if (sum.isOk()) ask.checksum = *sum;
     s = sum.status();
@@ -925,14 +1021,15 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan
     return;
   }
   if (!packed.empty()) metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
+  const bool last = slot.window + slot.bytes == plan.bytes;
   const uint32_t from = gathered->id();
-  if (Status st = postLocked(ask, {{from, 0, slot.region, slot.offset, plan.bytes}},
-                             std::move(gathered), plan.bytes);
+  if (Status st = postLocked(ask, {{from, 0, slot.region, slot.offset, slot.bytes}},
+                             std::move(gathered), slot.bytes);
       !st.isOk()) {
     fail(st);
     return;
   }
-  metrics_.stormStaged(plan.ops.size());
+  if (last) metrics_.stormStaged(plan.ops.size());  // the part's ops, once
 }
 
 void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& plan) {
@@ -945,9 +1042,11 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   // Where each op's bytes go in the host area (region 0 of `area_memory` below): laid out as
   // the slot when the generation rank asked for staging, else back to back in op order.
   std::vector<CopyOp> gather;
+  const uint64_t bytes = slot ? slot->bytes : plan.bytes;  // a window of a staged part
   if (slot) {
     auto runs = stagingRuns(plan.ops);
-    auto ops = runs.isOk() ? gatherOps(plan.ops, *runs, 0) : runs.status();
+    auto ops = runs.isOk() ? gatherOps(plan.ops, *runs, 0, StagingWindow{slot->window, bytes})
+                           : runs.status();
     if (!ops.isOk()) return fail(ops.status());
     gather = std::move(ops).value();
   } else {
@@ -962,12 +1061,12 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
     scratch = std::move(packed->first);
     pack = std::move(packed->second);
   }
-  auto area = acquireAreaLocked(plan.bytes);
+  auto area = acquireAreaLocked(bytes);
   if (!area.isOk()) {
     retireAreaLocked(std::move(scratch), pack);
-    return fail(area.status().withContext("host area of " + std::to_string(plan.bytes) + " bytes"));
+    return fail(area.status().withContext("host area of " + std::to_string(bytes) + " bytes"));
   }
-  const RankMemory area_memory = {{(*area)->data(), plan.bytes}};
+  const RankMemory area_memory = {{(*area)->data(), bytes}};
   const auto scratch_bytes = scratch ? std::span<const uint8_t>(scratch->data(), scratch->length())
                                      : std::span<const uint8_t>();
   auto table = device::copyTable(gather, memory_, area_memory, scratch_bytes);
@@ -988,7 +1087,7 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   retireAreaLocked(std::move(scratch), copied ? copied : pack);
   if (!launched.isOk()) {
     releaseScratchLocked(std::move(area).value());
-    return fail(launched.withContext("copying a part of " + std::to_string(plan.bytes) +
+    return fail(launched.withContext("copying a part of " + std::to_string(bytes) +
                                      " bytes from device " + std::to_string(device_ordinal_) +
                                      " into host memory"));
   }
@@ -998,13 +1097,13 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   piece.scratch = std::move(area).value();
   piece.pack = std::move(pack);
   piece.copying = copied;
-  piece.bytes = plan.bytes;
+  piece.bytes = bytes;
   piece.posted_at = Clock::now();
   piece.behind = std::move(behind);
   const uint32_t from = piece.scratch->id();
   if (slot) {
-    piece.staged_runs = plan.ops.size();
-    piece.ops.push_back({from, 0, slot->region, slot->offset, plan.bytes});
+    piece.staged_runs = slot->window + bytes == plan.bytes ? plan.ops.size() : 0;  // once
+    piece.ops.push_back({from, 0, slot->region, slot->offset, bytes});
   } else {
     piece.ops.reserve(plan.ops.size());
     for (size_t i = 0; i < plan.ops.size(); ++i) {
@@ -1013,7 +1112,7 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
     }
   }
   ask.pieces.push_back(std::move(piece));
-  ask.bytes += plan.bytes;
+  ask.bytes += bytes;
   copy_watcher_.watch(std::move(copied));
 }
 
@@ -1141,7 +1240,12 @@ void ContextSender::releaseScratchLocked(std::unique_ptr<Region> scratch) {
 void ContextSender::answerLocked(Source& src, Ask& ask, const Status& status, uint64_t bytes,
                                  std::optional<uint64_t> checksum) {
   ask.state = Ask::State::kAnswered;
-  src.finished.insert(ask.gen_rank);
+  ask.more = status.isOk() && lastWindowBefore(ask);
+  if (ask.more) {
+    src.progress_at = Clock::now();  // the lease runs from here until the next window
+  } else {
+    src.finished.insert(ask.gen_rank);
+  }
   if (ask.counted) {
     ask.counted = false;
     if (auto pit = peers_.find(ask.peer); pit != peers_.end()) {
@@ -1149,10 +1253,10 @@ void ContextSender::answerLocked(Source& src, Ask& ask, const Status& status, ui
       pit->second->open_blocks -= ask.req.dst_block_ids.size();
     }
   }
-  if (status.isOk()) {
+  if (status.isOk() && !ask.more) {
     const auto start = std::max(ask.asked_at, src.ready_at);
-    metrics_.requestOk(bytes, Clock::now() - start);
-  } else {
+    metrics_.requestOk(ask.earlier_bytes + bytes, Clock::now() - start);
+  } else if (!status.isOk()) {
     metrics_.requestFailed(causeOf(status));
   }
   if (ask.peer_gone) return;
@@ -1207,6 +1311,8 @@ void ContextSender::onCancelLocked(Peer& peer, const wire::Cancel& cancel) {
     } else if (a.state == Ask::State::kPosted) {
       a.cancel_requested = true;
       advanceAskLocked(src, a);
+    } else {  // between two windows: no more come, and no Done is awaited
+      endWindowsLocked(src, a, FailureCause::kCancelled);
     }
   }
   maybeFinishLocked(cancel.request_id);
@@ -1225,6 +1331,7 @@ void ContextSender::onPeerLostLocked(transport::PeerId id) {
     for (Ask& a : src->asks) {
       if (a.peer != id || a.peer_gone) continue;
       a.peer_gone = true;
+      endWindowsLocked(*src, a, FailureCause::kPeerLost);
       if (a.state == Ask::State::kWaiting) {
         a.state = Ask::State::kAnswered;
         metrics_.requestFailed(FailureCause::kPeerLost);
@@ -1318,17 +1425,23 @@ void ContextSender::timersLocked() {
   std::vector<uint64_t> touched;
   for (auto& [rid, src] : sources_) {
     if (src->postedCount() > 0) continue;
-    if (src->ready && src->owned && now - src->ready_at > options_.lease_timeout) {
-      HXFER_LOG_WARN("context: lease of request {} expired ({} of {} generation ranks asked)", rid,
+    if (src->ready && src->owned &&
+        now - std::max(src->ready_at, src->progress_at) > options_.lease_timeout) {
+      HXFER_LOG_WARN("context: lease of request {} expired ({} of {} generation ranks served)", rid,
                      src->finished.size(), src->expected ? src->expected->size() : 0);
       metrics_.leaseExpired();
+      const bool between_windows =
+          std::any_of(src->asks.begin(), src->asks.end(), [](const Ask& a) { return a.more; });
+      for (Ask& a : src->asks) endWindowsLocked(*src, a, FailureCause::kTimeout);
       freePagesLocked(*src);
       tombstones_.put(
           rid,
-          tombstoneLocked(*src,
-                          Expired("lease of request " + std::to_string(rid) + " expired after " +
-                                  std::to_string(options_.lease_timeout.count()) +
-                                  " ms: the context rank freed its pages before this rank asked")),
+          tombstoneLocked(
+              *src, Expired("lease of request " + std::to_string(rid) + " expired after " +
+                            std::to_string(options_.lease_timeout.count()) +
+                            " ms: the context rank freed its pages " +
+                            (between_windows ? "while waiting for the next window of a staged part"
+                                             : "before this rank asked"))),
           rememberUntil());
       touched.push_back(rid);
     } else if (!src->ready && !src->cancelled &&

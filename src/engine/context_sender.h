@@ -254,6 +254,12 @@ class ContextSender {
   // asked for already); ok when it may.
   Status checkJoinLocked(const Peer& peer, const Source& src,
                          const wire::TransferRequest& req) const;
+  // Whether `req` of `peer` asks for the next window of the staged part `a` answered.
+  static bool continues(const Ask& a, const Peer& peer, const wire::TransferRequest& req);
+  // Whether `a` asks for a window of a staged part before its last one.
+  static bool lastWindowBefore(const Ask& a);
+  // Ends `a` if it waits for its part's next window (Ask::more): counted failed with `cause`.
+  void endWindowsLocked(Source& src, Ask& a, FailureCause cause);
   // Drops `old`, whose generation rank a newer connection now claims: its asks end as if the
   // connection had been lost.
   void supersedeLocked(Peer& old, const Peer& newer);

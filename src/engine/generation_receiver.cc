@@ -60,6 +60,14 @@ struct GenerationReceiver::Part {
   uint64_t bytes = 0;
   // The slot this part was asked to write into (storm control); freed when its fence ends.
   std::optional<wire::Staging> staging{};
+  // Device pools behind a host agent, a part larger than its slot (wire minor 7): the part's
+  // staged bytes, and where the window in the slot now (asked for, or being copied into the
+  // pools) starts. 0: the part goes whole.
+  uint64_t total = 0;
+  uint64_t window = 0;
+  // The context rank answered a window of it before the last, and holds the request for the
+  // next ask: a failure must tell it (Cancel), as it tells one with the part in flight.
+  bool ctx_waiting = false;
   bool waiting_room = false;  // in room_waiters_ (device pools behind a host agent)
   std::shared_ptr<device::Event> scattered{};  // kScattering: the copy's event
   Bytes done_aux{};                            // kScattering: the Done's aux, taken once copied
@@ -405,6 +413,21 @@ void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
   }
   part.in_flight = true;
   part.state = Part::State::kSent;
+  wire::TransferRequest req = requestFor(sink, part);
+  if (!part.staging && !staged_device_) {  // staged_device_: a part without a slot moves nothing
+    maybeStageLocked(sink, part, peer, &req);
+  }
+  if (Status st = agent_->sendMessage(peer.id, wire::encodeMessage(req)); !st.isOk()) {
+    endPartLocked(sink, part);
+    part.state = Part::State::kFailed;
+    failLocked(sink, st.withContext("context rank " + std::to_string(peer.rank)),
+               FailureCause::kPeerLost);
+    return;
+  }
+  if (!sink.asked) sink.asked = Clock::now();
+}
+
+wire::TransferRequest GenerationReceiver::requestFor(const Sink& sink, const Part& part) const {
   wire::TransferRequest req;
   req.request_id = sink.id;
   req.gen_tp_rank = self_.layout.tp_rank;
@@ -416,19 +439,37 @@ void GenerationReceiver::sendPartLocked(Sink& sink, Part& part, CtxPeer& peer) {
   req.num_tokens = sink.alloc.num_tokens;
   req.aux = sink.aux;
   req.epoch = sink.epoch;
-  if (part.staging) {
-    req.staging = part.staging;
-  } else if (!staged_device_) {  // staged_device_: a part without a slot moves nothing
-    maybeStageLocked(sink, part, peer, &req);
+  if (part.staging) req.staging = askedSlot(part);
+  return req;
+}
+
+wire::Staging GenerationReceiver::askedSlot(const Part& part) {
+  wire::Staging slot = *part.staging;
+  if (part.total > 0) {
+    slot.part = part.total;
+    slot.window = part.window;
+    slot.bytes = std::min(slot.bytes, part.total - part.window);
   }
-  if (Status st = agent_->sendMessage(peer.id, wire::encodeMessage(req)); !st.isOk()) {
+  return slot;
+}
+
+void GenerationReceiver::askNextWindowLocked(Sink& sink, Part& part) {
+  part.window += askedSlot(part).bytes;
+  part.ctx_waiting = false;  // asked now, or gone
+  CtxPeer& peer = *peers_[part.peer];
+  // The context rank answered the last window only once it had landed: nothing of this part
+  // is in flight, so its fence may end here.
+  Status st = peer.state == CtxPeer::State::kReady
+                  ? agent_->sendMessage(peer.id, wire::encodeMessage(requestFor(sink, part)))
+                  : Unavailable("it went away between two windows of a staged part");
+  if (!st.isOk()) {
     endPartLocked(sink, part);
     part.state = Part::State::kFailed;
     failLocked(sink, st.withContext("context rank " + std::to_string(peer.rank)),
                FailureCause::kPeerLost);
     return;
   }
-  if (!sink.asked) sink.asked = Clock::now();
+  part.state = Part::State::kSent;
 }
 
 void GenerationReceiver::maybeStageLocked(const Sink& sink, Part& part, const CtxPeer& peer,
@@ -471,14 +512,22 @@ StatusOr<bool> GenerationReceiver::reserveSlotLocked(const Sink& sink, Part& par
   }
   ASSIGN_OR_RETURN(RankPlan plan, destinationPlanLocked(sink, peer));
   if (plan.ops.empty()) return true;  // nothing of this part lands here
-  if (plan.bytes > staging_->length()) {
-    return ResourceExhausted(
-        what + ": the part is " + std::to_string(plan.bytes) +
-        " bytes, more than the staging region of " + std::to_string(staging_->length()) +
-        " (staging_bytes); device pools behind a " + agent_->capabilities().name +
-        " agent take each part whole through the staging region");
+  if (plan.bytes <= staging_->length()) return takeSlotLocked(part, plan.bytes);
+  if (peer.info.version_minor < wire::kStagingWindowMinor) {
+    return ResourceExhausted(what + ": the part is " + std::to_string(plan.bytes) +
+                             " bytes, more than the staging region of " +
+                             std::to_string(staging_->length()) +
+                             " (staging_bytes), and the context rank speaks wire 1." +
+                             std::to_string(peer.info.version_minor) +
+                             ", which takes a staged part whole (windows need 1.7 or later)");
   }
-  return takeSlotLocked(part, plan.bytes);
+  // Window by window through a slot of half the region (whole for a tiny one), so that a
+  // second large part moves beside it.
+  const uint64_t region = staging_->length();
+  if (!takeSlotLocked(part, region >= 128 ? (region / 2) & ~uint64_t{63} : region)) return false;
+  part.total = plan.bytes;
+  part.window = 0;
+  return true;
 }
 
 void GenerationReceiver::freeSlotLocked(Part& part) {
@@ -526,12 +575,15 @@ StatusOr<std::vector<StagedRun>> GenerationReceiver::stagedRunsLocked(const Sink
                                                                       const CtxPeer& peer) const {
   ASSIGN_OR_RETURN(RankPlan plan, destinationPlanLocked(sink, peer));
   ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagingRuns(plan.ops));
-  if (stagingBytes(runs) != part.staging->bytes) {
+  const uint64_t bytes = part.total > 0 ? part.total : part.staging->bytes;
+  if (stagingBytes(runs) != bytes) {
     return Internal("request " + std::to_string(sink.id) + ": staged part of " +
-                    std::to_string(part.staging->bytes) + " bytes, the plan has " +
+                    std::to_string(bytes) + " bytes, the plan has " +
                     std::to_string(stagingBytes(runs)));
   }
-  return runs;
+  if (part.total == 0) return runs;
+  const wire::Staging slot = askedSlot(part);
+  return windowRuns(runs, StagingWindow{slot.window, slot.bytes});
 }
 
 Status GenerationReceiver::scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer) {
@@ -569,6 +621,11 @@ void GenerationReceiver::finishScattersLocked() {
       const Status copied = part.scattered->status();
       part.scattered.reset();
       const CtxPeer& peer = *peers_[part.peer];
+      if (copied.isOk() && !sink.result.terminal() && part.total > 0 &&
+          part.window + askedSlot(part).bytes < part.total) {
+        askNextWindowLocked(sink, part);  // the slot is free for it: the copy read it all
+        continue;
+      }
       endPartLocked(sink, part);
       part.state = copied.isOk() ? Part::State::kOk : Part::State::kFailed;
       if (sink.result.terminal()) {
@@ -623,7 +680,8 @@ void GenerationReceiver::failLocked(Sink& sink, const Status& status, FailureCau
     if (p.waiting_room) room_check_ = true;  // the waiters behind it may fit now
     if (p.state == Part::State::kQueued) {
       p.state = Part::State::kFailed;
-    } else if (p.state == Part::State::kSent) {
+    } else if (p.state == Part::State::kSent || p.ctx_waiting) {
+      p.ctx_waiting = false;
       CtxPeer& peer = *peers_[p.peer];
       if (peer.state == CtxPeer::State::kReady) {
         sendLocked(peer.id, wire::Cancel{sink.id, status.toString(), sink.epoch});
@@ -719,17 +777,25 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
     if (peers_[p.peer].get() == &peer && p.state == Part::State::kSent) part = &p;
   }
   if (part == nullptr) return;  // a duplicate answer (e.g. to a Cancel that crossed the Done)
+  if (part->total > 0 && done.status.isOk() && !sink.result.terminal()) {
+    // Answered a window before the last: the context rank waits for the next ask, or a Cancel.
+    part->ctx_waiting = part->window + askedSlot(*part).bytes < part->total;
+  }
   // A staged part lands in its slot: into the pages with it, before the slot is freed.
   Status scattered = OkStatus();
   if (part->staging && done.status.isOk() && !sink.result.terminal()) {
     if (staged_device_) {
       // On the device: the part stays in flight, its slot and pages fenced, until the copy is
       // done; the progress thread goes on meanwhile (finishScattersLocked).
-      auto copying = startScatterLocked(sink, *part, peer);
+      const uint64_t window = askedSlot(*part).bytes;
+      auto copying = done.bytes == window
+                         ? startScatterLocked(sink, *part, peer)
+                         : Corruption("the context rank wrote " + std::to_string(done.bytes) +
+                                      " bytes into a staging slot of " + std::to_string(window));
       if (copying.isOk()) {
         part->state = Part::State::kScattering;
         part->scattered = std::move(*copying);
-        part->bytes = done.bytes;
+        part->bytes += done.bytes;  // window by window for a part larger than its slot
         part->done_aux = done.aux;
         return;
       }
@@ -808,8 +874,11 @@ void GenerationReceiver::peerDownLocked(CtxPeer& peer, const Status& why, bool f
         p.state = Part::State::kFailed;
         failLocked(*sink, why.withContext("context rank " + std::to_string(peer.rank)),
                    final ? FailureCause::kRefused : FailureCause::kPeerLost);
-      } else if (p.state == Part::State::kQueued && (final || peer.ever_ready)) {
-        p.state = Part::State::kFailed;
+      } else if ((p.state == Part::State::kQueued && (final || peer.ever_ready)) || p.ctx_waiting) {
+        // A part between two windows ends once its copy is done (finishScattersLocked); the
+        // context rank, which held the request for the next one, is gone.
+        p.ctx_waiting = false;
+        if (p.state == Part::State::kQueued) p.state = Part::State::kFailed;
         failLocked(*sink, why.withContext("context rank " + std::to_string(peer.rank)),
                    final ? FailureCause::kRefused : FailureCause::kPeerLost);
       }

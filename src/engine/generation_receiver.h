@@ -184,6 +184,13 @@ class GenerationReceiver {
   void peerDownLocked(CtxPeer& peer, const Status& why, bool final, bool transport_lost = false);
   void releaseFencesLocked(transport::PeerId connection);
   void sendPartLocked(Sink& sink, Part& part, CtxPeer& peer);
+  // The TransferRequest of `part`: the pages, and its slot (the window now) when staged.
+  wire::TransferRequest requestFor(const Sink& sink, const Part& part) const;
+  // A staged part's slot as asked for now: for a part larger than it, the window's bytes from
+  // where it starts (Part::total, Part::window).
+  static wire::Staging askedSlot(const Part& part);
+  // Asks `part`'s context rank for the window after the one its slot held (that copy is done).
+  void askNextWindowLocked(Sink& sink, Part& part);
   // Asks for `sink`'s queued parts whose context rank is ready (only peers_[only_peer]'s when
   // given), unless the request ended or still waits for the engine's pages-free event.
   void sendQueuedPartsLocked(Sink& sink, std::optional<size_t> only_peer = std::nullopt);
@@ -208,9 +215,10 @@ class GenerationReceiver {
   StatusOr<std::shared_ptr<device::Event>> startScatterLocked(const Sink& sink, const Part& part,
                                                               const CtxPeer& peer);
   void finishScattersLocked();
-  // Device pools behind a host agent: a staging slot for `part` before it is asked for. False
-  // while the region has no room (the part stays queued); an error for a part that can never
-  // fit or a peer without staging.
+  // Device pools behind a host agent: a staging slot for `part` before it is asked for: the
+  // part's size, or half the region for a part larger than the region, asked for window by
+  // window. False while the region has no room (the part stays queued); an error for a peer
+  // without staging, or without windows (wire minor 7) for a part larger than the region.
   StatusOr<bool> reserveSlotLocked(const Sink& sink, Part& part, const CtxPeer& peer);
   // A slot of `bytes` in the staging region for `part` (first fit); false when none is free.
   bool takeSlotLocked(Part& part, uint64_t bytes);

@@ -1821,6 +1821,112 @@ TEST(Epochs, ReusedOrForeignRequestIdIsRefusedNotServedFromTheOldRequest) {
   EXPECT_TRUE(c->sender->selfCheck().isOk()) << c->sender->selfCheck().toString();
 }
 
+// Staging windows (wire 1.7), context side: each window of a part is checked against the part,
+// the pages stay held between windows until the last is answered, an ask for another window
+// than the next ends the part (and no later window of it is served), a Cancel between windows
+// (no Done awaited) lets the pages go, and the lease runs from the last window answered.
+TEST(StagingWindows, TheContextRankServesEachWindowOnceAndInOrder) {
+  LogCapture logs;
+  const ModelSpec model = tinyModel();
+  const std::string name = uniqueName("ctx");
+  auto c = startContext(model, kTp1, 0, name, StateLayout::kPaged, Capacity::counts(128, 32),
+                        nullptr, "secret",
+                        [](ContextSender::Options& o) { o.lease_timeout = milliseconds(1000); });
+  ASSERT_TRUE(c.isOk()) << c.status().toString();
+  auto g = RawGeneration::make(model, kTp1, 0, "gen");
+  ASSERT_TRUE(g);
+  const uint32_t staging_id = 0x7FFF0000u;
+  auto region = Region::allocate(staging_id, 1 << 20, Region::Backing::kMemfd, "staging");
+  ASSERT_TRUE(region.isOk()) << region.status().toString();
+  ASSERT_TRUE(g->agent->registerRegion(**region, transport::RegionAccess::kRemoteWritable).isOk());
+  g->info.layout.regions.push_back({staging_id, (*region)->length(), "staging"});
+  ASSERT_TRUE(g->connect(shmAddress(name), 1).isOk());
+  // The part's bytes: one ask of it unstaged.
+  auto whole = g->ask(wire::Message{g->request(1, 1, {0, 1, 2})});
+  ASSERT_TRUE(whole.isOk() && whole->status.isOk()) << whole.status().toString();
+  const uint64_t part = whole->bytes;
+  ASSERT_GT(part, 300u);
+  auto windowOf = [&](uint64_t id, uint64_t window, uint64_t bytes, uint64_t total = 0) {
+    wire::TransferRequest r = g->request(id, 1, {0, 1, 2});
+    r.staging = wire::Staging{staging_id, 4096, bytes, window, total == 0 ? part : total};
+    return g->ask(wire::Message{r});
+  };
+  auto held = [&](size_t n) {
+    for (int i = 0; i < 300 && c->sender->heldRequests() != n; ++i) {
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    return c->sender->heldRequests() == n;
+  };
+  auto refused = [](const StatusOr<wire::TransferDone>& done, const std::string& why) {
+    if (!done.isOk()) return ::testing::AssertionFailure() << done.status().toString();
+    if (done->status.code() == StatusCode::kInvalidArgument &&
+        done->status.message().find(why) != std::string::npos) {
+      return ::testing::AssertionSuccess();
+    }
+    return ::testing::AssertionFailure() << done->status.toString();
+  };
+  ASSERT_TRUE(held(0));
+
+  // A window reaching past the part, and one of a part counted otherwise: refused.
+  EXPECT_TRUE(refused(windowOf(2, 0, part + 1), "staging slot of " + std::to_string(part + 1) +
+                                                    " bytes at window 0 of a part of " +
+                                                    std::to_string(part) + " for a part of " +
+                                                    std::to_string(part)));
+  EXPECT_TRUE(refused(windowOf(3, 0, 64, part + 1), "of a part of " + std::to_string(part + 1) +
+                                                        " for a part of " + std::to_string(part)));
+  EXPECT_TRUE(held(0));
+
+  // Three windows in order: the pages stay held until the last.
+  const uint64_t w = part / 3 + 1;
+  for (const uint64_t at : {uint64_t{0}, w, 2 * w}) {
+    auto done = windowOf(4, at, std::min(w, part - at));
+    ASSERT_TRUE(done.isOk() && done->status.isOk()) << at << ": " << done.status().toString();
+    EXPECT_EQ(done->bytes, std::min(w, part - at));
+    EXPECT_TRUE(held(at + w < part ? 1 : 0)) << at;
+  }
+  const auto m = c->sender->metrics();
+  EXPECT_EQ(m.requests_ok, 2u);  // 1 and 4, once each
+  EXPECT_EQ(m.bytes, 2 * part);
+
+  // Out of order: refused naming the next window, and the part ends; its next window is then
+  // refused, never served from a request started over.
+  ASSERT_TRUE(windowOf(5, 0, w)->status.isOk());
+  EXPECT_TRUE(held(1));
+  EXPECT_TRUE(refused(windowOf(5, 2 * w, w), "asked for staging window " + std::to_string(2 * w) +
+                                                 " of epoch 1; the next is " + std::to_string(w)));
+  EXPECT_TRUE(held(0)) << "a refused window left the part's pages held";
+  EXPECT_TRUE(refused(windowOf(5, w, w), "holds no earlier window of that part"));
+
+  // A Cancel between two windows: nothing answers it, and the pages go.
+  ASSERT_TRUE(windowOf(6, 0, w)->status.isOk());
+  EXPECT_TRUE(held(1));
+  ASSERT_TRUE(
+      g->agent->sendMessage(g->peer, wire::encodeMessage(wire::Cancel{6, "stop", 1})).isOk());
+  EXPECT_TRUE(held(0)) << "a Cancel between windows left the pages held";
+
+  // The lease runs from the last window: a 0.6 s gap passes, a 1.5 s gap expires it.
+  ASSERT_TRUE(windowOf(7, 0, w)->status.isOk());
+  std::this_thread::sleep_for(milliseconds(600));
+  ASSERT_TRUE(windowOf(7, w, w)->status.isOk());
+  std::this_thread::sleep_for(milliseconds(1500));
+  auto slow = windowOf(7, 2 * w, part - 2 * w);
+  ASSERT_TRUE(slow.isOk()) << slow.status().toString();
+  EXPECT_EQ(slow->status.code(), StatusCode::kExpired) << slow->status.toString();
+  EXPECT_NE(slow->status.message().find("while waiting for the next window of a staged part"),
+            std::string::npos)
+      << slow->status.toString();
+  EXPECT_TRUE(held(0));
+  const auto end = c->sender->metrics();
+  EXPECT_EQ(end.requests_started, 7u) << end.toJson();  // every request once
+  EXPECT_EQ(end.requests_ok, 2u) << end.toJson();
+  EXPECT_EQ(end.requests_failed, 5u) << end.toJson();  // 2, 3, 5, 6 (cancelled) and 7
+  EXPECT_EQ(end.requests_cancelled, 1u) << end.toJson();
+
+  (void)g->agent->disconnect(g->peer);
+  expectPagesFree(*c->cache, "ctx");
+  EXPECT_TRUE(c->sender->selfCheck().isOk()) << c->sender->selfCheck().toString();
+}
+
 // Finding 8, generation side: a TransferDone or Cancel of an earlier use of the id (another
 // epoch) neither completes nor fails the request now using it.
 TEST(Epochs, DoneOrCancelOfAnEarlierUseOfAnIdEndsNothing) {

@@ -49,6 +49,33 @@ uint64_t stagingBytes(const std::vector<StagedRun>& runs) {
 
 namespace {
 
+// `window` with its length cut at the part's end (`total` bytes).
+StatusOr<StagingWindow> resolve(StagingWindow window, uint64_t total) {
+  if (window.offset > total) {
+    return InvalidArgument("staging window at " + std::to_string(window.offset) +
+                           " starts past the part's " + std::to_string(total) + " bytes");
+  }
+  window.bytes = std::min(window.bytes, total - window.offset);
+  return window;
+}
+
+}  // namespace
+
+StatusOr<std::vector<StagedRun>> windowRuns(const std::vector<StagedRun>& runs,
+                                            StagingWindow window) {
+  ASSIGN_OR_RETURN(const StagingWindow w, resolve(window, stagingBytes(runs)));
+  std::vector<StagedRun> out;
+  for (const StagedRun& r : runs) {
+    const uint64_t lo = std::max(r.stage_offset, w.offset);
+    const uint64_t hi = std::min(r.stage_offset + r.bytes, w.offset + w.bytes);
+    if (lo >= hi) continue;
+    out.push_back({r.region, r.dst_offset + (lo - r.stage_offset), lo - w.offset, hi - lo});
+  }
+  return out;
+}
+
+namespace {
+
 // Where op's destination bytes sit in the slot. REQUIRES: runs sorted (stagingRuns).
 StatusOr<uint64_t> slotOffset(const std::vector<StagedRun>& runs, const CopyOp& op) {
   auto it = std::upper_bound(runs.begin(), runs.end(), std::make_pair(op.dst_region, op.dst_offset),
@@ -70,32 +97,40 @@ StatusOr<uint64_t> slotOffset(const std::vector<StagedRun>& runs, const CopyOp& 
 }  // namespace
 
 Status gatherStaged(const RankPlan& plan, const std::vector<StagedRun>& runs, const RankMemory& src,
-                    std::span<const uint8_t> plan_scratch, std::span<uint8_t> slot) {
-  if (slot.size() < stagingBytes(runs)) {
+                    std::span<const uint8_t> plan_scratch, std::span<uint8_t> slot,
+                    StagingWindow window) {
+  ASSIGN_OR_RETURN(const StagingWindow w, resolve(window, stagingBytes(runs)));
+  if (slot.size() < w.bytes) {
     return InvalidArgument("staging slot of " + std::to_string(slot.size()) +
-                           " bytes, the runs need " + std::to_string(stagingBytes(runs)));
+                           " bytes, the runs need " + std::to_string(w.bytes));
   }
-  std::vector<std::pair<const uint8_t*, uint64_t>> copies;  // (source, slot offset)
-  copies.reserve(plan.ops.size());
-  for (const CopyOp& op : plan.ops) {
-    auto from = sourceBytes(src, plan_scratch, op);
-    if (!from.isOk()) return from.status().withContext("staging gather source");
-    ASSIGN_OR_RETURN(uint64_t at, slotOffset(runs, op));
-    copies.push_back({*from, at});
+  ASSIGN_OR_RETURN(std::vector<CopyOp> ops, gatherOps(plan.ops, runs, 0, w));
+  std::vector<const uint8_t*> from;
+  from.reserve(ops.size());
+  for (const CopyOp& op : ops) {
+    auto bytes = sourceBytes(src, plan_scratch, op);
+    if (!bytes.isOk()) return bytes.status().withContext("staging gather source");
+    from.push_back(*bytes);
   }
-  for (size_t i = 0; i < copies.size(); ++i) {
-    std::memcpy(slot.data() + copies[i].second, copies[i].first, plan.ops[i].bytes);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    std::memcpy(slot.data() + ops[i].dst_offset, from[i], ops[i].bytes);
   }
   return OkStatus();
 }
 
 StatusOr<std::vector<CopyOp>> gatherOps(std::span<const CopyOp> ops,
-                                        const std::vector<StagedRun>& runs, uint32_t area) {
+                                        const std::vector<StagedRun>& runs, uint32_t area,
+                                        StagingWindow window) {
+  ASSIGN_OR_RETURN(const StagingWindow w, resolve(window, stagingBytes(runs)));
+  const bool whole = w.offset == 0 && w.bytes == stagingBytes(runs);
   std::vector<CopyOp> out;
-  out.reserve(ops.size());
+  out.reserve(whole ? ops.size() : 0);
   for (const CopyOp& op : ops) {
     ASSIGN_OR_RETURN(uint64_t at, slotOffset(runs, op));
-    out.push_back({op.src_region, op.src_offset, area, at, op.bytes});
+    const uint64_t lo = std::max(at, w.offset);
+    const uint64_t hi = std::min(at + op.bytes, w.offset + w.bytes);
+    if (lo >= hi) continue;
+    out.push_back({op.src_region, op.src_offset + (lo - at), area, lo - w.offset, hi - lo});
   }
   return out;
 }

@@ -39,17 +39,35 @@ StatusOr<std::vector<StagedRun>> stagingRuns(std::span<const CopyOp> ops);
 // The slot's size: the bytes of every run.
 uint64_t stagingBytes(const std::vector<StagedRun>& runs);
 
+// A window of a part's staged bytes: `bytes` of them from `offset` (at most to the part's end).
+// A part larger than the generation rank's slot moves window by window (wire::Staging::window),
+// each window laid out in the slot from its offset 0. The default is the whole part.
+struct StagingWindow {
+  uint64_t offset = 0;
+  uint64_t bytes = UINT64_MAX;
+};
+
+// The parts of `runs` inside `window`, their stage offsets counted from the window's start.
+// InvalidArgument for a window that starts past the part's end.
+StatusOr<std::vector<StagedRun>> windowRuns(const std::vector<StagedRun>& runs,
+                                            StagingWindow window);
+
 // Copies each op of `plan` from its source (the rank's pools in `src`, or `plan_scratch` for an
 // op reading kScratchRegion: packScratch's result) to its place in `slot`, laid out by `runs`
-// (stagingRuns of plan.ops). Every range is checked before anything is copied.
+// (stagingRuns of plan.ops); only the bytes inside `window`, `slot` holding the window. Every
+// range is checked before anything is copied.
 Status gatherStaged(const RankPlan& plan, const std::vector<StagedRun>& runs, const RankMemory& src,
-                    std::span<const uint8_t> plan_scratch, std::span<uint8_t> slot);
+                    std::span<const uint8_t> plan_scratch, std::span<uint8_t> slot,
+                    StagingWindow window = {});
 
 // The ops of gatherStaged, for a copy engine that runs ops (a device): each op of `ops` with its
 // destination replaced by its place in a slot laid out by `runs`, in region `area` (the slot
-// starting at offset 0 there). InvalidArgument as gatherStaged for an op in no run.
+// starting at offset 0 there). With a window, only the ops' bytes inside it, placed from the
+// window's start (an op crossing its edge is cut). InvalidArgument as gatherStaged for an op in
+// no run, and as windowRuns.
 StatusOr<std::vector<CopyOp>> gatherOps(std::span<const CopyOp> ops,
-                                        const std::vector<StagedRun>& runs, uint32_t area);
+                                        const std::vector<StagedRun>& runs, uint32_t area,
+                                        StagingWindow window = {});
 
 // The ops of scatterStaged: each run from its place in a slot at `slot_offset` of region
 // `staging` to its destination.

@@ -34,6 +34,18 @@ TEST(Staging, RunsAreSortedJoinedAndOffsetByTheBytesBefore) {
   const std::vector<CopyOp> want_back = {
       {0, 0, 9, 0, 10}, {0, 50, 9, 10, 8}, {0, 70, 9, 18, 5}, {0, 90, 9, 23, 4}};
   EXPECT_EQ(backToBack(ops, 9), want_back);
+  // A window [6, 16): ops and runs cut at its edges, placed from its start.
+  auto window = gatherOps(ops, *runs, 9, StagingWindow{6, 10});
+  ASSERT_TRUE(window.isOk());
+  const std::vector<CopyOp> want_window = {{0, 0, 9, 6, 4}, {0, 56, 9, 0, 2}, {0, 90, 9, 2, 4}};
+  EXPECT_EQ(*window, want_window);
+  auto cut = windowRuns(*runs, StagingWindow{6, 10});
+  ASSERT_TRUE(cut.isOk());
+  const std::vector<StagedRun> want_cut = {{1, 6, 0, 2}, {2, 0, 2, 4}, {2, 100, 6, 4}};
+  EXPECT_EQ(*cut, want_cut);
+  EXPECT_TRUE(windowRuns(*runs, StagingWindow{27, 5})->empty());
+  EXPECT_NE(windowRuns(*runs, StagingWindow{28, 1}).status().message().find("starts past"),
+            std::string::npos);
   const std::vector<CopyOp> elsewhere = {{0, 0, 3, 0, 1}};
   EXPECT_EQ(gatherOps(elsewhere, *runs, 9).status().code(), StatusCode::kInvalidArgument);
   const std::vector<CopyOp> overlap = {{0, 0, 2, 100, 10}, {0, 50, 2, 105, 8}};
@@ -42,7 +54,8 @@ TEST(Staging, RunsAreSortedJoinedAndOffsetByTheBytesBefore) {
 
 // Every engine pair at 4:1 and 1:4 (per-token runs for NHD and token-major): gathering each
 // context rank's part into a slot laid out from its own ops and scattering it by runs laid out
-// from a plan with other source ids leaves the generation pages as the oracle wants them.
+// from a plan with other source ids leaves the generation pages as the oracle wants them, whole
+// or window by window (windows of an uneven size, cutting ops and runs anywhere).
 TEST(Staging, GatherThenScatterMovesEveryByteForEveryEnginePair) {
   const ModelSpec model = enginePairModel();
   int cases = 0;
@@ -95,12 +108,41 @@ TEST(Staging, GatherThenScatterMovesEveryByteForEveryEnginePair) {
             ASSERT_TRUE(gather.isOk()) << what << ": " << gather.status().toString();
             ASSERT_TRUE(executeOps(*gather, c.mem, area, packed).isOk()) << what;
             ASSERT_TRUE(std::equal(slot.begin(), slot.end(), by_ops.begin() + 64)) << what;
-            // Half the cases scatter as ops, from a slot at an offset of a larger region.
-            if (cases % 2 == 0) {
+            // Window by window, gathered either way: the same bytes as the whole slot's.
+            const uint64_t step = plan->bytes / 3 + 7;
+            std::vector<StagingWindow> windows;
+            for (uint64_t at = 0; at < plan->bytes; at += step) windows.push_back({at, step});
+            for (const StagingWindow& w : windows) {
+              const uint64_t n = std::min(step, plan->bytes - w.offset);
+              std::vector<uint8_t> part(n), part_ops(n);
+              ASSERT_TRUE(gatherStaged(*plan, *mine, c.mem, packed, part, w).isOk()) << what;
+              auto cut = gatherOps(plan->ops, *mine, 0, w);
+              ASSERT_TRUE(cut.isOk()) << what << ": " << cut.status().toString();
+              const RankMemory window_area = {{part_ops.data(), n}};
+              ASSERT_TRUE(executeOps(*cut, c.mem, window_area, packed).isOk()) << what;
+              ASSERT_TRUE(std::equal(part.begin(), part.end(), slot.begin() + w.offset)) << what;
+              ASSERT_EQ(part, part_ops) << what;
+            }
+            // A third of the cases scatter as ops, from a slot at an offset of a larger region;
+            // a third window by window, as a run each and as ops in turn.
+            const RankMemory staging = {{}, {}, {by_ops.data(), by_ops.size()}};
+            if (cases % 3 == 0) {
               ASSERT_TRUE(scatterStaged(*scatter, slot, g.mem).isOk()) << what;
-            } else {
-              const RankMemory staging = {{}, {}, {by_ops.data(), by_ops.size()}};
+            } else if (cases % 3 == 1) {
               ASSERT_TRUE(executeOps(scatterOps(*scatter, 2, 64), staging, g.mem).isOk()) << what;
+            } else {
+              for (size_t i = 0; i < windows.size(); ++i) {
+                auto cut = windowRuns(*scatter, windows[i]);
+                ASSERT_TRUE(cut.isOk()) << what;
+                const uint64_t at = windows[i].offset;
+                if (i % 2 == 0) {
+                  const auto bytes = std::span<const uint8_t>(slot).subspan(at);
+                  ASSERT_TRUE(scatterStaged(*cut, bytes, g.mem).isOk()) << what;
+                } else {
+                  ASSERT_TRUE(executeOps(scatterOps(*cut, 2, 64 + at), staging, g.mem).isOk())
+                      << what;
+                }
+              }
             }
           }
           auto report = checkRank(g.layout, g.mem, g.ids, o.request_id, range);

@@ -29,11 +29,14 @@ inline constexpr uint16_t kWireVersionMajor = 1;
 // 4: transfer_request.staging (a part gathered into one write, scattered by the generation rank).
 // 5: rank_info.id_groups and transfer_request.dst_group_slots (vLLM's shared per-group tensors:
 // one id pool, a state id per group). 6: a record dim may be split (an inner dim named more
-// than once, mixed radix; vLLM's CPU attention on AMX); no field changes.
-inline constexpr uint16_t kWireVersionMinor = 6;
+// than once, mixed radix; vLLM's CPU attention on AMX); no field changes. 7:
+// transfer_request.staging_window (a part larger than the staging slot, asked for window by
+// window).
+inline constexpr uint16_t kWireVersionMinor = 7;
 inline constexpr uint16_t kStagingMinor = 4;
 inline constexpr uint16_t kStateGroupsMinor = 5;
 inline constexpr uint16_t kSplitDimsMinor = 6;
+inline constexpr uint16_t kStagingWindowMinor = 7;
 
 // Limits (all inclusive). Changing one is a format change: document it.
 inline constexpr uint64_t kMaxFrameBodyBytes = 16u << 20;  // one message body

@@ -118,6 +118,8 @@ std::vector<std::pair<std::string, Message>> messages() {
   out.emplace_back("transfer_request_no_slot", plain);
   req.staging = Staging{0x7FFF0000u, 4096, 1u << 20};
   out.emplace_back("transfer_request_staged", req);
+  req.staging = Staging{0x7FFF0000u, 4096, 1u << 19, 3u << 19, 7u << 18};
+  out.emplace_back("transfer_request_window", req);
   req.staging.reset();
   req.dst_group_slots = {6, 7, 1};
   out.emplace_back("transfer_request_group_slots", req);

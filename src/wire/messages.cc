@@ -62,6 +62,8 @@ void encodeBody(const TransferRequest& m, Bytes& out) {
   }
   putVarint64(out, m.dst_group_slots.size());
   for (uint32_t id : m.dst_group_slots) putVarint64(out, id);
+  putVarint64(out, m.staging ? m.staging->part : 0);
+  putVarint64(out, m.staging ? m.staging->window : 0);
 }
 
 void encodeBody(const TransferDone& m, Bytes& out) {
@@ -127,6 +129,14 @@ Status check(const TransferRequest& m) {
       return over("transfer_request.staging.offset", m.staging->offset, kMaxRegionBytes);
     if (m.staging->bytes > kMaxRegionBytes)
       return over("transfer_request.staging.bytes", m.staging->bytes, kMaxRegionBytes);
+    if (m.staging->part > kMaxRegionBytes)
+      return over("transfer_request.staging_part", m.staging->part, kMaxRegionBytes);
+    if (m.staging->window > kMaxRegionBytes)
+      return over("transfer_request.staging_window", m.staging->window, kMaxRegionBytes);
+    if (m.staging->part == 0 && m.staging->window != 0) {
+      return Corruption("transfer_request.staging_window=" + std::to_string(m.staging->window) +
+                        " but staging_part is 0 (the whole part)");
+    }
   }
   if (m.dst_group_slots.size() > kMaxStateGroups) {
     return over("transfer_request.dst_group_slots.count", m.dst_group_slots.size(),
@@ -183,7 +193,8 @@ Status readBody(WireReader& r, Hello* m, uint16_t minor) {
   return r.u64Fixed("incarnation", &m->incarnation);
 }
 
-// transfer_request.epoch was appended in minor 2, staging in minor 4, dst_group_slots in 5.
+// transfer_request.epoch was appended in minor 2, staging in minor 4, dst_group_slots in 5,
+// staging_part and staging_window in 7.
 Status readBody(WireReader& r, TransferRequest* m, uint16_t minor) {
   RETURN_IF_ERROR(r.u64Fixed("request_id", &m->request_id));
   RETURN_IF_ERROR(r.varint32("gen_tp_rank", kMaxTp - 1, &m->gen_tp_rank));
@@ -225,6 +236,22 @@ Status readBody(WireReader& r, TransferRequest* m, uint16_t minor) {
   m->dst_group_slots.resize(n);
   for (size_t i = 0; i < n; ++i) {
     RETURN_IF_ERROR(r.varint32("dst_group_slots", UINT32_MAX, &m->dst_group_slots[i]));
+  }
+  if (minor < kStagingWindowMinor) return OkStatus();
+  uint64_t part = 0, window = 0;
+  RETURN_IF_ERROR(r.varint("staging_part", kMaxRegionBytes, &part));
+  RETURN_IF_ERROR(r.varint("staging_window", kMaxRegionBytes, &window));
+  if ((part != 0 || window != 0) && !has_staging) {
+    return Corruption(r.name(part != 0 ? "staging_part" : "staging_window") + "=" +
+                      std::to_string(part != 0 ? part : window) + " but has_staging is 0");
+  }
+  if (part == 0 && window != 0) {
+    return Corruption(r.name("staging_window") + "=" + std::to_string(window) +
+                      " but staging_part is 0 (the whole part)");
+  }
+  if (m->staging) {
+    m->staging->part = part;
+    m->staging->window = window;
   }
   return OkStatus();
 }

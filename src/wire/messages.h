@@ -62,10 +62,18 @@ struct Hello {
 // RankInfo that no view uses), the part's bytes in the order of their destination addresses
 // (plan/staging.h). The generation rank scatters them into the pages before it completes the
 // request. Asked for when the part's ops are many and small (a descriptor storm).
+//
+// Minor 7: a part larger than the slot is asked for window by window, one TransferRequest
+// (same epoch) per window: `part` is the part's bytes as the generation rank counts them, and
+// `window` where in the part's destination-ordered bytes the slot's `bytes` begin: 0, then each
+// window's end, until the part's end. part 0 (and window 0): the slot holds the whole part, as
+// before minor 7.
 struct Staging {
   uint32_t region = 0;
   uint64_t offset = 0;
   uint64_t bytes = 0;
+  uint64_t window = 0;
+  uint64_t part = 0;
   bool operator==(const Staging&) const = default;
 };
 

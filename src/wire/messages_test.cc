@@ -34,7 +34,7 @@ TransferRequest sampleRequest() {
 
 TEST(Messages, EveryExampleMessageRoundTripsAndReencodesIdentically) {
   auto all = examples::messages();
-  ASSERT_EQ(all.size(), 11u);
+  ASSERT_EQ(all.size(), 12u);
   std::set<MessageType> types;
   for (const auto& [name, m] : all) {
     ASSERT_TRUE(checkMessage(m).isOk()) << name << ": " << checkMessage(m).toString();
@@ -278,10 +278,10 @@ TEST(Messages, StagingRoundTripsAndOlderFramesReadWithoutIt) {
   auto back = decodeMessage(encodeMessage(req));
   ASSERT_TRUE(back.isOk()) << back.status().toString();
   EXPECT_EQ(std::get<TransferRequest>(*back), req);
-  // A minor-3 frame: the same bytes without the staging field (1 flag + 1 + 2 + 3 varint bytes)
-  // and minor 5's dst_group_slots.count (1 byte).
+  // A minor-3 frame: the same bytes without the staging field (1 flag + 1 + 2 + 3 varint bytes),
+  // minor 5's dst_group_slots.count and minor 7's staging_part and staging_window (1 byte each).
   Bytes frame = encodeMessage(req);
-  frame.erase(frame.end() - kFrameTrailerBytes - 8, frame.end() - kFrameTrailerBytes);
+  frame.erase(frame.end() - kFrameTrailerBytes - 10, frame.end() - kFrameTrailerBytes);
   frame[6] = 3;
   reseal(frame);
   back = decodeMessage(frame);
@@ -331,8 +331,9 @@ TEST(Messages, GroupSlotsRoundTripAndMinorFourFramesReadWithout) {
   auto back = decodeMessage(encodeMessage(req));
   ASSERT_TRUE(back.isOk()) << back.status().toString();
   EXPECT_EQ(std::get<TransferRequest>(*back), req);
-  Bytes frame = encodeMessage(req);  // count 3, then 1 + 1 + 2 varint bytes
-  frame.erase(frame.end() - kFrameTrailerBytes - 5, frame.end() - kFrameTrailerBytes);
+  // count 3, 1 + 1 + 2 varint bytes, then staging_part and staging_window, 0 each
+  Bytes frame = encodeMessage(req);
+  frame.erase(frame.end() - kFrameTrailerBytes - 7, frame.end() - kFrameTrailerBytes);
   frame[6] = 4;
   reseal(frame);
   back = decodeMessage(frame);
@@ -340,6 +341,62 @@ TEST(Messages, GroupSlotsRoundTripAndMinorFourFramesReadWithout) {
   EXPECT_TRUE(std::get<TransferRequest>(*back).dst_group_slots.empty());
   req.dst_slot.reset();
   EXPECT_NE(checkMessage(req).message().find("dst_slot is absent"), std::string::npos)
+      << checkMessage(req).toString();
+}
+
+// Minor 7: a staged part's size and window travel last, in transfer_request.staging_part and
+// staging_window; a minor-6 frame reads without them (the whole part), one without staging must
+// say 0 for both, and a window needs the part's size.
+TEST(Messages, StagingWindowRoundTripsAndMinorSixFramesReadWithout) {
+  TransferRequest req;
+  req.request_id = 5;
+  req.dst_block_ids = {1, 2};
+  req.num_tokens = 3;
+  req.staging = Staging{9, 4096, 65536, 131072, 262144};
+  Bytes frame = encodeMessage(req);
+  auto back = decodeMessage(frame);
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  EXPECT_EQ(std::get<TransferRequest>(*back), req);
+  frame.erase(frame.end() - kFrameTrailerBytes - 6, frame.end() - kFrameTrailerBytes);  // 3 + 3
+  frame[6] = 6;
+  reseal(frame);
+  back = decodeMessage(frame);
+  ASSERT_TRUE(back.isOk()) << back.status().toString();
+  ASSERT_TRUE(std::get<TransferRequest>(*back).staging.has_value());
+  EXPECT_EQ(std::get<TransferRequest>(*back).staging->window, 0u);
+  EXPECT_EQ(std::get<TransferRequest>(*back).staging->part, 0u);
+  EXPECT_EQ(std::get<TransferRequest>(*back).staging->bytes, 65536u);
+  // Without staging, a part or a window: refused naming the field; so is a window of a part of
+  // size 0 (the whole part).
+  TransferRequest plain;
+  plain.dst_block_ids = {1};
+  plain.num_tokens = 1;
+  for (const auto& [at, what] :
+       {std::pair<size_t, std::string>{2, "staging_part=5"}, {1, "staging_window=5"}}) {
+    frame = encodeMessage(plain);
+    ASSERT_EQ(frame[frame.size() - kFrameTrailerBytes - at], 0);
+    frame[frame.size() - kFrameTrailerBytes - at] = 5;
+    reseal(frame);
+    back = decodeMessage(frame);
+    ASSERT_FALSE(back.isOk());
+    EXPECT_NE(back.status().message().find(what + " but has_staging is 0"), std::string::npos)
+        << back.status().toString();
+  }
+  TransferRequest whole = req;
+  whole.staging = Staging{9, 4096, 65536};
+  frame = encodeMessage(whole);
+  frame[frame.size() - kFrameTrailerBytes - 1] = 5;
+  reseal(frame);
+  back = decodeMessage(frame);
+  ASSERT_FALSE(back.isOk());
+  EXPECT_NE(back.status().message().find("staging_window=5 but staging_part is 0"),
+            std::string::npos)
+      << back.status().toString();
+  whole.staging->window = 5;
+  EXPECT_NE(checkMessage(whole).message().find("but staging_part is 0"), std::string::npos)
+      << checkMessage(whole).toString();
+  req.staging->window = kMaxRegionBytes + 1;
+  EXPECT_NE(checkMessage(req).message().find("transfer_request.staging_window"), std::string::npos)
       << checkMessage(req).toString();
 }
 
@@ -389,8 +446,10 @@ TEST(Messages, MinorOneFramesReadWithoutEpochsAndCannotSayExpired) {
   req.request_id = 5;
   req.dst_block_ids = {1, 2};
   req.num_tokens = 3;
-  req.epoch = 7;  // one varint byte, has_staging (minor 4) and dst_group_slots.count (minor 5)
-  auto got = decodeMessage(asMinorOne(encodeMessage(req), 3));
+  // One varint byte, has_staging (minor 4), dst_group_slots.count (minor 5), staging_part and
+  // staging_window (7).
+  req.epoch = 7;
+  auto got = decodeMessage(asMinorOne(encodeMessage(req), 5));
   ASSERT_TRUE(got.isOk()) << got.status().toString();
   EXPECT_EQ(std::get<TransferRequest>(*got).epoch, 0u);
   EXPECT_EQ(std::get<TransferRequest>(*got).dst_block_ids, req.dst_block_ids);
