@@ -312,14 +312,22 @@ Status acrossContext(DeviceApi& device, const std::string& listen, uint32_t requ
 
 Status acrossGeneration(DeviceApi& device, const std::string& peer, uint32_t requests) {
   ASSIGN_OR_RETURN(Rank gen, makeRank(true, device, acrossOptions(false, requests)));
-  ReceiverOptions ro;
-  acrossTransport(ro, "across-gen");
-  ro.peers = {peer};
-  ASSIGN_OR_RETURN(std::unique_ptr<Receiver> rx, Receiver::create(*gen.layout, *gen.memory, ro));
-  RETURN_IF_ERROR(rx->waitForPeers(30s));
+  // The first half of the requests staged whole, the rest (by a receiver started again, with a
+  // 4 KiB staging region) window by window.
+  const uint64_t whole = (requests + 1) / 2;
+  std::unique_ptr<Receiver> rx;
   uint32_t exact = 0;
   uint64_t bytes = 0;
   for (uint64_t id = 1; id <= requests; ++id) {
+    if (id == 1 || id == whole + 1) {
+      rx.reset();
+      ReceiverOptions ro;
+      acrossTransport(ro, "across-gen");
+      ro.peers = {peer};
+      if (id > whole) ro.staging_bytes = 4096;
+      ASSIGN_OR_RETURN(rx, Receiver::create(*gen.layout, *gen.memory, ro));
+      RETURN_IF_ERROR(rx->waitForPeers(30s));
+    }
     const RankPages pages = acrossPages(false, id);
     RETURN_IF_ERROR(rx->start(id, kAcrossTokens, pages));
     ASSIGN_OR_RETURN(Result r, rx->wait(id, 60s));
@@ -333,8 +341,12 @@ Status acrossGeneration(DeviceApi& device, const std::string& peer, uint32_t req
     }
     RETURN_IF_ERROR(rx->release(id));
   }
-  std::printf("generation: %u of %u exact, %llu bytes (%s)\n", exact, requests,
-              static_cast<unsigned long long>(bytes), rx->routing().c_str());
+  std::printf(
+      "generation: %u of %u exact, %llu bytes, %llu staged whole, %llu in 2 KiB windows (%s)\n",
+      exact, requests, static_cast<unsigned long long>(bytes),
+      static_cast<unsigned long long>(std::min<uint64_t>(whole, requests)),
+      static_cast<unsigned long long>(requests - std::min<uint64_t>(whole, requests)),
+      rx ? rx->routing().c_str() : "");
   return exact == requests ? OkStatus() : Corruption("not every request arrived exact");
 }
 

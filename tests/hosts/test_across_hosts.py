@@ -175,8 +175,10 @@ def test_advertise_refuses_loopback_for_other_hosts_and_is_what_peers_use():
 def test_device_pools_across_hosts_go_staged_through_host_memory():
     """A context rank and a generation rank whose pools are (fake) device memory, on two hosts:
     each part is copied on the device into pinned host memory, written over ucx into the
-    generation rank's staging region and copied into its pools there (docs/engine.md). The
-    pair packs (vllm conv sd to sglang ds); every request is checked by the oracle."""
+    generation rank's staging region and copied into its pools there (docs/engine.md): two
+    requests staged whole, two (a generation rank started again with a 4 KiB region) window by
+    window. The pair packs (vllm conv sd to sglang ds); every request is checked by the
+    oracle."""
     if not os.access(GPU_CHECK, os.X_OK):
         pytest.skip(f"{GPU_CHECK} is not built (no CUDA toolkit)")
     ctx = subprocess.Popen([HOSTS, "exec", "1", GPU_CHECK, "--fake-across", "ctx",
@@ -191,6 +193,7 @@ def test_device_pools_across_hosts_go_staged_through_host_memory():
                              capture_output=True, text=True, timeout=120)
         assert gen.returncode == 0, gen.stdout + gen.stderr
         assert "generation: 4 of 4 exact" in gen.stdout, gen.stdout
+        assert "2 staged whole, 2 in 2 KiB windows" in gen.stdout, gen.stdout
         rest, _ = ctx.communicate(timeout=120)
         assert ctx.returncode == 0, first + rest
         assert "context: 4 of 4 answered" in rest, first + rest
