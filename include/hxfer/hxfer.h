@@ -372,7 +372,8 @@ struct TransportOptions {
 
 struct SenderOptions : TransportOptions {
   // Pages marked ready that not every overlapping generation rank asked for within this time
-  // are released (Metrics::leases_expired).
+  // are released (Metrics::leases_expired); between two windows of a staged part (device
+  // pools behind ucx) it runs from the last window answered.
   std::chrono::milliseconds lease_timeout{30000};
   // A write to a generation rank (or, device pools behind ucx, the device's copy of a part into
   // host memory, counted from when the copies queued ahead of it are done) that made no

@@ -1364,6 +1364,9 @@ TEST(ApiDevice, DevicePoolsBehindUcxWaitForRoomAndTakeLargePartsInWindows) {
     ASSERT_TRUE(small.isOk()) << small.status().toString();
     const uint64_t id = 10 + region % 7;
     const auto before = senders[0]->metrics();
+    const auto parts_at = before.json.find("\"storm_parts\":");
+    ASSERT_NE(parts_at, std::string::npos) << before.json;
+    const uint64_t before_parts = std::stoull(before.json.substr(parts_at + 14));
     const Result windowed = move(**small, id);
     ASSERT_TRUE(windowed.ok()) << region << ": " << windowed.status.toString();
     EXPECT_EQ(windowed.bytes, first.bytes);
@@ -1375,6 +1378,12 @@ TEST(ApiDevice, DevicePoolsBehindUcxWaitForRoomAndTakeLargePartsInWindows) {
     EXPECT_EQ(after.requests_started - before.requests_started, 1u) << region;
     EXPECT_EQ(after.requests_ok - before.requests_ok, 1u) << region;
     EXPECT_EQ(after.bytes - before.bytes, part) << region;
+    // Both sides count each part's storm once, whatever its windows.
+    EXPECT_NE(after.json.find("\"storm_parts\":" + std::to_string(before_parts + 1)),
+              std::string::npos)
+        << after.json;
+    EXPECT_NE((*small)->metrics().json.find("\"storm_parts\":2"), std::string::npos)
+        << (*small)->metrics().json;
     ASSERT_TRUE((*small)->release(id).isOk());
   }
 }

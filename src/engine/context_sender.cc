@@ -83,10 +83,9 @@ struct ContextSender::Ask {
   std::shared_ptr<const device::Event> reading;
   uint32_t sent_end = 0;  // global layers below this one are planned and posted (kPosted)
   uint64_t bytes = 0;
-  // A staged part asked for window by window (wire::Staging::window): the part's bytes, and
-  // those its earlier windows moved. `more`: answered, but a window of it is still to
-  // come; the generation rank's next ask (same epoch, the next window) continues this one.
-  uint64_t part_bytes = 0;
+  // A staged part asked for window by window (wire::Staging::window): the bytes its earlier
+  // windows moved. `more`: answered, but a window of it is still to come; the generation
+  // rank's next ask (same epoch, the next window) continues this one.
   uint64_t earlier_bytes = 0;
   bool more = false;
   // The part's checksum (options_.checksum) when it went as one plan of every layer, taken from
@@ -502,8 +501,9 @@ void ContextSender::refuseRequestLocked(Peer& peer, const wire::TransferRequest&
       }
     }
   }
-  // Counted once: with the part it ended, or, for a first window or a whole part, here.
-  if (!ended && !(req.staging && req.staging->window > 0)) metrics_.requestFailed(causeOf(why));
+  // Each request counted once: the part it ended there, and this ask, unless it is a later
+  // window (counted with its first), here.
+  if (!(req.staging && req.staging->window > 0)) metrics_.requestFailed(causeOf(why));
   sendDoneLocked(peer.id, wire::TransferDone{req.request_id, why, 0, std::nullopt, {}, req.epoch});
   if (ended) maybeFinishLocked(req.request_id);
 }
@@ -536,8 +536,12 @@ Status ContextSender::checkJoinLocked(const Peer& peer, const Source& src,
 }
 
 bool ContextSender::continues(const Ask& a, const Peer& peer, const wire::TransferRequest& req) {
-  return a.more && a.peer == peer.id && a.req.epoch == req.epoch && req.staging &&
-         req.staging->part == a.req.staging->part &&
+  if (!a.more || a.peer != peer.id || !req.staging) return false;
+  // The same request (pages, tokens, epoch, part), asking for the window after the last; the
+  // slot may move within the staging region.
+  wire::TransferRequest same = req;
+  same.staging = a.req.staging;
+  return same == a.req && req.staging->part == a.req.staging->part &&
          req.staging->window == a.req.staging->window + a.req.staging->bytes;
 }
 
@@ -812,7 +816,6 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
     return;
   }
   ask.sent_end = src.ready_end;
-  if (plan->ops.empty()) return;
   if (const auto& slot = ask.req.staging) {
     // A staged part goes as one plan: whole, the slot holding exactly its bytes, or window by
     // window, both sides counting the same part and the window inside it.
@@ -833,7 +836,7 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
       return;
     }
   }
-  ask.part_bytes = plan->bytes;
+  if (plan->ops.empty()) return;
   // Posting waits until the engine's layers-ready event is done (advanceAskLocked).
   if (src.ready_event && !src.ready_event->status().isOk()) {
     ask.failed = Status(src.ready_event->status().code(),
@@ -1440,7 +1443,7 @@ void ContextSender::timersLocked() {
               *src, Expired("lease of request " + std::to_string(rid) + " expired after " +
                             std::to_string(options_.lease_timeout.count()) +
                             " ms: the context rank freed its pages " +
-                            (between_windows ? "while waiting for the next window of a staged part"
+                            (between_windows ? "while a staged part waited for its next window"
                                              : "before this rank asked"))),
           rememberUntil());
       touched.push_back(rid);

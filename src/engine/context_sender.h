@@ -20,10 +20,10 @@
 //
 // Ownership of the request's pages: from markReady(id) the sender owns the allocation of `id`
 // in the cache manager and frees it when every overlapping generation rank has been answered
-// (or is gone), on cancel(id), or when the lease expires (nobody asked within lease_timeout;
-// counted as leases_expired). Pages with writes in flight are gated through the cache manager
-// (beginTransfer/endTransfer): a free while in flight parks them in quarantine until the write
-// reaches a terminal state.
+// (or is gone), on cancel(id), or when the lease expires (nobody asked within lease_timeout, or
+// a staged part waited longer for its next window; counted as leases_expired). Pages with writes in
+// flight are gated through the cache manager (beginTransfer/endTransfer): a free while in flight
+// parks them in quarantine until the write reaches a terminal state.
 //
 // Cancellation: cancel(id) from the serving code, or a Cancel message from a generation rank,
 // at any point. Best effort: a posted write is cancelled at the transport and still polled to
@@ -70,7 +70,8 @@ class ContextSender {
  public:
   struct Options : EngineOptions {
     // Source pages of a request marked ready that not every overlapping generation rank asked
-    // for within this time are freed (counted in leases_expired). Also bounds how long a
+    // for within this time are freed (counted in leases_expired); between two windows of a
+    // staged part it runs from the last window answered. Also bounds how long a
     // TransferRequest waits for markReady before it is answered with Timeout.
     std::chrono::milliseconds lease_timeout{30000};
     // A posted write that has not finished within this time is cancelled and its request part

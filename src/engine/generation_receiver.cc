@@ -572,7 +572,8 @@ void GenerationReceiver::serveRoomWaitersLocked() {
 
 StatusOr<std::vector<StagedRun>> GenerationReceiver::stagedRunsLocked(const Sink& sink,
                                                                       const Part& part,
-                                                                      const CtxPeer& peer) const {
+                                                                      const CtxPeer& peer,
+                                                                      size_t* part_runs) const {
   ASSIGN_OR_RETURN(RankPlan plan, destinationPlanLocked(sink, peer));
   ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagingRuns(plan.ops));
   const uint64_t bytes = part.total > 0 ? part.total : part.staging->bytes;
@@ -581,6 +582,7 @@ StatusOr<std::vector<StagedRun>> GenerationReceiver::stagedRunsLocked(const Sink
                     std::to_string(bytes) + " bytes, the plan has " +
                     std::to_string(stagingBytes(runs)));
   }
+  if (part_runs != nullptr) *part_runs = runs.size();
   if (part.total == 0) return runs;
   const wire::Staging slot = askedSlot(part);
   return windowRuns(runs, StagingWindow{slot.window, slot.bytes});
@@ -599,7 +601,8 @@ StatusOr<std::shared_ptr<device::Event>> GenerationReceiver::startScatterLocked(
     const Sink& sink, const Part& part, const CtxPeer& peer) {
   // One batched copy on the device, from the pinned slot into the pools. The pages and the
   // slot stay fenced until its event is done, however long the device takes.
-  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagedRunsLocked(sink, part, peer));
+  size_t part_runs = 0;
+  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagedRunsLocked(sink, part, peer, &part_runs));
   const RankMemory staging = {{staging_->data(), staging_->length()}};
   ASSIGN_OR_RETURN(device::HostCopyTable table,
                    device::copyTable(scatterOps(runs, 0, part.staging->offset), staging, memory_));
@@ -607,7 +610,8 @@ StatusOr<std::shared_ptr<device::Event>> GenerationReceiver::startScatterLocked(
     ASSIGN_OR_RETURN(scatter_stream_, options_.device->createStream(device_ordinal_));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<device::Event> copied, scatter_stream_->copy(table));
-  metrics_.stormStaged(runs.size());
+  const wire::Staging slot = askedSlot(part);
+  if (slot.window + slot.bytes >= part.total) metrics_.stormStaged(part_runs);  // once a part
   scatter_watcher_.watch(copied);
   return copied;
 }

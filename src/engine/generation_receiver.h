@@ -205,9 +205,11 @@ class GenerationReceiver {
   // Asks for staging (req->staging, part.staging) when the part is a storm and a slot is free.
   void maybeStageLocked(const Sink& sink, Part& part, const CtxPeer& peer,
                         wire::TransferRequest* req);
-  // A staged part's runs, checked against its slot.
+  // A staged part's runs in its slot now (the window's, for a part larger than its slot),
+  // checked against the part; `part_runs`: how many the whole part has.
   StatusOr<std::vector<StagedRun>> stagedRunsLocked(const Sink& sink, const Part& part,
-                                                    const CtxPeer& peer) const;
+                                                    const CtxPeer& peer,
+                                                    size_t* part_runs = nullptr) const;
   // Host pools: the slot scattered into the pages, here.
   Status scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer);
   // Device pools behind a host agent: the slot's batched copy into the pools queued on the

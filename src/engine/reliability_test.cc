@@ -1912,7 +1912,7 @@ TEST(StagingWindows, TheContextRankServesEachWindowOnceAndInOrder) {
   auto slow = windowOf(7, 2 * w, part - 2 * w);
   ASSERT_TRUE(slow.isOk()) << slow.status().toString();
   EXPECT_EQ(slow->status.code(), StatusCode::kExpired) << slow->status.toString();
-  EXPECT_NE(slow->status.message().find("while waiting for the next window of a staged part"),
+  EXPECT_NE(slow->status.message().find("while a staged part waited for its next window"),
             std::string::npos)
       << slow->status.toString();
   EXPECT_TRUE(held(0));
