@@ -60,6 +60,15 @@ struct ContextSender::Piece {
   size_t staged_runs = 0;  // the slot's runs (a staged part), counted once it is posted
 };
 
+// A staged part's plan of every layer (the request is ready by then: it does not change), its
+// gather in slot order, and, host pools, its pack, done at the first window that needs it.
+struct ContextSender::StagedPlan {
+  RankPlan plan;
+  SlotGather gather;
+  std::vector<uint8_t> packed;
+  bool pack_done = false;
+};
+
 // One TransferRequest of one generation rank for one request.
 struct ContextSender::Ask {
   // kWaiting: nothing started. kPosted: started (one cache transfer hold, from beginTransfer
@@ -88,6 +97,9 @@ struct ContextSender::Ask {
   // rank's next ask (same epoch, the next window) continues this one.
   uint64_t earlier_bytes = 0;
   bool more = false;
+  // A staged part: its plan and gather, prepared at its first window and taken over by each
+  // continuation, so that a window costs its own ops only.
+  std::shared_ptr<StagedPlan> staged;
   // The part's checksum (options_.checksum) when it went as one plan of every layer, taken from
   // that plan; a streamed part's is computed once its last piece ended.
   std::optional<uint64_t> checksum;
@@ -665,6 +677,7 @@ void ContextSender::onRequestLocked(Peer& peer, wire::TransferRequest req,
   if (prior != nullptr) {  // answered, nothing in flight: the next window takes its place
     ask.asked_at = prior->asked_at;
     ask.earlier_bytes = prior->earlier_bytes + prior->bytes;
+    ask.staged = std::move(prior->staged);
     src.asks.erase(src.asks.begin() + (prior - src.asks.data()));
   }
   src.asks.push_back(std::move(ask));
@@ -808,13 +821,19 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   const LayerRange layers = src.ready && ask.sent_end == stage_.first
                                 ? kAllLayers
                                 : LayerRange{ask.sent_end, src.ready_end - ask.sent_end};
-  auto plan = planAskLocked(src, ask, layers);
-  if (!plan.isOk()) {
-    HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", src.id, ask.peer,
-                   plan.status().toString());
-    ask.failed = plan.status();
-    return;
+  // A later window of a staged part goes by the plan of its first.
+  std::optional<RankPlan> fresh;
+  if (!ask.req.staging || !ask.staged) {
+    auto planned = planAskLocked(src, ask, layers);
+    if (!planned.isOk()) {
+      HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", src.id, ask.peer,
+                     planned.status().toString());
+      ask.failed = planned.status();
+      return;
+    }
+    fresh = std::move(planned).value();
   }
+  const RankPlan* plan = fresh ? &*fresh : &ask.staged->plan;
   ask.sent_end = src.ready_end;
   if (const auto& slot = ask.req.staging) {
     // A staged part goes as one plan: whole, the slot holding exactly its bytes, or window by
@@ -835,6 +854,19 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
                      ask.failed->toString());
       return;
     }
+    if (fresh && !fresh->ops.empty()) {
+      auto runs = stagingRuns(fresh->ops);
+      auto gather = runs.isOk() ? slotGather(fresh->ops, *runs) : runs.status();
+      if (!gather.isOk()) {
+        HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
+                       gather.status().toString());
+        ask.failed = gather.status();
+        return;
+      }
+      ask.staged = std::make_shared<StagedPlan>(
+          StagedPlan{std::move(*fresh), std::move(gather).value(), {}, false});
+      plan = &ask.staged->plan;
+    }
   }
   if (plan->ops.empty()) return;
   // Posting waits until the engine's layers-ready event is done (advanceAskLocked).
@@ -844,7 +876,7 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
     return;
   }
   if (staged_device_) {
-    postFromDeviceLocked(src, ask, *plan);
+    postFromDeviceLocked(src, ask, *plan);  // staged: by ask.staged
     return;
   }
   const bool on_device = agent_->capabilities().device_memory;
@@ -863,7 +895,7 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
     return;
   }
   if (ask.req.staging) {
-    postStagedLocked(src, ask, *plan);
+    postStagedLocked(src, ask);
     return;
   }
   std::unique_ptr<Region> scratch;
@@ -985,18 +1017,15 @@ void ContextSender::landCopyLocked(Ask& ask, Piece& piece, bool post) {
   }
 }
 
-void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan) {
+void ContextSender::postStagedLocked(Source& src, Ask& ask) {
   const wire::Staging& slot = *ask.req.staging;
+  StagedPlan& staged = *ask.staged;
+  const RankPlan& plan = staged.plan;
   auto fail = [&](const Status& why) {
     HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
                    why.toString());
     ask.failed = why;
   };
-  auto runs = stagingRuns(plan.ops);
-  if (!runs.isOk()) {
-    fail(runs.status());
-    return;
-  }
   // The ops' sources in one local area laid out as the slot (the window of the part it asks
   // for), written as one op.
   const StagingWindow window{slot.window, slot.bytes};
@@ -1006,15 +1035,21 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan
     return;
   }
   std::unique_ptr<Region> gathered = std::move(area).value();
-  std::vector<uint8_t> packed(plan.pack_ops.empty() ? 0 : plan.scratch_bytes);
-  Status s = packed.empty() ? OkStatus() : packScratch(plan, memory_, packed);
+  Status s = OkStatus();
+  if (!plan.pack_ops.empty() && !staged.pack_done) {  // once a part, whatever its windows
+    staged.packed.resize(plan.scratch_bytes);
+    s = packScratch(plan, memory_, staged.packed);
+    staged.pack_done = s.isOk();
+    if (s.isOk()) metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
+  }
   if (s.isOk()) {
-    s = gatherStaged(plan, *runs, memory_, packed,
+    s = gatherStaged(staged.gather, memory_, staged.packed,
                      std::span<uint8_t>(gathered->data(), gathered->length()), window);
   }
-  if (s.isOk() && options_.checksum && slot.window + slot.bytes == plan.bytes) {
+  const bool last = slot.window + slot.bytes == plan.bytes;
+  if (s.isOk() && options_.checksum && last) {
     // A staged part is always the whole part in one plan; its last window carries the sum.
-    auto sum = checksumOps(plan.ops, memory_, /*source=*/true, packed);
+    auto sum = checksumOps(plan.ops, memory_, /*source=*/true, staged.packed);
     if (sum.isOk()) ask.checksum = *sum;
     s = sum.status();
   }
@@ -1023,8 +1058,6 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask, const RankPlan& plan
     fail(s);
     return;
   }
-  if (!packed.empty()) metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
-  const bool last = slot.window + slot.bytes == plan.bytes;
   const uint32_t from = gathered->id();
   if (Status st = postLocked(ask, {{from, 0, slot.region, slot.offset, slot.bytes}},
                              std::move(gathered), slot.bytes);
@@ -1047,9 +1080,7 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   std::vector<CopyOp> gather;
   const uint64_t bytes = slot ? slot->bytes : plan.bytes;  // a window of a staged part
   if (slot) {
-    auto runs = stagingRuns(plan.ops);
-    auto ops = runs.isOk() ? gatherOps(plan.ops, *runs, 0, StagingWindow{slot->window, bytes})
-                           : runs.status();
+    auto ops = windowOps(ask.staged->gather, 0, StagingWindow{slot->window, bytes});
     if (!ops.isOk()) return fail(ops.status());
     gather = std::move(ops).value();
   } else {

@@ -164,6 +164,7 @@ class ContextSender {
  private:
   struct Peer;
   struct Piece;
+  struct StagedPlan;
   struct Ask;
   struct Source;
   using Callback = std::function<void()>;
@@ -191,9 +192,9 @@ class ContextSender {
   // Plans and posts the ask's layers [sent_end, src.ready_end) (one piece, or none when they
   // hold nothing for the peer); a failure is left in ask.failed.
   void postPieceLocked(Source& src, Ask& ask);
-  // A part the generation rank asked to stage (TransferRequest::staging): its ops gathered
-  // into one local area in the slot's order (plan/staging.h) and posted as one write.
-  void postStagedLocked(Source& src, Ask& ask, const RankPlan& plan);
+  // A part the generation rank asked to stage (TransferRequest::staging): its ops (ask.staged)
+  // gathered into one local area in the slot's order (plan/staging.h) and posted as one write.
+  void postStagedLocked(Source& src, Ask& ask);
   // Device pools behind a host agent (staged_device_): the part's bytes copied on the device
   // into a pinned host area (laid out as the generation rank's slot when it asked for staging,
   // else back to back), then written from there. The copy is not waited for here: the piece

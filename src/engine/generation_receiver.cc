@@ -65,12 +65,22 @@ struct GenerationReceiver::Part {
   // pools) starts. 0: the part goes whole.
   uint64_t total = 0;
   uint64_t window = 0;
+  // A staged part's runs in the slot, the whole part's (stagingRuns), laid out once when its slot
+  // was taken; freed with the slot.
+  std::vector<StagedRun> runs{};
   // The context rank answered a window of it before the last, and holds the request for the
   // next ask: a failure must tell it (Cancel), as it tells one with the part in flight.
   bool ctx_waiting = false;
   bool waiting_room = false;  // in room_waiters_ (device pools behind a host agent)
   std::shared_ptr<device::Event> scattered{};  // kScattering: the copy's event
   Bytes done_aux{};                            // kScattering: the Done's aux, taken once copied
+
+  // The bytes of the window in the slot now (the whole slot for a part that goes whole).
+  uint64_t windowBytes() const {
+    return total > 0 ? std::min(staging->bytes, total - window) : staging->bytes;
+  }
+  // A window of the part comes after the one in the slot now.
+  bool windowsAfter() const { return total > 0 && window + windowBytes() < total; }
 };
 
 struct GenerationReceiver::Sink {
@@ -448,13 +458,13 @@ wire::Staging GenerationReceiver::askedSlot(const Part& part) {
   if (part.total > 0) {
     slot.part = part.total;
     slot.window = part.window;
-    slot.bytes = std::min(slot.bytes, part.total - part.window);
+    slot.bytes = part.windowBytes();
   }
   return slot;
 }
 
 void GenerationReceiver::askNextWindowLocked(Sink& sink, Part& part) {
-  part.window += askedSlot(part).bytes;
+  part.window += part.windowBytes();
   part.ctx_waiting = false;  // asked now, or gone
   CtxPeer& peer = *peers_[part.peer];
   // The context rank answered the last window only once it had landed: nothing of this part
@@ -484,7 +494,9 @@ void GenerationReceiver::maybeStageLocked(const Sink& sink, Part& part, const Ct
       plan->bytes > options_.stage_max_op_bytes * plan->ops.size()) {
     return;
   }
-  if (!takeSlotLocked(part, plan->bytes)) return;  // full: this part goes without staging
+  auto runs = stagingRuns(plan->ops);
+  if (!runs.isOk() || !takeSlotLocked(part, plan->bytes)) return;  // full: it goes without staging
+  part.runs = std::move(runs).value();
   req->staging = part.staging;
 }
 
@@ -512,7 +524,12 @@ StatusOr<bool> GenerationReceiver::reserveSlotLocked(const Sink& sink, Part& par
   }
   ASSIGN_OR_RETURN(RankPlan plan, destinationPlanLocked(sink, peer));
   if (plan.ops.empty()) return true;  // nothing of this part lands here
-  if (plan.bytes <= staging_->length()) return takeSlotLocked(part, plan.bytes);
+  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagingRuns(plan.ops));
+  if (plan.bytes <= staging_->length()) {
+    if (!takeSlotLocked(part, plan.bytes)) return false;
+    part.runs = std::move(runs);
+    return true;
+  }
   if (peer.info.version_minor < wire::kStagingWindowMinor) {
     return ResourceExhausted(what + ": the part is " + std::to_string(plan.bytes) +
                              " bytes, more than the staging region of " +
@@ -525,6 +542,7 @@ StatusOr<bool> GenerationReceiver::reserveSlotLocked(const Sink& sink, Part& par
   // second large part moves beside it.
   const uint64_t region = staging_->length();
   if (!takeSlotLocked(part, region >= 128 ? (region / 2) & ~uint64_t{63} : region)) return false;
+  part.runs = std::move(runs);
   part.total = plan.bytes;
   part.window = 0;
   return true;
@@ -534,6 +552,7 @@ void GenerationReceiver::freeSlotLocked(Part& part) {
   if (!part.staging) return;
   staging_slots_.erase(part.staging->offset);
   part.staging.reset();
+  part.runs = {};
   if (!room_waiters_.empty()) room_check_ = true;
 }
 
@@ -570,26 +589,13 @@ void GenerationReceiver::serveRoomWaitersLocked() {
   serving_waiters_ = false;
 }
 
-StatusOr<std::vector<StagedRun>> GenerationReceiver::stagedRunsLocked(const Sink& sink,
-                                                                      const Part& part,
-                                                                      const CtxPeer& peer,
-                                                                      size_t* part_runs) const {
-  ASSIGN_OR_RETURN(RankPlan plan, destinationPlanLocked(sink, peer));
-  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagingRuns(plan.ops));
-  const uint64_t bytes = part.total > 0 ? part.total : part.staging->bytes;
-  if (stagingBytes(runs) != bytes) {
-    return Internal("request " + std::to_string(sink.id) + ": staged part of " +
-                    std::to_string(bytes) + " bytes, the plan has " +
-                    std::to_string(stagingBytes(runs)));
-  }
-  if (part_runs != nullptr) *part_runs = runs.size();
-  if (part.total == 0) return runs;
-  const wire::Staging slot = askedSlot(part);
-  return windowRuns(runs, StagingWindow{slot.window, slot.bytes});
+StatusOr<std::vector<StagedRun>> GenerationReceiver::slotRuns(const Part& part) {
+  if (part.total == 0) return part.runs;
+  return windowRuns(part.runs, StagingWindow{part.window, part.windowBytes()});
 }
 
-Status GenerationReceiver::scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer) {
-  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagedRunsLocked(sink, part, peer));
+Status GenerationReceiver::scatterLocked(const Part& part) {
+  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, slotRuns(part));
   RETURN_IF_ERROR(scatterStaged(
       runs, std::span<const uint8_t>(staging_->data() + part.staging->offset, part.staging->bytes),
       memory_));
@@ -597,12 +603,10 @@ Status GenerationReceiver::scatterLocked(const Sink& sink, const Part& part, con
   return OkStatus();
 }
 
-StatusOr<std::shared_ptr<device::Event>> GenerationReceiver::startScatterLocked(
-    const Sink& sink, const Part& part, const CtxPeer& peer) {
+StatusOr<std::shared_ptr<device::Event>> GenerationReceiver::startScatterLocked(const Part& part) {
   // One batched copy on the device, from the pinned slot into the pools. The pages and the
   // slot stay fenced until its event is done, however long the device takes.
-  size_t part_runs = 0;
-  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, stagedRunsLocked(sink, part, peer, &part_runs));
+  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, slotRuns(part));
   const RankMemory staging = {{staging_->data(), staging_->length()}};
   ASSIGN_OR_RETURN(device::HostCopyTable table,
                    device::copyTable(scatterOps(runs, 0, part.staging->offset), staging, memory_));
@@ -610,8 +614,7 @@ StatusOr<std::shared_ptr<device::Event>> GenerationReceiver::startScatterLocked(
     ASSIGN_OR_RETURN(scatter_stream_, options_.device->createStream(device_ordinal_));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<device::Event> copied, scatter_stream_->copy(table));
-  const wire::Staging slot = askedSlot(part);
-  if (slot.window + slot.bytes >= part.total) metrics_.stormStaged(part_runs);  // once a part
+  if (!part.windowsAfter()) metrics_.stormStaged(part.runs.size());  // once a part
   scatter_watcher_.watch(copied);
   return copied;
 }
@@ -625,8 +628,7 @@ void GenerationReceiver::finishScattersLocked() {
       const Status copied = part.scattered->status();
       part.scattered.reset();
       const CtxPeer& peer = *peers_[part.peer];
-      if (copied.isOk() && !sink.result.terminal() && part.total > 0 &&
-          part.window + askedSlot(part).bytes < part.total) {
+      if (copied.isOk() && !sink.result.terminal() && part.windowsAfter()) {
         askNextWindowLocked(sink, part);  // the slot is free for it: the copy read it all
         continue;
       }
@@ -781,9 +783,9 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
     if (peers_[p.peer].get() == &peer && p.state == Part::State::kSent) part = &p;
   }
   if (part == nullptr) return;  // a duplicate answer (e.g. to a Cancel that crossed the Done)
-  if (part->total > 0 && done.status.isOk() && !sink.result.terminal()) {
+  if (done.status.isOk() && !sink.result.terminal()) {
     // Answered a window before the last: the context rank waits for the next ask, or a Cancel.
-    part->ctx_waiting = part->window + askedSlot(*part).bytes < part->total;
+    part->ctx_waiting = part->windowsAfter();
   }
   // A staged part lands in its slot: into the pages with it, before the slot is freed.
   Status scattered = OkStatus();
@@ -791,9 +793,9 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
     if (staged_device_) {
       // On the device: the part stays in flight, its slot and pages fenced, until the copy is
       // done; the progress thread goes on meanwhile (finishScattersLocked).
-      const uint64_t window = askedSlot(*part).bytes;
+      const uint64_t window = part->windowBytes();
       auto copying = done.bytes == window
-                         ? startScatterLocked(sink, *part, peer)
+                         ? startScatterLocked(*part)
                          : Corruption("the context rank wrote " + std::to_string(done.bytes) +
                                       " bytes into a staging slot of " + std::to_string(window));
       if (copying.isOk()) {
@@ -806,7 +808,7 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
       scattered = copying.status().withContext("copying a staged part into device " +
                                                std::to_string(device_ordinal_));
     } else {
-      scattered = scatterLocked(sink, *part, peer);
+      scattered = scatterLocked(*part);
     }
   }
   endPartLocked(sink, *part);

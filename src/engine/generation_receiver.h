@@ -205,17 +205,13 @@ class GenerationReceiver {
   // Asks for staging (req->staging, part.staging) when the part is a storm and a slot is free.
   void maybeStageLocked(const Sink& sink, Part& part, const CtxPeer& peer,
                         wire::TransferRequest* req);
-  // A staged part's runs in its slot now (the window's, for a part larger than its slot),
-  // checked against the part; `part_runs`: how many the whole part has.
-  StatusOr<std::vector<StagedRun>> stagedRunsLocked(const Sink& sink, const Part& part,
-                                                    const CtxPeer& peer,
-                                                    size_t* part_runs = nullptr) const;
+  // A staged part's runs in its slot now: the window's, for a part larger than its slot.
+  static StatusOr<std::vector<StagedRun>> slotRuns(const Part& part);
   // Host pools: the slot scattered into the pages, here.
-  Status scatterLocked(const Sink& sink, const Part& part, const CtxPeer& peer);
+  Status scatterLocked(const Part& part);
   // Device pools behind a host agent: the slot's batched copy into the pools queued on the
   // device, its event watched (scatter_watcher_); the part finishes in finishScattersLocked.
-  StatusOr<std::shared_ptr<device::Event>> startScatterLocked(const Sink& sink, const Part& part,
-                                                              const CtxPeer& peer);
+  StatusOr<std::shared_ptr<device::Event>> startScatterLocked(const Part& part);
   void finishScattersLocked();
   // Device pools behind a host agent: a staging slot for `part` before it is asked for: the
   // part's size, or half the region for a part larger than the region, asked for window by

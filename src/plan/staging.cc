@@ -65,7 +65,12 @@ StatusOr<std::vector<StagedRun>> windowRuns(const std::vector<StagedRun>& runs,
                                             StagingWindow window) {
   ASSIGN_OR_RETURN(const StagingWindow w, resolve(window, stagingBytes(runs)));
   std::vector<StagedRun> out;
-  for (const StagedRun& r : runs) {
+  // Runs lie back to back in the slot: the first one ending past the window's start.
+  auto it = std::upper_bound(
+      runs.begin(), runs.end(), w.offset,
+      [](uint64_t at, const StagedRun& r) { return at < r.stage_offset + r.bytes; });
+  for (; it != runs.end() && it->stage_offset < w.offset + w.bytes; ++it) {
+    const StagedRun& r = *it;
     const uint64_t lo = std::max(r.stage_offset, w.offset);
     const uint64_t hi = std::min(r.stage_offset + r.bytes, w.offset + w.bytes);
     if (lo >= hi) continue;
@@ -96,15 +101,54 @@ StatusOr<uint64_t> slotOffset(const std::vector<StagedRun>& runs, const CopyOp& 
 
 }  // namespace
 
-Status gatherStaged(const RankPlan& plan, const std::vector<StagedRun>& runs, const RankMemory& src,
+StatusOr<std::vector<CopyOp>> gatherOps(std::span<const CopyOp> ops,
+                                        const std::vector<StagedRun>& runs, uint32_t area) {
+  std::vector<CopyOp> out;
+  out.reserve(ops.size());
+  for (const CopyOp& op : ops) {
+    if (op.bytes == 0) continue;
+    ASSIGN_OR_RETURN(uint64_t at, slotOffset(runs, op));
+    out.push_back({op.src_region, op.src_offset, area, at, op.bytes});
+  }
+  return out;
+}
+
+StatusOr<SlotGather> slotGather(std::span<const CopyOp> ops, const std::vector<StagedRun>& runs) {
+  SlotGather gather;
+  ASSIGN_OR_RETURN(gather.ops, gatherOps(ops, runs, 0));
+  std::sort(gather.ops.begin(), gather.ops.end(),
+            [](const CopyOp& a, const CopyOp& b) { return a.dst_offset < b.dst_offset; });
+  gather.bytes = stagingBytes(runs);
+  return gather;
+}
+
+StatusOr<std::vector<CopyOp>> windowOps(const SlotGather& gather, uint32_t area,
+                                        StagingWindow window) {
+  ASSIGN_OR_RETURN(const StagingWindow w, resolve(window, gather.bytes));
+  // The ops' destinations are disjoint and ascending: so are their ends.
+  auto it =
+      std::upper_bound(gather.ops.begin(), gather.ops.end(), w.offset,
+                       [](uint64_t at, const CopyOp& op) { return at < op.dst_offset + op.bytes; });
+  std::vector<CopyOp> out;
+  for (; it != gather.ops.end() && it->dst_offset < w.offset + w.bytes; ++it) {
+    const CopyOp& op = *it;
+    const uint64_t lo = std::max(op.dst_offset, w.offset);
+    const uint64_t hi = std::min(op.dst_offset + op.bytes, w.offset + w.bytes);
+    out.push_back(
+        {op.src_region, op.src_offset + (lo - op.dst_offset), area, lo - w.offset, hi - lo});
+  }
+  return out;
+}
+
+Status gatherStaged(const SlotGather& gather, const RankMemory& src,
                     std::span<const uint8_t> plan_scratch, std::span<uint8_t> slot,
                     StagingWindow window) {
-  ASSIGN_OR_RETURN(const StagingWindow w, resolve(window, stagingBytes(runs)));
-  if (slot.size() < w.bytes) {
+  ASSIGN_OR_RETURN(const std::vector<CopyOp> ops, windowOps(gather, 0, window));
+  const uint64_t need = std::min(window.bytes, gather.bytes - window.offset);  // offset checked
+  if (slot.size() < need) {
     return InvalidArgument("staging slot of " + std::to_string(slot.size()) +
-                           " bytes, the runs need " + std::to_string(w.bytes));
+                           " bytes, the window needs " + std::to_string(need));
   }
-  ASSIGN_OR_RETURN(std::vector<CopyOp> ops, gatherOps(plan.ops, runs, 0, w));
   std::vector<const uint8_t*> from;
   from.reserve(ops.size());
   for (const CopyOp& op : ops) {
@@ -116,23 +160,6 @@ Status gatherStaged(const RankPlan& plan, const std::vector<StagedRun>& runs, co
     std::memcpy(slot.data() + ops[i].dst_offset, from[i], ops[i].bytes);
   }
   return OkStatus();
-}
-
-StatusOr<std::vector<CopyOp>> gatherOps(std::span<const CopyOp> ops,
-                                        const std::vector<StagedRun>& runs, uint32_t area,
-                                        StagingWindow window) {
-  ASSIGN_OR_RETURN(const StagingWindow w, resolve(window, stagingBytes(runs)));
-  const bool whole = w.offset == 0 && w.bytes == stagingBytes(runs);
-  std::vector<CopyOp> out;
-  out.reserve(whole ? ops.size() : 0);
-  for (const CopyOp& op : ops) {
-    ASSIGN_OR_RETURN(uint64_t at, slotOffset(runs, op));
-    const uint64_t lo = std::max(at, w.offset);
-    const uint64_t hi = std::min(at + op.bytes, w.offset + w.bytes);
-    if (lo >= hi) continue;
-    out.push_back({op.src_region, op.src_offset + (lo - at), area, lo - w.offset, hi - lo});
-  }
-  return out;
 }
 
 std::vector<CopyOp> scatterOps(const std::vector<StagedRun>& runs, uint32_t staging,

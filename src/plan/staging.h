@@ -47,27 +47,37 @@ struct StagingWindow {
   uint64_t bytes = UINT64_MAX;
 };
 
-// The parts of `runs` inside `window`, their stage offsets counted from the window's start.
-// InvalidArgument for a window that starts past the part's end.
+// The parts of `runs` inside `window`, their stage offsets counted from the window's start:
+// O(log n + the window's runs). InvalidArgument for a window that starts past the part's end.
 StatusOr<std::vector<StagedRun>> windowRuns(const std::vector<StagedRun>& runs,
                                             StagingWindow window);
 
-// Copies each op of `plan` from its source (the rank's pools in `src`, or `plan_scratch` for an
-// op reading kScratchRegion: packScratch's result) to its place in `slot`, laid out by `runs`
-// (stagingRuns of plan.ops); only the bytes inside `window`, `slot` holding the window. Every
-// range is checked before anything is copied.
-Status gatherStaged(const RankPlan& plan, const std::vector<StagedRun>& runs, const RankMemory& src,
-                    std::span<const uint8_t> plan_scratch, std::span<uint8_t> slot,
-                    StagingWindow window = {});
-
 // The ops of gatherStaged, for a copy engine that runs ops (a device): each op of `ops` with its
 // destination replaced by its place in a slot laid out by `runs`, in region `area` (the slot
-// starting at offset 0 there). With a window, only the ops' bytes inside it, placed from the
-// window's start (an op crossing its edge is cut). InvalidArgument as gatherStaged for an op in
-// no run, and as windowRuns.
+// starting at offset 0 there), in op order. InvalidArgument for an op in no run.
 StatusOr<std::vector<CopyOp>> gatherOps(std::span<const CopyOp> ops,
-                                        const std::vector<StagedRun>& runs, uint32_t area,
+                                        const std::vector<StagedRun>& runs, uint32_t area);
+
+// A part's gather prepared once for all its windows: gatherOps of the part's plan (region 0),
+// sorted by place in the slot, so that each window takes only its own ops. A part of n ops in w
+// windows costs O(n log n) once, not per window.
+struct SlotGather {
+  std::vector<CopyOp> ops;  // disjoint destinations, ascending
+  uint64_t bytes = 0;       // the part's staged bytes
+};
+StatusOr<SlotGather> slotGather(std::span<const CopyOp> ops, const std::vector<StagedRun>& runs);
+
+// The ops of `gather` inside `window`, in region `area`, placed from the window's start (an op
+// crossing its edge is cut): O(log n + the window's ops). InvalidArgument as windowRuns.
+StatusOr<std::vector<CopyOp>> windowOps(const SlotGather& gather, uint32_t area,
                                         StagingWindow window = {});
+
+// Copies the bytes of `gather` inside `window` from their sources (the rank's pools in `src`, or
+// `plan_scratch` for an op reading kScratchRegion: packScratch's result) into `slot`, which holds
+// the window. Every range is checked before anything is copied.
+Status gatherStaged(const SlotGather& gather, const RankMemory& src,
+                    std::span<const uint8_t> plan_scratch, std::span<uint8_t> slot,
+                    StagingWindow window = {});
 
 // The ops of scatterStaged: each run from its place in a slot at `slot_offset` of region
 // `staging` to its destination.

@@ -34,11 +34,23 @@ TEST(Staging, RunsAreSortedJoinedAndOffsetByTheBytesBefore) {
   const std::vector<CopyOp> want_back = {
       {0, 0, 9, 0, 10}, {0, 50, 9, 10, 8}, {0, 70, 9, 18, 5}, {0, 90, 9, 23, 4}};
   EXPECT_EQ(backToBack(ops, 9), want_back);
-  // A window [6, 16): ops and runs cut at its edges, placed from its start.
-  auto window = gatherOps(ops, *runs, 9, StagingWindow{6, 10});
+  // Prepared for windows: in slot order. A window [6, 16): ops and runs cut at its edges, placed
+  // from its start.
+  auto prepared = slotGather(ops, *runs);
+  ASSERT_TRUE(prepared.isOk());
+  const std::vector<CopyOp> want_sorted = {
+      {0, 50, 0, 0, 8}, {0, 90, 0, 8, 4}, {0, 0, 0, 12, 10}, {0, 70, 0, 22, 5}};
+  EXPECT_EQ(prepared->ops, want_sorted);
+  EXPECT_EQ(prepared->bytes, 27u);
+  auto window = windowOps(*prepared, 9, StagingWindow{6, 10});
   ASSERT_TRUE(window.isOk());
-  const std::vector<CopyOp> want_window = {{0, 0, 9, 6, 4}, {0, 56, 9, 0, 2}, {0, 90, 9, 2, 4}};
+  const std::vector<CopyOp> want_window = {{0, 56, 9, 0, 2}, {0, 90, 9, 2, 4}, {0, 0, 9, 6, 4}};
   EXPECT_EQ(*window, want_window);
+  EXPECT_EQ(*windowOps(*prepared, 9), *windowOps(*prepared, 9, StagingWindow{0, 27}));
+  EXPECT_EQ(windowOps(*prepared, 9)->size(), 4u);
+  EXPECT_TRUE(windowOps(*prepared, 9, StagingWindow{27, 5})->empty());
+  EXPECT_NE(windowOps(*prepared, 9, StagingWindow{28, 1}).status().message().find("starts past"),
+            std::string::npos);
   auto cut = windowRuns(*runs, StagingWindow{6, 10});
   ASSERT_TRUE(cut.isOk());
   const std::vector<StagedRun> want_cut = {{1, 6, 0, 2}, {2, 0, 2, 4}, {2, 100, 6, 4}};
@@ -99,8 +111,10 @@ TEST(Staging, GatherThenScatterMovesEveryByteForEveryEnginePair) {
             EXPECT_EQ(stagingBytes(*mine), plan->bytes) << what;
             std::vector<uint8_t> packed(plan->scratch_bytes);
             ASSERT_TRUE(packScratch(*plan, c.mem, packed).isOk());
+            auto prepared = slotGather(plan->ops, *mine);
+            ASSERT_TRUE(prepared.isOk()) << what << ": " << prepared.status().toString();
             std::vector<uint8_t> slot(plan->bytes);
-            ASSERT_TRUE(gatherStaged(*plan, *mine, c.mem, packed, slot).isOk()) << what;
+            ASSERT_TRUE(gatherStaged(*prepared, c.mem, packed, slot).isOk()) << what;
             // The same gather as ops (what a device runs): the same slot.
             std::vector<uint8_t> by_ops(plan->bytes + 64, 0xEE);
             const RankMemory area = {{by_ops.data() + 64, plan->bytes}};
@@ -115,8 +129,8 @@ TEST(Staging, GatherThenScatterMovesEveryByteForEveryEnginePair) {
             for (const StagingWindow& w : windows) {
               const uint64_t n = std::min(step, plan->bytes - w.offset);
               std::vector<uint8_t> part(n), part_ops(n);
-              ASSERT_TRUE(gatherStaged(*plan, *mine, c.mem, packed, part, w).isOk()) << what;
-              auto cut = gatherOps(plan->ops, *mine, 0, w);
+              ASSERT_TRUE(gatherStaged(*prepared, c.mem, packed, part, w).isOk()) << what;
+              auto cut = windowOps(*prepared, 0, w);
               ASSERT_TRUE(cut.isOk()) << what << ": " << cut.status().toString();
               const RankMemory window_area = {{part_ops.data(), n}};
               ASSERT_TRUE(executeOps(*cut, c.mem, window_area, packed).isOk()) << what;
