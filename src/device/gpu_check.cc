@@ -200,7 +200,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "--ipc-child") == 0) return ipcChild(argc, argv);
   if (argc > 1 && std::strcmp(argv[1], "--fake-api") == 0) {
     // The engine rows over the fake device: their logic checked where there is no GPU.
-    // Over ucx also through a 16 MiB staging region: 8 MiB windows of the part.
+    // Over ucx also through a 16 MiB staging region: 4 MiB windows of the part, two in flight.
     bool ok = true;
     for (const auto& [backend, staging] : {std::pair<const char*, uint64_t>{"cuda", 1ull << 30},
                                            {"ucx", 1ull << 30},
@@ -265,7 +265,7 @@ int main(int argc, char** argv) {
     const ApiResult r = apiCheck(false, "nemotron-h-8b", 8192, backend, staging);
     const std::string what =
         std::string("one 8k-token nemotron-h-8b request, vllm -> sglang, API over ") + backend +
-        (staging < (1ull << 30) ? ", 32 MiB windows" : "");
+        (staging < (1ull << 30) ? ", 16 MiB windows, two in flight" : "");
     if (!r.ran) {
       row(what, false, r.why.substr(0, 40), "oracle exact");
       std::fprintf(stderr, "%s: %s\n", what.c_str(), r.why.c_str());

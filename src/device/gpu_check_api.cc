@@ -342,7 +342,7 @@ Status acrossGeneration(DeviceApi& device, const std::string& peer, uint32_t req
     RETURN_IF_ERROR(rx->release(id));
   }
   std::printf(
-      "generation: %u of %u exact, %llu bytes, %llu staged whole, %llu in 2 KiB windows (%s)\n",
+      "generation: %u of %u exact, %llu bytes, %llu staged whole, %llu in 1 KiB windows (%s)\n",
       exact, requests, static_cast<unsigned long long>(bytes),
       static_cast<unsigned long long>(std::min<uint64_t>(whole, requests)),
       static_cast<unsigned long long>(requests - std::min<uint64_t>(whole, requests)),

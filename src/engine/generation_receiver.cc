@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <future>
 #include <set>
 #include <thread>
@@ -48,7 +49,8 @@ struct GenerationReceiver::CtxPeer {
 // One context rank's part of one request.
 struct GenerationReceiver::Part {
   // kScattering: its Done came and the device copies its staging slot into the pools (device
-  // pools behind a host agent); it stays in flight until that copy is done (finishScattersLocked).
+  // pools behind a host agent); it stays in flight until that copy is done (finishScattersLocked),
+  // or, a part in windows, until the half of the slot its next window goes into is free.
   enum class State { kQueued, kSent, kScattering, kOk, kFailed };
   size_t peer = 0;  // index into peers_
   State state = State::kQueued;
@@ -61,8 +63,9 @@ struct GenerationReceiver::Part {
   // The slot this part was asked to write into (storm control); freed when its fence ends.
   std::optional<wire::Staging> staging{};
   // Device pools behind a host agent, a part larger than its slot (wire minor 7): the part's
-  // staged bytes, and where the window in the slot now (asked for, or being copied into the
-  // pools) starts. 0: the part goes whole.
+  // staged bytes, and where the window asked for last starts. 0: the part goes whole. The slot
+  // holds two windows (halves; one below 128 bytes), window k in half k % 2: the context rank
+  // gathers and writes the next window while the device copies the last into the pools.
   uint64_t total = 0;
   uint64_t window = 0;
   // A staged part's runs in the slot, the whole part's (stagingRuns), laid out once when its slot
@@ -72,14 +75,27 @@ struct GenerationReceiver::Part {
   // next ask: a failure must tell it (Cancel), as it tells one with the part in flight.
   bool ctx_waiting = false;
   bool waiting_room = false;  // in room_waiters_ (device pools behind a host agent)
-  std::shared_ptr<device::Event> scattered{};  // kScattering: the copy's event
-  Bytes done_aux{};                            // kScattering: the Done's aux, taken once copied
+  // The device's copy of each half of the slot into the pools (of the whole slot: [0]) while it
+  // runs, until finishScattersLocked sees it done; the slot and the pages stay fenced meanwhile.
+  std::array<std::shared_ptr<device::Event>, 2> copies{};
+  // Ended (endPartLocked) while a copy ran: the fence ends once none runs (finishScattersLocked).
+  bool draining = false;
+  Bytes done_aux{};  // kScattering: the Done's aux, taken once copied
 
-  // The bytes of the window in the slot now (the whole slot for a part that goes whole).
-  uint64_t windowBytes() const {
-    return total > 0 ? std::min(staging->bytes, total - window) : staging->bytes;
+  bool copying() const { return copies[0] || copies[1]; }
+  // A window's room in the slot: half of it for a part in windows (all of it below 128 bytes).
+  uint64_t windowSpan() const {
+    return total > 0 && staging->bytes >= 128 ? (staging->bytes / 2) & ~uint64_t{63}
+                                              : staging->bytes;
   }
-  // A window of the part comes after the one in the slot now.
+  // The half of the slot the window asked for last goes into, and the next window's.
+  size_t half() const { return total > 0 ? (window / windowSpan()) % 2 : 0; }
+  size_t nextHalf() const { return windowSpan() < staging->bytes ? 1 - half() : half(); }
+  // The bytes of the window asked for last (the whole slot for a part that goes whole).
+  uint64_t windowBytes() const {
+    return total > 0 ? std::min(windowSpan(), total - window) : staging->bytes;
+  }
+  // A window of the part comes after the one asked for last.
   bool windowsAfter() const { return total > 0 && window + windowBytes() < total; }
 };
 
@@ -458,6 +474,7 @@ wire::Staging GenerationReceiver::askedSlot(const Part& part) {
   if (part.total > 0) {
     slot.part = part.total;
     slot.window = part.window;
+    slot.offset += part.half() * part.windowSpan();
     slot.bytes = part.windowBytes();
   }
   return slot;
@@ -467,8 +484,8 @@ void GenerationReceiver::askNextWindowLocked(Sink& sink, Part& part) {
   part.window += part.windowBytes();
   part.ctx_waiting = false;  // asked now, or gone
   CtxPeer& peer = *peers_[part.peer];
-  // The context rank answered the last window only once it had landed: nothing of this part
-  // is in flight, so its fence may end here.
+  // The context rank answered the last window only once it had landed: no write of this part
+  // is in flight, so its fence may end here, once the device's copies are done.
   Status st = peer.state == CtxPeer::State::kReady
                   ? agent_->sendMessage(peer.id, wire::encodeMessage(requestFor(sink, part)))
                   : Unavailable("it went away between two windows of a staged part");
@@ -608,8 +625,9 @@ StatusOr<std::shared_ptr<device::Event>> GenerationReceiver::startScatterLocked(
   // slot stay fenced until its event is done, however long the device takes.
   ASSIGN_OR_RETURN(std::vector<StagedRun> runs, slotRuns(part));
   const RankMemory staging = {{staging_->data(), staging_->length()}};
-  ASSIGN_OR_RETURN(device::HostCopyTable table,
-                   device::copyTable(scatterOps(runs, 0, part.staging->offset), staging, memory_));
+  ASSIGN_OR_RETURN(
+      device::HostCopyTable table,
+      device::copyTable(scatterOps(runs, 0, askedSlot(part).offset), staging, memory_));
   if (!scatter_stream_) {
     ASSIGN_OR_RETURN(scatter_stream_, options_.device->createStream(device_ordinal_));
   }
@@ -624,33 +642,48 @@ void GenerationReceiver::finishScattersLocked() {
   for (auto& [id, sink_ptr] : sinks_) {
     Sink& sink = *sink_ptr;
     for (Part& part : sink.parts) {
-      if (part.state != Part::State::kScattering || !part.scattered->done()) continue;
-      const Status copied = part.scattered->status();
-      part.scattered.reset();
+      bool reaped = false;
+      Status copied = OkStatus();
+      for (auto& copy : part.copies) {
+        if (!copy || !copy->done()) continue;
+        if (copied.isOk()) copied = copy->status();
+        copy.reset();
+        reaped = true;
+      }
+      if (!reaped) continue;
       const CtxPeer& peer = *peers_[part.peer];
-      if (copied.isOk() && !sink.result.terminal() && part.windowsAfter()) {
-        askNextWindowLocked(sink, part);  // the slot is free for it: the copy read it all
-        continue;
-      }
-      endPartLocked(sink, part);
-      part.state = copied.isOk() ? Part::State::kOk : Part::State::kFailed;
-      if (sink.result.terminal()) {
-        part.done_aux.clear();
-        if (!copied.isOk()) {
-          HXFER_LOG_WARN("generation: request {} (ended): copying a staged part into device {}: {}",
-                         sink.id, device_ordinal_, copied.toString());
-        }
-        continue;
-      }
       if (!copied.isOk()) {
-        failLocked(sink,
-                   copied
-                       .withContext("copying a staged part of " + std::to_string(part.bytes) +
-                                    " bytes into device " + std::to_string(device_ordinal_))
-                       .withContext("context rank " + std::to_string(peer.rank)),
-                   FailureCause::kOther);
+        const Status why =
+            copied
+                .withContext("copying a staged part of " + std::to_string(part.bytes) +
+                             " bytes into device " + std::to_string(device_ordinal_))
+                .withContext("context rank " + std::to_string(peer.rank));
+        if (sink.result.terminal()) {
+          HXFER_LOG_WARN("generation: request {} (ended): {}", sink.id, why.toString());
+        } else {
+          // Tells a context rank writing the next window, or waiting to be asked for it.
+          failLocked(sink, why, FailureCause::kOther);
+        }
+      }
+      if (part.draining) {
+        if (!part.copying()) endPartLocked(sink, part);
         continue;
       }
+      // kSent: the next window is asked for; its Done ends the part.
+      if (part.state != Part::State::kScattering) continue;
+      if (!sink.result.terminal() && part.windowsAfter()) {
+        // Its half of the slot is free once the copy of the window before the last is done.
+        if (!part.copies[part.nextHalf()]) askNextWindowLocked(sink, part);
+        continue;
+      }
+      if (part.copying()) continue;  // the last window's copy
+      endPartLocked(sink, part);
+      if (sink.result.terminal()) {
+        part.state = Part::State::kFailed;
+        part.done_aux.clear();
+        continue;
+      }
+      part.state = Part::State::kOk;
       if (!part.done_aux.empty() && (!sink.aux_rank || peer.rank < *sink.aux_rank)) {
         sink.result.aux = std::move(part.done_aux);
         sink.aux_rank = peer.rank;
@@ -665,6 +698,9 @@ void GenerationReceiver::finishScattersLocked() {
 
 void GenerationReceiver::endPartLocked(Sink& sink, Part& part) {
   if (!part.in_flight) return;
+  // A device copy of a window still reads the slot and writes the pages: the fence ends with it.
+  part.draining = part.copying();
+  if (part.draining) return;
   part.in_flight = false;
   // No write of this part can land any more: its staging slot is free again.
   if (part.staging) {
@@ -800,9 +836,13 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
                                       " bytes into a staging slot of " + std::to_string(window));
       if (copying.isOk()) {
         part->state = Part::State::kScattering;
-        part->scattered = std::move(*copying);
+        part->copies[part->half()] = std::move(*copying);
         part->bytes += done.bytes;  // window by window for a part larger than its slot
         part->done_aux = done.aux;
+        // The next window at once when its half of the slot is free.
+        if (part->windowsAfter() && !part->copies[part->nextHalf()]) {
+          askNextWindowLocked(sink, *part);
+        }
         return;
       }
       scattered = copying.status().withContext("copying a staged part into device " +
@@ -1287,7 +1327,9 @@ void GenerationReceiver::shutdown() {
     std::vector<std::shared_ptr<const device::Event>> copying;
     for (auto& [id, sink] : sinks_) {
       for (const Part& part : sink->parts) {
-        if (part.state == Part::State::kScattering) copying.push_back(part.scattered);
+        for (const auto& copy : part.copies) {
+          if (copy) copying.push_back(copy);
+        }
       }
     }
     if (!copying.empty()) {
@@ -1302,7 +1344,7 @@ void GenerationReceiver::shutdown() {
       finishScattersLocked();
       size_t still = 0;
       for (auto& [id, sink] : sinks_) {
-        for (const Part& part : sink->parts) still += part.state == Part::State::kScattering;
+        for (const Part& part : sink->parts) still += part.copying();
       }
       if (still > 0) {
         HXFER_LOG_WARN(

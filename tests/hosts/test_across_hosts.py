@@ -193,7 +193,7 @@ def test_device_pools_across_hosts_go_staged_through_host_memory():
                              capture_output=True, text=True, timeout=120)
         assert gen.returncode == 0, gen.stdout + gen.stderr
         assert "generation: 4 of 4 exact" in gen.stdout, gen.stdout
-        assert "2 staged whole, 2 in 2 KiB windows" in gen.stdout, gen.stdout
+        assert "2 staged whole, 2 in 1 KiB windows" in gen.stdout, gen.stdout
         rest, _ = ctx.communicate(timeout=120)
         assert ctx.returncode == 0, first + rest
         assert "context: 4 of 4 answered" in rest, first + rest
