@@ -1006,8 +1006,23 @@ struct WindowedPair {
 TEST(ApiDevice, BetweenTwoWindowsACancelOrALostContextRankEndsThePartOnBothSides) {
   WindowedPair p({.devices = 1, .op_delay = 3s, .host_inaccessible = true});
   ASSERT_TRUE(p.tx && p.rx);
+  // Two windows written by the context rank (their copies run, 3 s each), and no third.
+  auto writes = [&] {
+    const std::string json = p.tx->metrics().json;
+    const std::string key = "\"writes_posted\":";
+    const size_t at = json.find(key);
+    return at == std::string::npos ? -1 : std::stoi(json.substr(at + key.size()));
+  };
+  auto written = [&](int n) {
+    for (auto until = std::chrono::steady_clock::now() + 2500ms;
+         writes() < n && std::chrono::steady_clock::now() < until;) {
+      std::this_thread::sleep_for(10ms);
+    }
+    std::this_thread::sleep_for(100ms);  // long enough for a third, were it asked for
+    return writes() == n;
+  };
   p.start(1);
-  std::this_thread::sleep_for(1s);  // two windows landed: their copies run (3 s each)
+  EXPECT_TRUE(written(2)) << p.tx->metrics().json;
   EXPECT_TRUE(p.tx->holds(1)) << "the context rank let go before the last window";
   EXPECT_EQ(p.tx->metrics().requests_ok, 0u);
   ASSERT_TRUE(p.rx->cancel(1).isOk());
@@ -1025,7 +1040,7 @@ TEST(ApiDevice, BetweenTwoWindowsACancelOrALostContextRankEndsThePartOnBothSides
   EXPECT_EQ(ctx_metrics.requests_held, 0u);
 
   p.start(2);
-  std::this_thread::sleep_for(1s);
+  EXPECT_TRUE(written(4)) << p.tx->metrics().json;
   p.tx.reset();  // gone between two windows
   res = p.rx->wait(2, 5s);
   ASSERT_TRUE(res.isOk()) << res.status().toString();
@@ -1364,12 +1379,16 @@ TEST(ApiDevice, DevicePoolsBehindUcxWaitForRoomAndTakeLargePartsInWindows) {
   fifo->reset();
 
   // No room for a whole part: each goes window by window through a slot of half the region
-  // (wire 1.7), the windows cutting runs anywhere, and lands as a whole part would. The context
-  // ranks count the request once, with all its bytes.
-  for (const uint64_t region : {part - 64, uint64_t{4096}}) {
+  // (wire 1.7), two windows in flight in the slot's halves, the windows cutting runs anywhere,
+  // and lands as a whole part would. A slot of 64 bytes (a 200-byte region) holds one window,
+  // as does one below 128 bytes (the whole of a 100-byte region). The context ranks count the
+  // request once, with all its bytes.
+  const std::vector<uint64_t> regions = {part - 64, 4096, 200, 100};
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const uint64_t region = regions[i];
     auto small = receiver(region);
     ASSERT_TRUE(small.isOk()) << small.status().toString();
-    const uint64_t id = 10 + region % 7;
+    const uint64_t id = 10 + i;
     const auto before = senders[0]->metrics();
     const auto parts_at = before.json.find("\"storm_parts\":");
     ASSERT_NE(parts_at, std::string::npos) << before.json;

@@ -1089,7 +1089,12 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   std::unique_ptr<Region> scratch;
   std::shared_ptr<const device::Event> pack;
   std::shared_ptr<const device::Event> behind = streamTailLocked();
-  if (!plan.pack_ops.empty()) {
+  // A window of a staged part packs only when one of its ops reads the pack (the conv records
+  // lie in one or two windows of a long part's kv).
+  const bool reads_pack = std::any_of(gather.begin(), gather.end(), [](const CopyOp& op) {
+    return op.src_region == kScratchRegion;
+  });
+  if (!plan.pack_ops.empty() && reads_pack) {
     auto packed = packOnDeviceLocked(plan);  // into a pinned host area, on pack_stream_
     if (!packed.isOk()) return fail(packed.status());
     scratch = std::move(packed->first);

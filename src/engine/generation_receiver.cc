@@ -88,9 +88,11 @@ struct GenerationReceiver::Part {
     return total > 0 && staging->bytes >= 128 ? (staging->bytes / 2) & ~uint64_t{63}
                                               : staging->bytes;
   }
-  // The half of the slot the window asked for last goes into, and the next window's.
-  size_t half() const { return total > 0 ? (window / windowSpan()) % 2 : 0; }
-  size_t nextHalf() const { return windowSpan() < staging->bytes ? 1 - half() : half(); }
+  // The half of the slot the window asked for last goes into, and the next window's (a slot of
+  // one half: 0 for each).
+  bool twoHalves() const { return total > 0 && windowSpan() < staging->bytes; }
+  size_t half() const { return twoHalves() ? (window / windowSpan()) % 2 : 0; }
+  size_t nextHalf() const { return twoHalves() ? 1 - half() : 0; }
   // The bytes of the window asked for last (the whole slot for a part that goes whole).
   uint64_t windowBytes() const {
     return total > 0 ? std::min(windowSpan(), total - window) : staging->bytes;
@@ -570,6 +572,7 @@ void GenerationReceiver::freeSlotLocked(Part& part) {
   staging_slots_.erase(part.staging->offset);
   part.staging.reset();
   part.runs = {};
+  part.total = part.window = 0;
   if (!room_waiters_.empty()) room_check_ = true;
 }
 
@@ -830,10 +833,13 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
       // On the device: the part stays in flight, its slot and pages fenced, until the copy is
       // done; the progress thread goes on meanwhile (finishScattersLocked).
       const uint64_t window = part->windowBytes();
-      auto copying = done.bytes == window
-                         ? startScatterLocked(*part)
-                         : Corruption("the context rank wrote " + std::to_string(done.bytes) +
-                                      " bytes into a staging slot of " + std::to_string(window));
+      auto copying =
+          done.bytes != window
+              ? Corruption("the context rank wrote " + std::to_string(done.bytes) +
+                           " bytes into a staging slot of " + std::to_string(window))
+          : part->copies[part->half()]  // never asked for while its copy runs
+              ? Internal("a window landed in a half of the staging slot the device still copies")
+              : startScatterLocked(*part);
       if (copying.isOk()) {
         part->state = Part::State::kScattering;
         part->copies[part->half()] = std::move(*copying);

@@ -134,6 +134,7 @@ StatusOr<std::vector<CopyOp>> windowOps(const SlotGather& gather, uint32_t area,
     const CopyOp& op = *it;
     const uint64_t lo = std::max(op.dst_offset, w.offset);
     const uint64_t hi = std::min(op.dst_offset + op.bytes, w.offset + w.bytes);
+    if (lo >= hi) continue;
     out.push_back(
         {op.src_region, op.src_offset + (lo - op.dst_offset), area, lo - w.offset, hi - lo});
   }

@@ -49,6 +49,7 @@ TEST(Staging, RunsAreSortedJoinedAndOffsetByTheBytesBefore) {
   EXPECT_EQ(*windowOps(*prepared, 9), *windowOps(*prepared, 9, StagingWindow{0, 27}));
   EXPECT_EQ(windowOps(*prepared, 9)->size(), 4u);
   EXPECT_TRUE(windowOps(*prepared, 9, StagingWindow{27, 5})->empty());
+  EXPECT_TRUE(windowOps(*prepared, 9, StagingWindow{14, 0})->empty());
   EXPECT_NE(windowOps(*prepared, 9, StagingWindow{28, 1}).status().message().find("starts past"),
             std::string::npos);
   auto cut = windowRuns(*runs, StagingWindow{6, 10});
