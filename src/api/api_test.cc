@@ -1383,12 +1383,21 @@ TEST(ApiDevice, DevicePoolsBehindUcxWaitForRoomAndTakeLargePartsInWindows) {
   // and lands as a whole part would. A slot of 64 bytes (a 200-byte region) holds one window,
   // as does one below 128 bytes (the whole of a 100-byte region). The context ranks count the
   // request once, with all its bytes.
+  // Both sides count the windows (staging_windows): the generation rank those copied into the
+  // pools, each context rank those it wrote.
+  auto counted = [](const std::string& json, const std::string& key) -> uint64_t {
+    const size_t at = json.find("\"" + key + "\":");
+    return at == std::string::npos ? ~uint64_t{0} : std::stoull(json.substr(at + key.size() + 3));
+  };
+  EXPECT_EQ(counted(senders[0]->metrics().json, "staging_windows"), 0u) << "parts went whole";
   const std::vector<uint64_t> regions = {part - 64, 4096, 200, 100};
   for (size_t i = 0; i < regions.size(); ++i) {
     const uint64_t region = regions[i];
     auto small = receiver(region);
     ASSERT_TRUE(small.isOk()) << small.status().toString();
     const uint64_t id = 10 + i;
+    const uint64_t written = counted(senders[0]->metrics().json, "staging_windows") +
+                             counted(senders[1]->metrics().json, "staging_windows");
     const auto before = senders[0]->metrics();
     const auto parts_at = before.json.find("\"storm_parts\":");
     ASSERT_NE(parts_at, std::string::npos) << before.json;
@@ -1410,6 +1419,15 @@ TEST(ApiDevice, DevicePoolsBehindUcxWaitForRoomAndTakeLargePartsInWindows) {
         << after.json;
     EXPECT_NE((*small)->metrics().json.find("\"storm_parts\":2"), std::string::npos)
         << (*small)->metrics().json;
+    const uint64_t copied = counted((*small)->metrics().json, "staging_windows");
+    const uint64_t window = region >= 256   ? (((region / 2) & ~uint64_t{63}) / 2) & ~uint64_t{63}
+                            : region >= 128 ? 64
+                                            : region;
+    EXPECT_EQ(copied, 2 * ((part + window - 1) / window)) << region;  // two parts
+    EXPECT_EQ(counted(senders[0]->metrics().json, "staging_windows") +
+                  counted(senders[1]->metrics().json, "staging_windows") - written,
+              copied)
+        << region;
     ASSERT_TRUE((*small)->release(id).isOk());
   }
 }

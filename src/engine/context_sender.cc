@@ -58,6 +58,7 @@ struct ContextSender::Piece {
   // progress (stallsLocked, stream_work_); then it restarts for the piece's own work.
   std::shared_ptr<const device::Event> behind;
   size_t staged_runs = 0;  // the slot's runs (a staged part), counted once it is posted
+  bool window = false;     // a window of a part larger than the slot, counted once posted
 };
 
 // A staged part's plan of every layer (the request is ready by then: it does not change), its
@@ -1001,6 +1002,7 @@ void ContextSender::landCopyLocked(Ask& ask, Piece& piece, bool post) {
     done = writeLocked(ask, piece);
     if (done.isOk()) {
       if (piece.staged_runs > 0) metrics_.stormStaged(piece.staged_runs);
+      if (piece.window) metrics_.stagingWindow();
       return;
     }
   }
@@ -1066,6 +1068,7 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask) {
     return;
   }
   if (last) metrics_.stormStaged(plan.ops.size());  // the part's ops, once
+  if (slot.part != 0) metrics_.stagingWindow();
 }
 
 void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& plan) {
@@ -1142,6 +1145,7 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   const uint32_t from = piece.scratch->id();
   if (slot) {
     piece.staged_runs = slot->window + bytes == plan.bytes ? plan.ops.size() : 0;  // once
+    piece.window = slot->part != 0;
     piece.ops.push_back({from, 0, slot->region, slot->offset, bytes});
   } else {
     piece.ops.reserve(plan.ops.size());

@@ -564,6 +564,14 @@ StatusOr<bool> GenerationReceiver::reserveSlotLocked(const Sink& sink, Part& par
   part.runs = std::move(runs);
   part.total = plan.bytes;
   part.window = 0;
+  if (!windows_noted_) {  // once: metrics count the windows (staging_windows)
+    windows_noted_ = true;
+    HXFER_LOG_WARN(
+        "generation: {}: the part is {} bytes, more than the staging region of {} "
+        "(staging_bytes): it moves in windows of {} bytes, a round trip each; a region of at "
+        "least the part's size moves it whole",
+        what, plan.bytes, region, part.windowSpan());
+  }
   return true;
 }
 
@@ -845,6 +853,7 @@ void GenerationReceiver::onDoneLocked(CtxPeer& peer, const wire::TransferDone& d
         part->copies[part->half()] = std::move(*copying);
         part->bytes += done.bytes;  // window by window for a part larger than its slot
         part->done_aux = done.aux;
+        if (part->total > 0) metrics_.stagingWindow();
         // The next window at once when its half of the slot is free.
         if (part->windowsAfter() && !part->copies[part->nextHalf()]) {
           askNextWindowLocked(sink, *part);

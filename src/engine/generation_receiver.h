@@ -239,6 +239,7 @@ class GenerationReceiver {
   // and the agent moves host memory only, so every part goes through staging_.
   int device_ordinal_ = -1;
   bool staged_device_ = false;
+  bool windows_noted_ = false;  // the first part in windows was logged (under mu_)
   std::unique_ptr<device::Stream> scatter_stream_;  // progress thread only
   wire::RankInfo self_;                             // fixed after create()
   RankMemory memory_;                               // fixed after create()

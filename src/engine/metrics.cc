@@ -111,6 +111,7 @@ void MetricsSnapshot::merge(const MetricsSnapshot& o) {
   writes_posted += o.writes_posted;
   storm_parts += o.storm_parts;
   storm_copies += o.storm_copies;
+  staging_windows += o.staging_windows;
   for (size_t i = 0; i < kNumFailureCauses; ++i) failures[i] += o.failures[i];
   leases_expired += o.leases_expired;
   quarantined_requests += o.quarantined_requests;
@@ -171,6 +172,9 @@ std::string MetricsSnapshot::toPrometheus(std::string_view labels) const {
           staged_parts);
   counter("staging_bytes_total", "Bytes gathered into staging areas.", staging_bytes);
   counter("storm_parts_total", "Parts of many small ops sent as one staged write.", storm_parts);
+  counter("staging_windows_total",
+          "Windows of parts larger than the staging slot (device pools behind a host agent).",
+          staging_windows);
   counter("leases_expired_total", "Source pages freed because no generation rank asked in time.",
           leases_expired);
   counter("quarantined_requests_total", "Requests freed while writes were in flight.",
@@ -223,6 +227,7 @@ std::string MetricsSnapshot::toJson() const {
   j["writes_posted"] = writes_posted;
   j["storm_parts"] = storm_parts;
   j["storm_copies"] = storm_copies;
+  j["staging_windows"] = staging_windows;
   nlohmann::json f = nlohmann::json::object();
   for (size_t i = 0; i < kNumFailureCauses; ++i) {
     f[std::string(failureCauseName(static_cast<FailureCause>(i)))] = failures[i];
@@ -282,6 +287,11 @@ void Metrics::opsPosted(uint64_t n) {
   std::lock_guard lock(mu_);
   s_.ops += n;
   ++s_.writes_posted;
+}
+
+void Metrics::stagingWindow() {
+  std::lock_guard lock(mu_);
+  ++s_.staging_windows;
 }
 
 void Metrics::stormStaged(uint64_t copies) {

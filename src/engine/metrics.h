@@ -77,6 +77,10 @@ struct MetricsSnapshot {
   // Storm control (plan/staging.h): request parts sent as one staged write, and the local
   // copies that took (context: ops gathered; generation: runs scattered).
   uint64_t storm_parts = 0, storm_copies = 0;
+  // Device pools behind a host agent, parts larger than the generation rank's staging slot:
+  // the windows they moved in (generation: copied into the pools; context: written). Many
+  // say staging_bytes is small for the requests.
+  uint64_t staging_windows = 0;
   std::array<uint64_t, kNumFailureCauses> failures{};  // by FailureCause
   uint64_t leases_expired = 0;        // context: source pages freed because nobody asked in time
   uint64_t quarantined_requests = 0;  // requests freed while writes were in flight (lifetime)
@@ -123,6 +127,7 @@ class Metrics {
   void opsPosted(uint64_t n);  // one write of n ops
   void rangeStreamed();
   void stormStaged(uint64_t copies);
+  void stagingWindow();
   void staged(uint64_t copies, uint64_t bytes);
   void leaseExpired();
   void quarantined();
