@@ -1006,23 +1006,24 @@ struct WindowedPair {
 TEST(ApiDevice, BetweenTwoWindowsACancelOrALostContextRankEndsThePartOnBothSides) {
   WindowedPair p({.devices = 1, .op_delay = 3s, .host_inaccessible = true});
   ASSERT_TRUE(p.tx && p.rx);
-  // Two windows written by the context rank (their copies run, 3 s each), and no third.
-  auto writes = [&] {
-    const std::string json = p.tx->metrics().json;
-    const std::string key = "\"writes_posted\":";
-    const size_t at = json.find(key);
-    return at == std::string::npos ? -1 : std::stoi(json.substr(at + key.size()));
+  // Two windows landed and queued for their copies on the generation rank (3 s each), and no
+  // third written by the context rank.
+  auto counted = [](const std::string& json, const std::string& key) {
+    const size_t at = json.find("\"" + key + "\":");
+    return at == std::string::npos ? -1 : std::stoi(json.substr(at + key.size() + 3));
   };
   auto written = [&](int n) {
     for (auto until = std::chrono::steady_clock::now() + 2500ms;
-         writes() < n && std::chrono::steady_clock::now() < until;) {
+         counted(p.rx->metrics().json, "staging_windows") < n &&
+         std::chrono::steady_clock::now() < until;) {
       std::this_thread::sleep_for(10ms);
     }
     std::this_thread::sleep_for(100ms);  // long enough for a third, were it asked for
-    return writes() == n;
+    return counted(p.rx->metrics().json, "staging_windows") == n &&
+           counted(p.tx->metrics().json, "writes_posted") == n;
   };
   p.start(1);
-  EXPECT_TRUE(written(2)) << p.tx->metrics().json;
+  EXPECT_TRUE(written(2)) << p.rx->metrics().json << p.tx->metrics().json;
   EXPECT_TRUE(p.tx->holds(1)) << "the context rank let go before the last window";
   EXPECT_EQ(p.tx->metrics().requests_ok, 0u);
   ASSERT_TRUE(p.rx->cancel(1).isOk());
@@ -1040,7 +1041,7 @@ TEST(ApiDevice, BetweenTwoWindowsACancelOrALostContextRankEndsThePartOnBothSides
   EXPECT_EQ(ctx_metrics.requests_held, 0u);
 
   p.start(2);
-  EXPECT_TRUE(written(4)) << p.tx->metrics().json;
+  EXPECT_TRUE(written(4)) << p.rx->metrics().json << p.tx->metrics().json;
   p.tx.reset();  // gone between two windows
   res = p.rx->wait(2, 5s);
   ASSERT_TRUE(res.isOk()) << res.status().toString();
@@ -1321,7 +1322,7 @@ TEST(ApiDevice, DevicePoolsBehindUcxWaitForRoomAndTakeLargePartsInWindows) {
   ASSERT_TRUE((*roomy)->release(1).isOk());
   roomy->reset();
   const uint64_t part = first.bytes / 2;  // tp 2 -> 1: each context rank sends half
-  ASSERT_GT(part, 0u);
+  ASSERT_EQ(part, 11008u) << "the windows counted below are for parts of 11,008 bytes";
 
   // Room for one part at a time: the second waits for the first to land, then comes.
   auto tight = receiver(part + part / 2);
@@ -1419,11 +1420,11 @@ TEST(ApiDevice, DevicePoolsBehindUcxWaitForRoomAndTakeLargePartsInWindows) {
         << after.json;
     EXPECT_NE((*small)->metrics().json.find("\"storm_parts\":2"), std::string::npos)
         << (*small)->metrics().json;
+    // Two parts of 11,008 bytes: windows of 2,688 bytes (a 10,944-byte region, its 5,440-byte
+    // slot in halves), 1,024 (4 KiB), 64 (200 bytes: a 64-byte slot, one half) and 100 (100
+    // bytes: the whole region, one half).
     const uint64_t copied = counted((*small)->metrics().json, "staging_windows");
-    const uint64_t window = region >= 256   ? (((region / 2) & ~uint64_t{63}) / 2) & ~uint64_t{63}
-                            : region >= 128 ? 64
-                                            : region;
-    EXPECT_EQ(copied, 2 * ((part + window - 1) / window)) << region;  // two parts
+    EXPECT_EQ(copied, (std::vector<uint64_t>{10, 22, 344, 222}[i])) << region;
     EXPECT_EQ(counted(senders[0]->metrics().json, "staging_windows") +
                   counted(senders[1]->metrics().json, "staging_windows") - written,
               copied)

@@ -1,6 +1,7 @@
 #include "engine/context_sender.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "common/logging.h"
 #include "device/copy_table_builder.h"
@@ -68,6 +69,7 @@ struct ContextSender::StagedPlan {
   SlotGather gather;
   std::vector<uint8_t> packed;
   bool pack_done = false;
+  bool pack_counted = false;  // device pools: the first window that packed counted the part
 };
 
 // One TransferRequest of one generation rank for one request.
@@ -910,6 +912,7 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
       ask.failed = packed.status();
       return;
     }
+    metrics_.staged(plan->pack_ops.size(), plan->scratch_bytes);
     scratch = std::move(packed->first);
     pack = std::move(packed->second);
   } else if (!plan->pack_ops.empty()) {
@@ -1100,6 +1103,10 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   if (!plan.pack_ops.empty() && reads_pack) {
     auto packed = packOnDeviceLocked(plan);  // into a pinned host area, on pack_stream_
     if (!packed.isOk()) return fail(packed.status());
+    // Counted once a part, whatever windows pack (each packs the whole plan again).
+    if (!ask.staged || !std::exchange(ask.staged->pack_counted, true)) {
+      metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
+    }
     scratch = std::move(packed->first);
     pack = std::move(packed->second);
   }
@@ -1254,7 +1261,6 @@ ContextSender::packOnDeviceLocked(const RankPlan& plan) {
     return packed.status().withContext("packing " + std::to_string(plan.pack_ops.size()) +
                                        " boxes on device " + std::to_string(device_ordinal_));
   }
-  metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
   return std::make_pair(std::move(area), std::shared_ptr<const device::Event>(*packed));
 }
 

@@ -173,7 +173,7 @@ std::string MetricsSnapshot::toPrometheus(std::string_view labels) const {
   counter("staging_bytes_total", "Bytes gathered into staging areas.", staging_bytes);
   counter("storm_parts_total", "Parts of many small ops sent as one staged write.", storm_parts);
   counter("staging_windows_total",
-          "Windows of parts larger than the staging slot (device pools behind a host agent).",
+          "Windows of parts larger than the staging region (device pools behind a host agent).",
           staging_windows);
   counter("leases_expired_total", "Source pages freed because no generation rank asked in time.",
           leases_expired);

@@ -77,9 +77,9 @@ struct MetricsSnapshot {
   // Storm control (plan/staging.h): request parts sent as one staged write, and the local
   // copies that took (context: ops gathered; generation: runs scattered).
   uint64_t storm_parts = 0, storm_copies = 0;
-  // Device pools behind a host agent, parts larger than the generation rank's staging slot:
-  // the windows they moved in (generation: copied into the pools; context: written). Many
-  // say staging_bytes is small for the requests.
+  // Device pools behind a host agent, parts larger than the generation rank's staging region:
+  // the windows they moved in (generation: landed and queued for their copy into the pools;
+  // context: posted). Many say staging_bytes is small for the requests.
   uint64_t staging_windows = 0;
   std::array<uint64_t, kNumFailureCauses> failures{};  // by FailureCause
   uint64_t leases_expired = 0;        // context: source pages freed because nobody asked in time
