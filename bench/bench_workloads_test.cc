@@ -168,7 +168,9 @@ TEST(BenchWorkloads, StormCountsTheOpsOfFragmentingLayoutsAgainstHnd) {
     EXPECT_TRUE(row["verified"].get<bool>());
     ops[row["backend"].get<std::string>() + " " + std::to_string(row["ctx_tp"].get<int>())] =
         row["ops"].get<uint64_t>();
-    if (row["backend"] != "inproc hnd") EXPECT_EQ(row["ref"], "hnd");
+    if (row["backend"] != "inproc hnd") {
+      EXPECT_EQ(row["ref"], "hnd");
+    }
     if (row["backend"].get<std::string>().ends_with(" staged")) {
       EXPECT_EQ(row["bytes"], j["results"][0]["bytes"]);  // the same request, staged or not
     }

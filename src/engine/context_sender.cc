@@ -820,6 +820,12 @@ StatusOr<RankPlan> ContextSender::planAskLocked(const Source& src, const Ask& as
 }
 
 void ContextSender::postPieceLocked(Source& src, Ask& ask) {
+  // Ends the ask unposted with `why`, said once in the log.
+  auto refuse = [&](Status why) {
+    HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", src.id, ask.peer,
+                   why.toString());
+    ask.failed = std::move(why);
+  };
   // The whole request in one plan when it is all ready at once (ops then merge across layers).
   const LayerRange layers = src.ready && ask.sent_end == stage_.first
                                 ? kAllLayers
@@ -828,12 +834,7 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   std::optional<RankPlan> fresh;
   if (!ask.req.staging || !ask.staged) {
     auto planned = planAskLocked(src, ask, layers);
-    if (!planned.isOk()) {
-      HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", src.id, ask.peer,
-                     planned.status().toString());
-      ask.failed = planned.status();
-      return;
-    }
+    if (!planned.isOk()) return refuse(planned.status());
     fresh = std::move(planned).value();
   }
   const RankPlan* plan = fresh ? &*fresh : &ask.staged->plan;
@@ -846,26 +847,18 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
                                             slot->window < plan->bytes &&
                                             slot->bytes <= plan->bytes - slot->window;
     if (!fits) {
-      ask.failed =
+      return refuse(
           InvalidArgument("request " + std::to_string(src.id) + ": staging slot of " +
                           std::to_string(slot->bytes) + " bytes" +
                           (slot->part == 0 ? std::string()
                                            : " at window " + std::to_string(slot->window) +
                                                  " of a part of " + std::to_string(slot->part)) +
-                          " for a part of " + std::to_string(plan->bytes));
-      HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
-                     ask.failed->toString());
-      return;
+                          " for a part of " + std::to_string(plan->bytes)));
     }
     if (fresh && !fresh->ops.empty()) {
       auto runs = stagingRuns(fresh->ops);
       auto gather = runs.isOk() ? slotGather(fresh->ops, *runs) : runs.status();
-      if (!gather.isOk()) {
-        HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
-                       gather.status().toString());
-        ask.failed = gather.status();
-        return;
-      }
+      if (!gather.isOk()) return refuse(gather.status());
       ask.staged = std::make_shared<StagedPlan>(
           StagedPlan{std::move(*fresh), std::move(gather).value(), {}, false});
       plan = &ask.staged->plan;
@@ -885,7 +878,7 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   const bool on_device = agent_->capabilities().device_memory;
   if (on_device && (ask.req.staging || (!plan->pack_ops.empty() && device_ordinal_ < 0))) {
     // Both gather or pack on the host; device pools have neither path yet.
-    ask.failed =
+    return refuse(
         Incompatible("request " + std::to_string(src.id) + " for generation rank " +
                      std::to_string(ask.gen_rank) + ": " +
                      (ask.req.staging ? std::string("the generation rank asked for a staged part")
@@ -893,9 +886,7 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
                                             " boxes (the two sides order a state record's elements "
                                             "differently, as conv sd against ds)") +
                      ", and this rank's pools are device memory, where " +
-                     (ask.req.staging ? "staging" : "packing") + " is not built");
-    HXFER_LOG_WARN("context: {}", ask.failed->toString());
-    return;
+                     (ask.req.staging ? "staging" : "packing") + " is not built"));
   }
   if (ask.req.staging) {
     postStagedLocked(src, ask);
@@ -906,23 +897,13 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   std::shared_ptr<const device::Event> behind = streamTailLocked();
   if (!plan->pack_ops.empty() && on_device) {
     auto packed = packOnDeviceLocked(*plan);
-    if (!packed.isOk()) {
-      HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
-                     packed.status().toString());
-      ask.failed = packed.status();
-      return;
-    }
+    if (!packed.isOk()) return refuse(packed.status());
     metrics_.staged(plan->pack_ops.size(), plan->scratch_bytes);
     scratch = std::move(packed->first);
     pack = std::move(packed->second);
   } else if (!plan->pack_ops.empty()) {
     auto staged = stageLocked(*plan);
-    if (!staged.isOk()) {
-      HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
-                     staged.status().toString());
-      ask.failed = staged.status();
-      return;
-    }
+    if (!staged.isOk()) return refuse(staged.status());
     scratch = std::move(staged).value();
   }
   if (options_.checksum && layers == kAllLayers) {

@@ -617,13 +617,16 @@ void GenerationReceiver::serveRoomWaitersLocked() {
   serving_waiters_ = false;
 }
 
-StatusOr<std::vector<StagedRun>> GenerationReceiver::slotRuns(const Part& part) {
-  if (part.total == 0) return part.runs;
-  return windowRuns(part.runs, StagingWindow{part.window, part.windowBytes()});
+StatusOr<std::span<const StagedRun>> GenerationReceiver::slotRuns(const Part& part,
+                                                                  std::vector<StagedRun>& window) {
+  if (part.total == 0) return std::span<const StagedRun>(part.runs);
+  ASSIGN_OR_RETURN(window, windowRuns(part.runs, StagingWindow{part.window, part.windowBytes()}));
+  return std::span<const StagedRun>(window);
 }
 
 Status GenerationReceiver::scatterLocked(const Part& part) {
-  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, slotRuns(part));
+  std::vector<StagedRun> window;
+  ASSIGN_OR_RETURN(const std::span<const StagedRun> runs, slotRuns(part, window));
   RETURN_IF_ERROR(scatterStaged(
       runs, std::span<const uint8_t>(staging_->data() + part.staging->offset, part.staging->bytes),
       memory_));
@@ -634,7 +637,8 @@ Status GenerationReceiver::scatterLocked(const Part& part) {
 StatusOr<std::shared_ptr<device::Event>> GenerationReceiver::startScatterLocked(const Part& part) {
   // One batched copy on the device, from the pinned slot into the pools. The pages and the
   // slot stay fenced until its event is done, however long the device takes.
-  ASSIGN_OR_RETURN(std::vector<StagedRun> runs, slotRuns(part));
+  std::vector<StagedRun> window;
+  ASSIGN_OR_RETURN(const std::span<const StagedRun> runs, slotRuns(part, window));
   const RankMemory staging = {{staging_->data(), staging_->length()}};
   ASSIGN_OR_RETURN(
       device::HostCopyTable table,

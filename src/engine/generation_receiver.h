@@ -34,6 +34,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -205,8 +206,10 @@ class GenerationReceiver {
   // Asks for staging (req->staging, part.staging) when the part is a storm and a slot is free.
   void maybeStageLocked(const Sink& sink, Part& part, const CtxPeer& peer,
                         wire::TransferRequest* req);
-  // A staged part's runs in its slot now: the window's, for a part larger than its slot.
-  static StatusOr<std::vector<StagedRun>> slotRuns(const Part& part);
+  // A staged part's runs in its slot now: all of them (no copy), or the window's, held in
+  // `window`, for a part larger than its slot.
+  static StatusOr<std::span<const StagedRun>> slotRuns(const Part& part,
+                                                       std::vector<StagedRun>& window);
   // Host pools: the slot scattered into the pages, here.
   Status scatterLocked(const Part& part);
   // Device pools behind a host agent: the slot's batched copy into the pools queued on the

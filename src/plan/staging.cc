@@ -43,7 +43,7 @@ StatusOr<std::vector<StagedRun>> stagingRuns(std::span<const CopyOp> ops) {
   return runs;
 }
 
-uint64_t stagingBytes(const std::vector<StagedRun>& runs) {
+uint64_t stagingBytes(std::span<const StagedRun> runs) {
   return runs.empty() ? 0 : runs.back().stage_offset + runs.back().bytes;
 }
 
@@ -59,23 +59,32 @@ StatusOr<StagingWindow> resolve(StagingWindow window, uint64_t total) {
   return window;
 }
 
+// Calls `take(item, lo, hi)` for each of `items` that meets window `w` (resolved), [lo, hi) its
+// part inside the window in part coordinates. `items` lie disjoint and ascending by `at(item)`,
+// each `item.bytes` long: O(log n + the items in the window).
+template <typename T, typename At, typename Take>
+void forEachInWindow(std::span<const T> items, StagingWindow w, At at, Take take) {
+  const uint64_t end = w.offset + w.bytes;
+  // The first item ending past the window's start.
+  auto it = std::upper_bound(items.begin(), items.end(), w.offset,
+                             [&](uint64_t x, const T& item) { return x < at(item) + item.bytes; });
+  for (; it != items.end() && at(*it) < end; ++it) {
+    const uint64_t lo = std::max(at(*it), w.offset);
+    const uint64_t hi = std::min(at(*it) + it->bytes, end);
+    if (lo < hi) take(*it, lo, hi);
+  }
+}
+
 }  // namespace
 
-StatusOr<std::vector<StagedRun>> windowRuns(const std::vector<StagedRun>& runs,
-                                            StagingWindow window) {
+StatusOr<std::vector<StagedRun>> windowRuns(std::span<const StagedRun> runs, StagingWindow window) {
   ASSIGN_OR_RETURN(const StagingWindow w, resolve(window, stagingBytes(runs)));
   std::vector<StagedRun> out;
-  // Runs lie back to back in the slot: the first one ending past the window's start.
-  auto it = std::upper_bound(
-      runs.begin(), runs.end(), w.offset,
-      [](uint64_t at, const StagedRun& r) { return at < r.stage_offset + r.bytes; });
-  for (; it != runs.end() && it->stage_offset < w.offset + w.bytes; ++it) {
-    const StagedRun& r = *it;
-    const uint64_t lo = std::max(r.stage_offset, w.offset);
-    const uint64_t hi = std::min(r.stage_offset + r.bytes, w.offset + w.bytes);
-    if (lo >= hi) continue;
-    out.push_back({r.region, r.dst_offset + (lo - r.stage_offset), lo - w.offset, hi - lo});
-  }
+  forEachInWindow(
+      runs, w, [](const StagedRun& r) { return r.stage_offset; },
+      [&](const StagedRun& r, uint64_t lo, uint64_t hi) {
+        out.push_back({r.region, r.dst_offset + (lo - r.stage_offset), lo - w.offset, hi - lo});
+      });
   return out;
 }
 
@@ -125,31 +134,25 @@ StatusOr<SlotGather> slotGather(std::span<const CopyOp> ops, const std::vector<S
 StatusOr<std::vector<CopyOp>> windowOps(const SlotGather& gather, uint32_t area,
                                         StagingWindow window) {
   ASSIGN_OR_RETURN(const StagingWindow w, resolve(window, gather.bytes));
-  // The ops' destinations are disjoint and ascending: so are their ends.
-  auto it =
-      std::upper_bound(gather.ops.begin(), gather.ops.end(), w.offset,
-                       [](uint64_t at, const CopyOp& op) { return at < op.dst_offset + op.bytes; });
   std::vector<CopyOp> out;
-  for (; it != gather.ops.end() && it->dst_offset < w.offset + w.bytes; ++it) {
-    const CopyOp& op = *it;
-    const uint64_t lo = std::max(op.dst_offset, w.offset);
-    const uint64_t hi = std::min(op.dst_offset + op.bytes, w.offset + w.bytes);
-    if (lo >= hi) continue;
-    out.push_back(
-        {op.src_region, op.src_offset + (lo - op.dst_offset), area, lo - w.offset, hi - lo});
-  }
+  forEachInWindow(
+      std::span<const CopyOp>(gather.ops), w, [](const CopyOp& op) { return op.dst_offset; },
+      [&](const CopyOp& op, uint64_t lo, uint64_t hi) {
+        out.push_back(
+            {op.src_region, op.src_offset + (lo - op.dst_offset), area, lo - w.offset, hi - lo});
+      });
   return out;
 }
 
 Status gatherStaged(const SlotGather& gather, const RankMemory& src,
                     std::span<const uint8_t> plan_scratch, std::span<uint8_t> slot,
                     StagingWindow window) {
-  ASSIGN_OR_RETURN(const std::vector<CopyOp> ops, windowOps(gather, 0, window));
-  const uint64_t need = std::min(window.bytes, gather.bytes - window.offset);  // offset checked
-  if (slot.size() < need) {
+  ASSIGN_OR_RETURN(const StagingWindow w, resolve(window, gather.bytes));
+  if (slot.size() < w.bytes) {
     return InvalidArgument("staging slot of " + std::to_string(slot.size()) +
-                           " bytes, the window needs " + std::to_string(need));
+                           " bytes, the window needs " + std::to_string(w.bytes));
   }
+  ASSIGN_OR_RETURN(const std::vector<CopyOp> ops, windowOps(gather, 0, w));
   std::vector<const uint8_t*> from;
   from.reserve(ops.size());
   for (const CopyOp& op : ops) {
@@ -163,7 +166,7 @@ Status gatherStaged(const SlotGather& gather, const RankMemory& src,
   return OkStatus();
 }
 
-std::vector<CopyOp> scatterOps(const std::vector<StagedRun>& runs, uint32_t staging,
+std::vector<CopyOp> scatterOps(std::span<const StagedRun> runs, uint32_t staging,
                                uint64_t slot_offset) {
   std::vector<CopyOp> out;
   out.reserve(runs.size());
@@ -184,7 +187,7 @@ std::vector<CopyOp> backToBack(std::span<const CopyOp> ops, uint32_t area) {
   return out;
 }
 
-Status scatterStaged(const std::vector<StagedRun>& runs, std::span<const uint8_t> slot,
+Status scatterStaged(std::span<const StagedRun> runs, std::span<const uint8_t> slot,
                      const RankMemory& dst) {
   if (slot.size() < stagingBytes(runs)) {
     return InvalidArgument("staging slot of " + std::to_string(slot.size()) +

@@ -37,7 +37,7 @@ struct StagedRun {
 StatusOr<std::vector<StagedRun>> stagingRuns(std::span<const CopyOp> ops);
 
 // The slot's size: the bytes of every run.
-uint64_t stagingBytes(const std::vector<StagedRun>& runs);
+uint64_t stagingBytes(std::span<const StagedRun> runs);
 
 // A window of a part's staged bytes: `bytes` of them from `offset` (at most to the part's end).
 // A part larger than the generation rank's slot moves window by window (wire::Staging::window),
@@ -49,8 +49,7 @@ struct StagingWindow {
 
 // The parts of `runs` inside `window`, their stage offsets counted from the window's start:
 // O(log n + the window's runs). InvalidArgument for a window that starts past the part's end.
-StatusOr<std::vector<StagedRun>> windowRuns(const std::vector<StagedRun>& runs,
-                                            StagingWindow window);
+StatusOr<std::vector<StagedRun>> windowRuns(std::span<const StagedRun> runs, StagingWindow window);
 
 // The ops of gatherStaged, for a copy engine that runs ops (a device): each op of `ops` with its
 // destination replaced by its place in a slot laid out by `runs`, in region `area` (the slot
@@ -81,7 +80,7 @@ Status gatherStaged(const SlotGather& gather, const RankMemory& src,
 
 // The ops of scatterStaged: each run from its place in a slot at `slot_offset` of region
 // `staging` to its destination.
-std::vector<CopyOp> scatterOps(const std::vector<StagedRun>& runs, uint32_t staging,
+std::vector<CopyOp> scatterOps(std::span<const StagedRun> runs, uint32_t staging,
                                uint64_t slot_offset);
 
 // Each op of `ops` with its destination replaced by the next bytes of region `area`, in op order
@@ -91,7 +90,7 @@ std::vector<CopyOp> backToBack(std::span<const CopyOp> ops, uint32_t area);
 
 // Copies `slot` into the destination pages `dst`, run by run. Every range is checked before
 // anything is copied.
-Status scatterStaged(const std::vector<StagedRun>& runs, std::span<const uint8_t> slot,
+Status scatterStaged(std::span<const StagedRun> runs, std::span<const uint8_t> slot,
                      const RankMemory& dst);
 
 }  // namespace hxfer
