@@ -271,20 +271,31 @@ TEST_P(Conformance, ZeroByteAndOutOfRangeOpsAreRejectedAndMoveNothing) {
   struct Bad {
     WriteOp op;
     StatusCode code;
+    std::string says;  // the refused field and value, and which op of the batch
   };
   const std::vector<Bad> bad = {
-      {{1, 0, 7, 0, 0}, StatusCode::kInvalidArgument},                // zero bytes
-      {{1, len - 10, 7, 0, 11}, StatusCode::kInvalidArgument},        // past the local end
-      {{1, 0, 7, len - 10, 11}, StatusCode::kInvalidArgument},        // past the remote end
-      {{1, 0, 7, UINT64_MAX - 5, 10}, StatusCode::kInvalidArgument},  // offset overflow
-      {{9, 0, 7, 0, 10}, StatusCode::kNotFound},                      // unknown local region
-      {{1, 0, 8, 0, 10}, StatusCode::kNotFound},                      // remote region not added
+      {{1, 0, 7, 0, 0},
+       StatusCode::kInvalidArgument,
+       "op 1 (local region 1, remote region 7): bytes=0"},
+      {{1, len - 10, 7, 0, 11},
+       StatusCode::kInvalidArgument,
+       "local_offset=65526 + bytes=11 exceeds local region length=65536"},
+      {{1, 0, 7, len - 10, 11},
+       StatusCode::kInvalidArgument,
+       "remote_offset=65526 + bytes=11 exceeds remote region length=65536"},
+      {{1, 0, 7, UINT64_MAX - 5, 10},
+       StatusCode::kInvalidArgument,
+       "remote_offset=18446744073709551610"},
+      {{9, 0, 7, 0, 10}, StatusCode::kNotFound, "op 1: local region id=9"},
+      {{1, 0, 8, 0, 10}, StatusCode::kNotFound, "op 1: remote region id=8"},
   };
   for (size_t i = 0; i < bad.size(); ++i) {
     // A good op first: a bad op anywhere rejects the whole batch.
     auto t = writer_->postWrite(to_receiver_, {{1, 0, 7, 0, 100}, bad[i].op});
     ASSERT_FALSE(t.isOk()) << "case " << i;
     EXPECT_EQ(t.status().code(), bad[i].code) << "case " << i << ": " << t.status().toString();
+    EXPECT_NE(t.status().message().find(bad[i].says), std::string::npos)
+        << "case " << i << ": " << t.status().toString();
   }
   EXPECT_EQ(writer_->postWrite(999, {{1, 0, 7, 0, 10}}).status().code(), StatusCode::kNotFound);
   for (uint64_t i = 0; i < len; ++i) ASSERT_EQ(dst_->data()[i], 0) << "byte " << i;

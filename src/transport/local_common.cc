@@ -148,21 +148,23 @@ std::optional<Event> pollServing(EventQueue& events, std::chrono::milliseconds t
 }
 
 Status validateOp(size_t index, const WriteOp& op, uint64_t local_length, uint64_t remote_length) {
+  const bool local_ok =
+      op.local_offset <= local_length && op.bytes <= local_length - op.local_offset;
+  const bool remote_ok =
+      op.remote_offset <= remote_length && op.bytes <= remote_length - op.remote_offset;
+  if (op.bytes != 0 && local_ok && remote_ok) return OkStatus();  // no text for a good op
   const std::string where = "op " + std::to_string(index) + " (local region " +
                             std::to_string(op.local_region) + ", remote region " +
                             std::to_string(op.remote_region) + ")";
   if (op.bytes == 0) return InvalidArgument(where + ": bytes=0; zero-byte writes are refused");
-  if (op.local_offset > local_length || op.bytes > local_length - op.local_offset) {
+  if (!local_ok) {
     return InvalidArgument(where + ": local_offset=" + std::to_string(op.local_offset) +
                            " + bytes=" + std::to_string(op.bytes) +
                            " exceeds local region length=" + std::to_string(local_length));
   }
-  if (op.remote_offset > remote_length || op.bytes > remote_length - op.remote_offset) {
-    return InvalidArgument(where + ": remote_offset=" + std::to_string(op.remote_offset) +
-                           " + bytes=" + std::to_string(op.bytes) +
-                           " exceeds remote region length=" + std::to_string(remote_length));
-  }
-  return OkStatus();
+  return InvalidArgument(where + ": remote_offset=" + std::to_string(op.remote_offset) +
+                         " + bytes=" + std::to_string(op.bytes) +
+                         " exceeds remote region length=" + std::to_string(remote_length));
 }
 
 Status checkMessageSize(size_t bytes, uint64_t max_bytes) {
