@@ -809,7 +809,7 @@ TEST(EventQueue, APopperServesAReadableFdAndReturnsWhatItPushed) {
 // pollServing takes the served fd out of the progress thread's epoll set only while a caller
 // serves it, and puts it back however the wait ends: on an event, when serve leaves work (the
 // progress thread is woken to go on) and when serve throws (else the progress thread would
-// stop watching the fd for good).
+// stop watching the fd for good; it is woken too).
 TEST(PollServing, TheProgressThreadWatchesTheFdAgainHoweverTheWaitEnds) {
   const int progress_epoll = epoll_create1(EPOLL_CLOEXEC);
   const int fd = eventfd(1, EFD_CLOEXEC | EFD_NONBLOCK);  // readable throughout
@@ -851,11 +851,13 @@ TEST(PollServing, TheProgressThreadWatchesTheFdAgainHoweverTheWaitEnds) {
   EXPECT_EQ(wakes, 1);
   EXPECT_TRUE(watched());
 
-  // serve throws: the exception reaches the caller, the fd and the lock are given back.
+  // serve throws: the exception reaches the caller, the fd and the lock are given back, and
+  // the progress thread is woken (the worker may be left unarmed, its fd silent).
   EXPECT_THROW(detail::pollServing(
                    q, kDeadline, drive_mu, served,
                    []() -> bool { throw std::runtime_error("serve failed"); }, wake),
                std::runtime_error);
+  EXPECT_EQ(wakes, 2);
   EXPECT_TRUE(watched());
   EXPECT_TRUE(drive_mu.try_lock());
   drive_mu.unlock();

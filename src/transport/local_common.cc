@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <exception>
 #include <string>
 
 namespace hxfer::transport::detail {
@@ -119,14 +120,20 @@ std::optional<Event> pollServing(EventQueue& events, std::chrono::milliseconds t
   if (!driving.owns_lock()) return events.pop(timeout);
   served.enter();
   // Gives the fd back once: when serve leaves work or drive_mu is taken, else when the wait
-  // ends (an exception from serve included, so the progress thread never stops watching).
+  // ends (an exception from serve included, so the progress thread never stops watching). A
+  // serve that threw may have left the worker unarmed, its fd silent: the progress thread is
+  // then woken to go on, as when serve leaves work.
   struct Serving {
     ServedFd& served;
+    const std::function<void()>& wake_progress;
+    const int unwinding = std::uncaught_exceptions();
     bool on = true;
     ~Serving() {
-      if (on) served.leave();
+      if (!on) return;
+      served.leave();
+      if (std::uncaught_exceptions() > unwinding && wake_progress) wake_progress();
     }
-  } serving{served};
+  } serving{served, wake_progress};
   auto hand_back = [&](std::unique_lock<std::mutex>& lock) {
     serving.on = false;
     served.leave();

@@ -523,15 +523,23 @@ class UcxAgent final : public Agent {
         queue_empty = commands_.empty();
       }
       if (queue_empty) {  // every command posted before this one has run
+        // Handed back as the progress thread leaves it before it sleeps: progressed and armed,
+        // so that what the send left in flight wakes it; else (an exception from fn or the
+        // worker's callbacks included) it is woken to go on.
+        struct HandBack {
+          UcxAgent& agent;
+          std::unique_lock<std::mutex>& worker;
+          bool armed = false;
+          ~HandBack() {
+            worker.unlock();
+            if (!armed) agent.wakeProgress();
+          }
+        } hand_back{*this, worker};
         {
           DrivingScope driving(this);
           fn();
         }
-        // Handed back as the progress thread leaves it before it sleeps: progressed and armed,
-        // so that what the send left in flight wakes it; else it is woken to go on.
-        const bool armed = serveWorkerLocked();
-        worker.unlock();
-        if (!armed) wakeProgress();
+        hand_back.armed = serveWorkerLocked();
         return;
       }
     }
