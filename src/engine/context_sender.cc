@@ -819,13 +819,13 @@ StatusOr<RankPlan> ContextSender::planAskLocked(const Source& src, const Ask& as
   return pit->second->planner->planRank(0, src_ids, dst_ids, range, layers);
 }
 
+void ContextSender::refuseAskLocked(const Source& src, Ask& ask, Status why) {
+  HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", src.id, ask.peer,
+                 why.toString());
+  ask.failed = std::move(why);
+}
+
 void ContextSender::postPieceLocked(Source& src, Ask& ask) {
-  // Ends the ask unposted with `why`, said once in the log.
-  auto refuse = [&](Status why) {
-    HXFER_LOG_WARN("context: refusing request {} of generation peer {}: {}", src.id, ask.peer,
-                   why.toString());
-    ask.failed = std::move(why);
-  };
   // The whole request in one plan when it is all ready at once (ops then merge across layers).
   const LayerRange layers = src.ready && ask.sent_end == stage_.first
                                 ? kAllLayers
@@ -834,7 +834,7 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   std::optional<RankPlan> fresh;
   if (!ask.req.staging || !ask.staged) {
     auto planned = planAskLocked(src, ask, layers);
-    if (!planned.isOk()) return refuse(planned.status());
+    if (!planned.isOk()) return refuseAskLocked(src, ask, planned.status());
     fresh = std::move(planned).value();
   }
   const RankPlan* plan = fresh ? &*fresh : &ask.staged->plan;
@@ -847,7 +847,8 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
                                             slot->window < plan->bytes &&
                                             slot->bytes <= plan->bytes - slot->window;
     if (!fits) {
-      return refuse(
+      return refuseAskLocked(
+          src, ask,
           InvalidArgument("request " + std::to_string(src.id) + ": staging slot of " +
                           std::to_string(slot->bytes) + " bytes" +
                           (slot->part == 0 ? std::string()
@@ -858,7 +859,7 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
     if (fresh && !fresh->ops.empty()) {
       auto runs = stagingRuns(fresh->ops);
       auto gather = runs.isOk() ? slotGather(fresh->ops, *runs) : runs.status();
-      if (!gather.isOk()) return refuse(gather.status());
+      if (!gather.isOk()) return refuseAskLocked(src, ask, gather.status());
       ask.staged = std::make_shared<StagedPlan>(
           StagedPlan{std::move(*fresh), std::move(gather).value(), {}, false});
       plan = &ask.staged->plan;
@@ -878,7 +879,8 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   const bool on_device = agent_->capabilities().device_memory;
   if (on_device && (ask.req.staging || (!plan->pack_ops.empty() && device_ordinal_ < 0))) {
     // Both gather or pack on the host; device pools have neither path yet.
-    return refuse(
+    return refuseAskLocked(
+        src, ask,
         Incompatible("request " + std::to_string(src.id) + " for generation rank " +
                      std::to_string(ask.gen_rank) + ": " +
                      (ask.req.staging ? std::string("the generation rank asked for a staged part")
@@ -897,13 +899,13 @@ void ContextSender::postPieceLocked(Source& src, Ask& ask) {
   std::shared_ptr<const device::Event> behind = streamTailLocked();
   if (!plan->pack_ops.empty() && on_device) {
     auto packed = packOnDeviceLocked(*plan);
-    if (!packed.isOk()) return refuse(packed.status());
+    if (!packed.isOk()) return refuseAskLocked(src, ask, packed.status());
     metrics_.staged(plan->pack_ops.size(), plan->scratch_bytes);
     scratch = std::move(packed->first);
     pack = std::move(packed->second);
   } else if (!plan->pack_ops.empty()) {
     auto staged = stageLocked(*plan);
-    if (!staged.isOk()) return refuse(staged.status());
+    if (!staged.isOk()) return refuseAskLocked(src, ask, staged.status());
     scratch = std::move(staged).value();
   }
   if (options_.checksum && layers == kAllLayers) {
@@ -1007,17 +1009,14 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask) {
   const wire::Staging& slot = *ask.req.staging;
   StagedPlan& staged = *ask.staged;
   const RankPlan& plan = staged.plan;
-  auto fail = [&](const Status& why) {
-    HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
-                   why.toString());
-    ask.failed = why;
-  };
   // The ops' sources in one local area laid out as the slot (the window of the part it asks
   // for), written as one op.
   const StagingWindow window{slot.window, slot.bytes};
   auto area = acquireAreaLocked(slot.bytes);
   if (!area.isOk()) {
-    fail(area.status().withContext("gather area of " + std::to_string(slot.bytes) + " bytes"));
+    refuseAskLocked(
+        src, ask,
+        area.status().withContext("gather area of " + std::to_string(slot.bytes) + " bytes"));
     return;
   }
   std::unique_ptr<Region> gathered = std::move(area).value();
@@ -1041,14 +1040,14 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask) {
   }
   if (!s.isOk()) {
     releaseScratchLocked(std::move(gathered));
-    fail(s);
+    refuseAskLocked(src, ask, s);
     return;
   }
   const uint32_t from = gathered->id();
   if (Status st = postLocked(ask, {{from, 0, slot.region, slot.offset, slot.bytes}},
                              std::move(gathered), slot.bytes);
       !st.isOk()) {
-    fail(st);
+    refuseAskLocked(src, ask, st);
     return;
   }
   if (last) metrics_.stormStaged(plan.ops.size());  // the part's ops, once
@@ -1057,18 +1056,13 @@ void ContextSender::postStagedLocked(Source& src, Ask& ask) {
 
 void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& plan) {
   const std::optional<wire::Staging>& slot = ask.req.staging;
-  auto fail = [&](const Status& why) {
-    HXFER_LOG_WARN("context: request {} for generation peer {}: {}", src.id, ask.peer,
-                   why.toString());
-    ask.failed = why;
-  };
   // Where each op's bytes go in the host area (region 0 of `area_memory` below): laid out as
   // the slot when the generation rank asked for staging, else back to back in op order.
   std::vector<CopyOp> gather;
   const uint64_t bytes = slot ? slot->bytes : plan.bytes;  // a window of a staged part
   if (slot) {
     auto ops = windowOps(ask.staged->gather, 0, StagingWindow{slot->window, bytes});
-    if (!ops.isOk()) return fail(ops.status());
+    if (!ops.isOk()) return refuseAskLocked(src, ask, ops.status());
     gather = std::move(ops).value();
   } else {
     gather = backToBack(plan.ops, 0);
@@ -1083,7 +1077,7 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   });
   if (!plan.pack_ops.empty() && reads_pack) {
     auto packed = packOnDeviceLocked(plan);  // into a pinned host area, on pack_stream_
-    if (!packed.isOk()) return fail(packed.status());
+    if (!packed.isOk()) return refuseAskLocked(src, ask, packed.status());
     // Counted once a part, whatever windows pack (each packs the whole plan again).
     if (!ask.staged || !std::exchange(ask.staged->pack_counted, true)) {
       metrics_.staged(plan.pack_ops.size(), plan.scratch_bytes);
@@ -1094,7 +1088,8 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   auto area = acquireAreaLocked(bytes);
   if (!area.isOk()) {
     retireAreaLocked(std::move(scratch), pack);
-    return fail(area.status().withContext("host area of " + std::to_string(bytes) + " bytes"));
+    return refuseAskLocked(
+        src, ask, area.status().withContext("host area of " + std::to_string(bytes) + " bytes"));
   }
   const RankMemory area_memory = {{(*area)->data(), bytes}};
   const auto scratch_bytes = scratch ? std::span<const uint8_t>(scratch->data(), scratch->length())
@@ -1117,9 +1112,10 @@ void ContextSender::postFromDeviceLocked(Source& src, Ask& ask, const RankPlan& 
   retireAreaLocked(std::move(scratch), copied ? copied : pack);
   if (!launched.isOk()) {
     releaseScratchLocked(std::move(area).value());
-    return fail(launched.withContext("copying a part of " + std::to_string(bytes) +
-                                     " bytes from device " + std::to_string(device_ordinal_) +
-                                     " into host memory"));
+    return refuseAskLocked(
+        src, ask,
+        launched.withContext("copying a part of " + std::to_string(bytes) + " bytes from device " +
+                             std::to_string(device_ordinal_) + " into host memory"));
   }
   // The write reads the area: it is posted once the copy is done (advanceAskLocked, woken by
   // copy_watcher_), and the progress thread goes on meanwhile.

@@ -192,6 +192,8 @@ class ContextSender {
   // Plans and posts the ask's layers [sent_end, src.ready_end) (one piece, or none when they
   // hold nothing for the peer); a failure is left in ask.failed.
   void postPieceLocked(Source& src, Ask& ask);
+  // Ends `ask` unposted with `why` (ask.failed), said once in the log.
+  void refuseAskLocked(const Source& src, Ask& ask, Status why);
   // A part the generation rank asked to stage (TransferRequest::staging): its ops (ask.staged)
   // gathered into one local area in the slot's order (plan/staging.h) and posted as one write.
   void postStagedLocked(Source& src, Ask& ask);

@@ -122,7 +122,7 @@ std::optional<Event> pollServing(EventQueue& events, std::chrono::milliseconds t
   // Gives the fd back once: when serve leaves work or drive_mu is taken, else when the wait
   // ends (an exception from serve included, so the progress thread never stops watching). A
   // serve that threw may have left the worker unarmed, its fd silent: the progress thread is
-  // then woken to go on, as when serve leaves work.
+  // then woken to go on, as when serve leaves work (it takes drive_mu once this frame let go).
   struct Serving {
     ServedFd& served;
     const std::function<void()>& wake_progress;
