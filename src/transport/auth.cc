@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <string>
 
 namespace hxfer::transport::auth {
@@ -101,38 +102,116 @@ SessionKeys sessionKeys(std::string_view token, Role self, const Nonce& connecto
   return self == Role::kConnector ? SessionKeys{c, l} : SessionKeys{l, c};
 }
 
-Mac mac(const Key& key, std::span<const uint8_t> a, std::span<const uint8_t> b) {
-  // EVP_MAC (OpenSSL 3): the HMAC implementation is fetched once; a context per call, so that
-  // the data path's threads share nothing.
+namespace {
+
+EVP_MAC* hmacAlgorithm() {
+  // EVP_MAC (OpenSSL 3): the HMAC implementation is fetched once.
   static EVP_MAC* const kHmac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
-  EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(kHmac);
+  return kHmac;
+}
+
+// A context keyed with `key` for HMAC-SHA256; null on failure.
+EVP_MAC_CTX* keyedContext(const Key& key) {
+  EVP_MAC_CTX* ctx = hmacAlgorithm() ? EVP_MAC_CTX_new(hmacAlgorithm()) : nullptr;
+  if (ctx == nullptr) return nullptr;
   char digest[] = "SHA256";
   const OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", digest, 0),
                                OSSL_PARAM_construct_end()};
+  if (EVP_MAC_init(ctx, key.data(), key.size(), params) != 1) {
+    EVP_MAC_CTX_free(ctx);
+    return nullptr;
+  }
+  return ctx;
+}
+
+void feedLength(EVP_MAC_CTX* ctx, size_t size) {
+  const uint32_t n = static_cast<uint32_t>(size);
+  uint8_t prefix[4];
+  for (int i = 0; i < 4; ++i) prefix[i] = static_cast<uint8_t>((n >> (8 * i)) & 0xff);
+  EVP_MAC_update(ctx, prefix, 4);
+}
+
+void feedBytes(EVP_MAC_CTX* ctx, std::span<const uint8_t> part) {
+  if (!part.empty()) EVP_MAC_update(ctx, part.data(), part.size());
+}
+
+// fixed32 len(a) | a | fixed32 len(b) | b into a keyed context, then the truncated tag;
+// nullopt if OpenSSL failed.
+std::optional<Mac> macWith(EVP_MAC_CTX* ctx, std::initializer_list<std::span<const uint8_t>> a,
+                           std::span<const uint8_t> b) {
+  size_t a_size = 0;
+  for (const auto& part : a) a_size += part.size();
+  feedLength(ctx, a_size);
+  for (const auto& part : a) feedBytes(ctx, part);
+  feedLength(ctx, b.size());
+  feedBytes(ctx, b);
   uint8_t full[32] = {};
   size_t len = 0;
-  uint8_t prefix[4];
-  auto feed = [&](std::span<const uint8_t> part) {
-    const uint32_t n = static_cast<uint32_t>(part.size());
-    for (int i = 0; i < 4; ++i) prefix[i] = static_cast<uint8_t>((n >> (8 * i)) & 0xff);
-    EVP_MAC_update(ctx, prefix, 4);
-    if (!part.empty()) EVP_MAC_update(ctx, part.data(), part.size());
-  };
-  EVP_MAC_init(ctx, key.data(), key.size(), params);
-  feed(a);
-  feed(b);
-  EVP_MAC_final(ctx, full, &len, sizeof(full));
-  EVP_MAC_CTX_free(ctx);
+  if (EVP_MAC_final(ctx, full, &len, sizeof(full)) != 1 || len != sizeof(full)) return std::nullopt;
   Mac out;
   std::memcpy(out.data(), full, kMacBytes);
   return out;
 }
 
+// A context per call when no keyed one is kept, so that callers share nothing. nullopt when
+// OpenSSL failed (out of memory): a check then fails.
+std::optional<Mac> macOnce(const Key& key, std::initializer_list<std::span<const uint8_t>> a,
+                           std::span<const uint8_t> b) {
+  EVP_MAC_CTX* ctx = keyedContext(key);
+  if (ctx == nullptr) return std::nullopt;
+  const std::optional<Mac> out = macWith(ctx, a, b);
+  EVP_MAC_CTX_free(ctx);
+  return out;
+}
+
+bool sameMac(const std::optional<Mac>& expected, std::span<const uint8_t> received) {
+  return expected && received.size() == kMacBytes &&
+         CRYPTO_memcmp(expected->data(), received.data(), kMacBytes) == 0;
+}
+
+}  // namespace
+
+Mac mac(const Key& key, std::span<const uint8_t> a, std::span<const uint8_t> b) {
+  return macOnce(key, {a}, b).value_or(Mac{});  // a zero tag, which no check accepts
+}
+
+MacKey::MacKey(const Key& key) : key_(key), ctx_(keyedContext(key)) {}
+
+MacKey::~MacKey() { EVP_MAC_CTX_free(ctx_); }
+
+MacKey::MacKey(MacKey&& other) noexcept : key_(other.key_), ctx_(other.ctx_) {
+  other.ctx_ = nullptr;
+}
+
+MacKey& MacKey::operator=(MacKey&& other) noexcept {
+  if (this != &other) {
+    EVP_MAC_CTX_free(ctx_);
+    key_ = other.key_;
+    ctx_ = other.ctx_;
+    other.ctx_ = nullptr;
+  }
+  return *this;
+}
+
+std::optional<Mac> MacKey::compute(std::initializer_list<std::span<const uint8_t>> a,
+                                   std::span<const uint8_t> b) {
+  // A null key re-initialises the context with the key it holds (HMAC's pads kept).
+  if (ctx_ == nullptr || EVP_MAC_init(ctx_, nullptr, 0, nullptr) != 1) return macOnce(key_, a, b);
+  return macWith(ctx_, a, b);
+}
+
+Mac MacKey::mac(std::initializer_list<std::span<const uint8_t>> a, std::span<const uint8_t> b) {
+  return compute(a, b).value_or(Mac{});
+}
+
+bool MacKey::check(std::initializer_list<std::span<const uint8_t>> a, std::span<const uint8_t> b,
+                   std::span<const uint8_t> received) {
+  return sameMac(compute(a, b), received);
+}
+
 bool checkMac(const Key& key, std::span<const uint8_t> a, std::span<const uint8_t> b,
               std::span<const uint8_t> received) {
-  if (received.size() != kMacBytes) return false;
-  const Mac expected = mac(key, a, b);
-  return CRYPTO_memcmp(expected.data(), received.data(), kMacBytes) == 0;
+  return sameMac(macOnce(key, {a}, b), received);
 }
 
 }  // namespace hxfer::transport::auth

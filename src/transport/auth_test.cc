@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <span>
+#include <vector>
 
 namespace hxfer::transport::auth {
 namespace {
@@ -96,6 +98,42 @@ TEST(Auth, SessionKeysPairUpAcrossTheTwoEndsAndMacsCoverBothParts) {
   Mac flipped = m;
   flipped[15] ^= 1;
   EXPECT_FALSE(checkMac(lis.receive, header, data, flipped));
+}
+
+// A MacKey gives mac()'s tag call after call (its keyed context re-initialised each time),
+// with `a` in parts MACed as their concatenation, and checks as checkMac does.
+TEST(Auth, AKeptMacKeyAgreesWithMacCallAfterCall) {
+  auto c = randomNonce();
+  auto l = randomNonce();
+  ASSERT_TRUE(c.isOk() && l.isOk());
+  const SessionKeys conn = sessionKeys("secret", Role::kConnector, *c, *l, "");
+  const SessionKeys lis = sessionKeys("secret", Role::kListener, *c, *l, "");
+  MacKey send(conn.send);
+  MacKey receive(lis.receive);
+  for (uint8_t i = 0; i < 5; ++i) {
+    const uint8_t id = 4;
+    const uint8_t fields[] = {i, 2, 3, 4, 5, 6};
+    const uint8_t joined[] = {id, i, 2, 3, 4, 5, 6};
+    const std::vector<uint8_t> data(i * 100u, i);
+    const Mac m = send.mac({{&id, 1}, fields}, data);
+    EXPECT_EQ(m, mac(conn.send, joined, data)) << "call " << int(i);
+    EXPECT_TRUE(receive.check({joined}, data, m)) << "call " << int(i);
+    EXPECT_TRUE(checkMac(lis.receive, joined, data, m));
+    Mac flipped = m;
+    flipped[i % kMacBytes] ^= 0x40;
+    EXPECT_FALSE(receive.check({{&id, 1}, fields}, data, flipped));
+    EXPECT_FALSE(receive.check({{&id, 1}, fields}, data, std::span<const uint8_t>(m).first(15)));
+    // The other direction's key, or the bytes moved between the two parts, do not check out.
+    EXPECT_FALSE(MacKey(lis.send).check({joined}, data, m));
+    if (!data.empty()) {
+      const std::span<const uint8_t> d(data);
+      EXPECT_FALSE(receive.check({joined, d.first(1)}, d.subspan(1), m));
+    }
+  }
+  // Moved: the new owner MACs under the same key.
+  MacKey moved = std::move(send);
+  const uint8_t one[] = {9};
+  EXPECT_EQ(moved.mac({one}), mac(conn.send, one));
 }
 
 }  // namespace

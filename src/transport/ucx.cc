@@ -71,6 +71,8 @@ constexpr size_t kMaxReasonBytes = 1024;
 // auth::mac(sender's session key, id byte | the header before it, the data for 3 and 5): a
 // relay that passed the handshake along learns no key, so it can neither inject nor alter a
 // message, a write's target or an ack, nor replay a write (its seq is checked in a window).
+// A write's header (kAmWrite below) with its MAC: reserved up front, as every op sends one.
+constexpr size_t kAmWriteHeaderBytes = 8 + 4 + 4 + 8 + 8 + 8 + auth::kMacBytes;
 enum AmId : unsigned {
   kAmHello = 1,      // connector -> listener. header: fixed32 version, nonce_c[32]
   kAmChallenge = 2,  // listener -> connector. header: fixed32 version, nonce_l[32], proof_l[32]
@@ -174,7 +176,9 @@ struct UcxPeer {
   bool dropping = false;
   auth::Nonce nonce_c{};
   auth::Nonce nonce_l{};
-  auth::SessionKeys keys{};                     // once proven: MACs of ids 3, 4, 5 each way
+  // Once proven: the session keys that MAC ids 3, 4, 5 each way (used by the worker's driver).
+  auth::MacKey send_mac;
+  auth::MacKey receive_mac;
   uint64_t next_write_seq = 1;                  // our writes' seq
   uint64_t write_seq_top = 0;                   // the highest write seq received
   std::bitset<kWriteSeqWindow> write_seq_seen;  // seqs top, top-1, ... received (bit 0: top)
@@ -582,10 +586,11 @@ class UcxAgent final : public Agent {
   // An unauthenticated connection goes: counted in auth_failures, connect() fails with `why`.
   void failHandshake(const std::shared_ptr<UcxPeer>& p, const Status& why);
   // Appends the MAC of an id 3/4/5 active message (see AmId) to `header`, under p's send key.
-  static void seal(const UcxPeer& p, unsigned id, Bytes& header, std::span<const uint8_t> covered);
+  static void seal(UcxPeer& p, unsigned id, Bytes& header, std::span<const uint8_t> covered);
   // Whether `tag` is the MAC of (id, fields, covered) under p's receive key.
-  static bool checkSeal(const UcxPeer& p, unsigned id, std::span<const uint8_t> fields,
+  static bool checkSeal(UcxPeer& p, unsigned id, std::span<const uint8_t> fields,
                         std::span<const uint8_t> covered, std::span<const uint8_t> tag);
+  static void setSessionKeys(UcxPeer& p, const auth::SessionKeys& keys);
   // Records a received write's seq: refused when it came before or is older than the window.
   static Status acceptWriteSeq(UcxPeer& p, uint64_t seq);
   void refuse(const std::shared_ptr<UcxPeer>& p, const std::string& reason);
@@ -1359,6 +1364,7 @@ void UcxAgent::startWrite(const std::shared_ptr<UcxPeer>& p, uint64_t tid,
       }
     } else {
       Bytes header;
+      header.reserve(kAmWriteHeaderBytes);
       putFixed64(header, tid);
       putFixed32(header, count);
       putFixed32(header, ops[i].remote_region);
@@ -1757,8 +1763,8 @@ ucs_status_t UcxAgent::onHandshakeAm(const std::shared_ptr<UcxPeer>& p, unsigned
         return UCS_OK;
       }
       p->handshake = Handshake::kDone;
-      p->keys =
-          auth::sessionKeys(config_.auth_token, auth::Role::kListener, p->nonce_c, p->nonce_l, "");
+      setSessionKeys(*p, auth::sessionKeys(config_.auth_token, auth::Role::kListener, p->nonce_c,
+                                           p->nonce_l, ""));
       p->proven = true;
       p->announced = true;
       {
@@ -1796,8 +1802,8 @@ ucs_status_t UcxAgent::onHandshakeAm(const std::shared_ptr<UcxPeer>& p, unsigned
         failHandshake(p, PermissionDenied(who + " does not hold our token (its proof failed)"));
         return UCS_OK;
       }
-      p->keys =
-          auth::sessionKeys(config_.auth_token, auth::Role::kConnector, p->nonce_c, p->nonce_l, "");
+      setSessionKeys(*p, auth::sessionKeys(config_.auth_token, auth::Role::kConnector, p->nonce_c,
+                                           p->nonce_l, ""));
       p->proven = true;
       const auth::Proof proof_c =
           auth::prove(config_.auth_token, auth::Role::kConnector, p->nonce_c, p->nonce_l, "");
@@ -1832,21 +1838,21 @@ ucs_status_t UcxAgent::onHandshakeAm(const std::shared_ptr<UcxPeer>& p, unsigned
   return UCS_OK;
 }
 
-void UcxAgent::seal(const UcxPeer& p, unsigned id, Bytes& header,
-                    std::span<const uint8_t> covered) {
-  header.insert(header.begin(), static_cast<uint8_t>(id));
-  const auth::Mac m = auth::mac(p.keys.send, header, covered);
-  header.erase(header.begin());
+void UcxAgent::seal(UcxPeer& p, unsigned id, Bytes& header, std::span<const uint8_t> covered) {
+  const uint8_t lead = static_cast<uint8_t>(id);
+  const auth::Mac m = p.send_mac.mac({{&lead, 1}, header}, covered);
   header.insert(header.end(), m.begin(), m.end());
 }
 
-bool UcxAgent::checkSeal(const UcxPeer& p, unsigned id, std::span<const uint8_t> fields,
+bool UcxAgent::checkSeal(UcxPeer& p, unsigned id, std::span<const uint8_t> fields,
                          std::span<const uint8_t> covered, std::span<const uint8_t> tag) {
-  Bytes a;
-  a.reserve(fields.size() + 1);
-  a.push_back(static_cast<uint8_t>(id));
-  a.insert(a.end(), fields.begin(), fields.end());
-  return auth::checkMac(p.keys.receive, a, covered, tag);
+  const uint8_t lead = static_cast<uint8_t>(id);
+  return p.receive_mac.check({{&lead, 1}, fields}, covered, tag);
+}
+
+void UcxAgent::setSessionKeys(UcxPeer& p, const auth::SessionKeys& keys) {
+  p.send_mac = auth::MacKey(keys.send);
+  p.receive_mac = auth::MacKey(keys.receive);
 }
 
 Status UcxAgent::acceptWriteSeq(UcxPeer& p, uint64_t seq) {
