@@ -24,7 +24,7 @@
 // compared in constant time. An empty token still runs the exchange (it then proves nothing;
 // the agent logs a warning and counts it) and same-host transports also check the peer's uid.
 //
-// Pure functions; thread-safe.
+// Pure functions, thread-safe; a MacKey serves one caller at a time.
 #pragma once
 
 #include <array>
