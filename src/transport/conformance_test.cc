@@ -897,7 +897,7 @@ TEST(CopyWorker, ASmallJobOnAnIdleWorkerIsCopiedByItsSubmitter) {
   auto submit = [&](uint64_t bytes, std::function<Status()> check) {
     detail::CopyJob job;
     job.core = std::make_shared<detail::TransferCore>(bytes, 1);
-    job.segments.push_back(detail::CopySegment{src.data(), guard, 0, bytes});
+    job.add(src.data(), guard, 0, bytes);
     job.check = std::move(check);
     auto finisher = std::make_shared<std::promise<std::thread::id>>();
     job.core->notifyWhenTerminal([finisher] { finisher->set_value(std::this_thread::get_id()); });

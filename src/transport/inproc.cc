@@ -15,7 +15,6 @@ namespace hxfer::transport {
 namespace {
 
 using detail::CopyJob;
-using detail::CopySegment;
 using detail::CopyWorker;
 using detail::EventQueue;
 using detail::RegionGuard;
@@ -251,8 +250,7 @@ class InprocAgent final : public Agent {
                          detail::findOpRegions(i, op, peer, state_->regions, p->remote_regions));
         const auto& [local, remote] = regions;
         RETURN_IF_ERROR(detail::validateOp(i, op, (*local)->length, (*remote)->length));
-        job.segments.push_back(
-            CopySegment{(*local)->base + op.local_offset, *remote, op.remote_offset, op.bytes});
+        job.add((*local)->base + op.local_offset, *remote, op.remote_offset, op.bytes);
         total += op.bytes;
       }
     }

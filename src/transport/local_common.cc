@@ -283,7 +283,7 @@ Status CopyWorker::copySegments(const CopyJob& job, const Slice& slice) {
       return Cancelled("transfer cancelled before all ops were copied");
     }
     if (job.check) RETURN_IF_ERROR(job.check());
-    RegionGuard* guard = segments[i].dst.get();
+    RegionGuard* guard = segments[i].dst;
     std::shared_lock<std::shared_mutex> lock(guard->mu);
     if (!guard->alive) {
       return Unavailable("remote region " + std::to_string(guard->id) +
@@ -297,7 +297,7 @@ Status CopyWorker::copySegments(const CopyJob& job, const Slice& slice) {
       copied += end - offset;
       offset = 0;
       ++i;
-    } while (i < last && segments[i].dst.get() == guard && copied < kCheckBytes);
+    } while (i < last && segments[i].dst == guard && copied < kCheckBytes);
   }
   return OkStatus();
 }
@@ -322,7 +322,8 @@ Status CopyWorker::copyOnDevice(const CopyJob& job) {
   // Every destination stays mapped and registered until the device finished: the copy runs
   // asynchronously, so the guards are held for all of it (a retire waits, as for a memcpy).
   std::vector<RegionGuard*> guards;
-  for (const CopySegment& seg : job.segments) guards.push_back(seg.dst.get());
+  guards.reserve(job.guards.size());
+  for (const auto& g : job.guards) guards.push_back(g.get());
   std::sort(guards.begin(), guards.end());
   guards.erase(std::unique(guards.begin(), guards.end()), guards.end());
   std::vector<std::shared_lock<std::shared_mutex>> locks;

@@ -155,7 +155,7 @@ findOpRegions(size_t index, const WriteOp& op, PeerId peer, const Locals& locals
 
 struct CopySegment {
   const uint8_t* src = nullptr;
-  std::shared_ptr<RegionGuard> dst;
+  RegionGuard* dst = nullptr;  // kept alive by its job (CopyJob::guards)
   uint64_t dst_offset = 0;
   uint64_t bytes = 0;
 };
@@ -163,6 +163,15 @@ struct CopySegment {
 struct CopyJob {
   std::shared_ptr<TransferCore> core;
   std::vector<CopySegment> segments;
+  // Every segment's destination guard, held once per run of segments into it rather than
+  // once per segment: a storm's ops would otherwise each count a reference in and out.
+  std::vector<std::shared_ptr<RegionGuard>> guards;
+  // Appends a segment of `bytes` from `src` into `dst` at `dst_offset`.
+  void add(const uint8_t* src, const std::shared_ptr<RegionGuard>& dst, uint64_t dst_offset,
+           uint64_t bytes) {
+    if (guards.empty() || guards.back() != dst) guards.push_back(dst);
+    segments.push_back(CopySegment{src, dst.get(), dst_offset, bytes});
+  }
   // Called before every segment and after the last one: a non-ok status (e.g. Unavailable when
   // the peer was lost) stops the copy and finishes the transfer with it. Only whoever runs the
   // job (the worker, a waiter, or its submitter for a small job) finishes a job's transfer, so a

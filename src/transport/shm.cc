@@ -530,8 +530,7 @@ class ShmAgent final : public Agent {
         ASSIGN_OR_RETURN(auto regions, detail::findOpRegions(i, op, peer, regions_, p->declared));
         const auto& [local, remote] = regions;
         RETURN_IF_ERROR(detail::validateOp(i, op, local->region->length(), (*remote)->length));
-        job.segments.push_back(CopySegment{local->region->data() + op.local_offset, *remote,
-                                           op.remote_offset, op.bytes});
+        job.add(local->region->data() + op.local_offset, *remote, op.remote_offset, op.bytes);
         if (lane_) devices.push_back(local->device);
         total += op.bytes;
       }

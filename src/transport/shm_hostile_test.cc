@@ -658,7 +658,9 @@ TEST(ShmHostile, ASilentConnectionAcceptedByAPollingCallerClosesOnTime) {
   std::this_thread::sleep_for(50ms);
   auto silent = RawPeer::connectTo(agent->localAddress());
   EXPECT_NE(silent, nullptr);
-  if (silent) EXPECT_TRUE(silent->waitForEof(750ms)) << "not closed within 750 ms of connecting";
+  if (silent) {
+    EXPECT_TRUE(silent->waitForEof(750ms)) << "not closed within 750 ms of connecting";
+  }
   stop = true;
   agent->wakeEventWaiter();
   poller.join();
