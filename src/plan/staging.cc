@@ -59,33 +59,37 @@ StatusOr<StagingWindow> resolve(StagingWindow window, uint64_t total) {
   return window;
 }
 
-// Calls `take(item, lo, hi)` for each of `items` that meets window `w` (resolved), [lo, hi) its
-// part inside the window in part coordinates. `items` lie disjoint and ascending by `at(item)`,
-// each `item.bytes` long: O(log n + the items in the window).
-template <typename T, typename At, typename Take>
-void forEachInWindow(std::span<const T> items, StagingWindow w, At at, Take take) {
+// `make(item, lo, hi)` for each of `items` that meets window `w` (resolved), [lo, hi) its part
+// inside the window in part coordinates. `items` lie disjoint and ascending by `at(item)`, each
+// `item.bytes` long: O(log n + the items in the window).
+template <typename T, typename At, typename Make>
+auto clipToWindow(std::span<const T> items, StagingWindow w, At at, Make make) {
   const uint64_t end = w.offset + w.bytes;
-  // The first item ending past the window's start.
-  auto it = std::upper_bound(items.begin(), items.end(), w.offset,
-                             [&](uint64_t x, const T& item) { return x < at(item) + item.bytes; });
-  for (; it != items.end() && at(*it) < end; ++it) {
+  // From the first item ending past the window's start to the first starting at its end.
+  auto first =
+      std::upper_bound(items.begin(), items.end(), w.offset,
+                       [&](uint64_t x, const T& item) { return x < at(item) + item.bytes; });
+  auto last = std::lower_bound(first, items.end(), end,
+                               [&](const T& item, uint64_t x) { return at(item) < x; });
+  std::vector<decltype(make(*first, uint64_t{}, uint64_t{}))> out;
+  out.reserve(static_cast<size_t>(last - first));
+  for (auto it = first; it != last; ++it) {
     const uint64_t lo = std::max(at(*it), w.offset);
     const uint64_t hi = std::min(at(*it) + it->bytes, end);
-    if (lo < hi) take(*it, lo, hi);
+    if (lo < hi) out.push_back(make(*it, lo, hi));
   }
+  return out;
 }
 
 }  // namespace
 
 StatusOr<std::vector<StagedRun>> windowRuns(std::span<const StagedRun> runs, StagingWindow window) {
   ASSIGN_OR_RETURN(const StagingWindow w, resolve(window, stagingBytes(runs)));
-  std::vector<StagedRun> out;
-  forEachInWindow(
+  return clipToWindow(
       runs, w, [](const StagedRun& r) { return r.stage_offset; },
       [&](const StagedRun& r, uint64_t lo, uint64_t hi) {
-        out.push_back({r.region, r.dst_offset + (lo - r.stage_offset), lo - w.offset, hi - lo});
+        return StagedRun{r.region, r.dst_offset + (lo - r.stage_offset), lo - w.offset, hi - lo};
       });
-  return out;
 }
 
 namespace {
@@ -134,14 +138,12 @@ StatusOr<SlotGather> slotGather(std::span<const CopyOp> ops, const std::vector<S
 StatusOr<std::vector<CopyOp>> windowOps(const SlotGather& gather, uint32_t area,
                                         StagingWindow window) {
   ASSIGN_OR_RETURN(const StagingWindow w, resolve(window, gather.bytes));
-  std::vector<CopyOp> out;
-  forEachInWindow(
+  return clipToWindow(
       std::span<const CopyOp>(gather.ops), w, [](const CopyOp& op) { return op.dst_offset; },
       [&](const CopyOp& op, uint64_t lo, uint64_t hi) {
-        out.push_back(
-            {op.src_region, op.src_offset + (lo - op.dst_offset), area, lo - w.offset, hi - lo});
+        return CopyOp{op.src_region, op.src_offset + (lo - op.dst_offset), area, lo - w.offset,
+                      hi - lo};
       });
-  return out;
 }
 
 Status gatherStaged(const SlotGather& gather, const RankMemory& src,
