@@ -21,6 +21,8 @@ uint64_t HostCopyTable::bytes() const {
 
 StatusOr<HostCopyTable> copyTable(std::span<const CopyRun> runs) {
   HostCopyTable t;
+  t.runs.reserve(runs.size());
+  t.first_chunk.reserve(runs.size() + 1);
   t.first_chunk.push_back(0);
   for (const CopyRun& r : runs) {
     if (r.bytes == 0) continue;

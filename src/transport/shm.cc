@@ -187,11 +187,16 @@ struct DeviceLane {
   // once every copy finished, with the first error.
   Status run(const std::vector<CopySegment>& segments, const std::vector<int>& devices) {
     std::map<int, std::vector<device::CopyRun>> by_device;
+    std::vector<device::CopyRun>* runs_of = nullptr;  // the last segment's device's
     for (size_t i = 0; i < segments.size(); ++i) {
       const CopySegment& seg = segments[i];
-      by_device[devices[i]].push_back(
-          device::CopyRun{reinterpret_cast<uint64_t>(seg.src),
-                          reinterpret_cast<uint64_t>(seg.dst->base + seg.dst_offset), seg.bytes});
+      if (runs_of == nullptr || devices[i] != devices[i - 1]) {
+        runs_of = &by_device[devices[i]];
+        if (runs_of->empty()) runs_of->reserve(segments.size() - i);  // most jobs: one device
+      }
+      runs_of->push_back(device::CopyRun{reinterpret_cast<uint64_t>(seg.src),
+                                         reinterpret_cast<uint64_t>(seg.dst->base + seg.dst_offset),
+                                         seg.bytes});
     }
     std::vector<std::shared_ptr<device::Event>> events;
     Status first = OkStatus();
@@ -525,6 +530,7 @@ class ShmAgent final : public Agent {
     {
       std::lock_guard<std::mutex> lock(mu_);
       job.segments.reserve(ops.size());
+      if (lane_) devices.reserve(ops.size());
       for (size_t i = 0; i < ops.size(); ++i) {
         const WriteOp& op = ops[i];
         ASSIGN_OR_RETURN(auto regions, detail::findOpRegions(i, op, peer, regions_, p->declared));
