@@ -175,11 +175,24 @@ Mac mac(const Key& key, std::span<const uint8_t> a, std::span<const uint8_t> b) 
   return macOnce(key, {a}, b).value_or(Mac{});  // a zero tag, which no check accepts
 }
 
-MacKey::MacKey(const Key& key) : key_(key), ctx_(keyedContext(key)) {}
+MacKey::MacKey(const Key& key) : key_(key), keyed_(true), ctx_(keyedContext(key)) {
+  // Re-initialising with a null key resets HMAC only from OpenSSL 3.0.3 on; before, it returns
+  // success and leaves the finished state, so every tag after the first would be wrong. Two
+  // tags through the kept context must match fresh ones, or each call keys its own.
+  const uint8_t probe[] = {'h', 'x'};
+  for (int i = 0; i < 2 && ctx_ != nullptr; ++i) {
+    const std::optional<Mac> kept =
+        EVP_MAC_init(ctx_, nullptr, 0, nullptr) == 1 ? macWith(ctx_, {probe}, {}) : std::nullopt;
+    if (!kept || kept != macOnce(key_, {probe}, {})) {
+      EVP_MAC_CTX_free(ctx_);
+      ctx_ = nullptr;
+    }
+  }
+}
 
 MacKey::~MacKey() { EVP_MAC_CTX_free(ctx_); }
 
-MacKey::MacKey(MacKey&& other) noexcept : key_(other.key_), ctx_(other.ctx_) {
+MacKey::MacKey(MacKey&& other) noexcept : key_(other.key_), keyed_(other.keyed_), ctx_(other.ctx_) {
   other.ctx_ = nullptr;
 }
 
@@ -187,6 +200,7 @@ MacKey& MacKey::operator=(MacKey&& other) noexcept {
   if (this != &other) {
     EVP_MAC_CTX_free(ctx_);
     key_ = other.key_;
+    keyed_ = other.keyed_;
     ctx_ = other.ctx_;
     other.ctx_ = nullptr;
   }
@@ -195,6 +209,7 @@ MacKey& MacKey::operator=(MacKey&& other) noexcept {
 
 std::optional<Mac> MacKey::compute(std::initializer_list<std::span<const uint8_t>> a,
                                    std::span<const uint8_t> b) {
+  if (!keyed_) return std::nullopt;  // no key: no tag, and no check passes
   // A null key re-initialises the context with the key it holds (HMAC's pads kept).
   if (ctx_ == nullptr || EVP_MAC_init(ctx_, nullptr, 0, nullptr) != 1) return macOnce(key_, a, b);
   return macWith(ctx_, a, b);

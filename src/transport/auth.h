@@ -91,12 +91,12 @@ bool checkMac(const Key& key, std::span<const uint8_t> a, std::span<const uint8_
 
 // mac and checkMac under one key whose HMAC set-up (the digest fetched, the key's inner and
 // outer pads hashed) is done once, for a connection's data path, which MACs every message,
-// write and ack under its session keys: about a fifth of mac's cost per call. `a` is given in
+// write and ack under its session keys: about a quarter of mac's cost per call. `a` is given in
 // parts, MACed as their concatenation (a header after its id byte, without joining them).
 // Not thread-safe: one caller at a time (ucx: whoever drives the worker).
 class MacKey {
  public:
-  MacKey() = default;  // no key: mac and check must not be called
+  MacKey() = default;  // no key: mac gives a zero tag and check fails
   explicit MacKey(const Key& key);
   ~MacKey();
   MacKey(MacKey&& other) noexcept;
@@ -114,6 +114,7 @@ class MacKey {
   std::optional<Mac> compute(std::initializer_list<std::span<const uint8_t>> a,
                              std::span<const uint8_t> b);
   Key key_{};
+  bool keyed_ = false;
   // The keyed context, re-initialised per call; null if OpenSSL could not make one, and then
   // each call sets the key up itself, as mac() does.
   evp_mac_ctx_st* ctx_ = nullptr;

@@ -134,6 +134,10 @@ TEST(Auth, AKeptMacKeyAgreesWithMacCallAfterCall) {
   MacKey moved = std::move(send);
   const uint8_t one[] = {9};
   EXPECT_EQ(moved.mac({one}), mac(conn.send, one));
+  // No key: nothing checks out, not even a tag made under the all-zero key.
+  MacKey none;
+  EXPECT_FALSE(none.check({one}, {}, mac(Key{}, one)));
+  EXPECT_EQ(none.mac({one}), Mac{});
 }
 
 }  // namespace

@@ -71,8 +71,6 @@ constexpr size_t kMaxReasonBytes = 1024;
 // auth::mac(sender's session key, id byte | the header before it, the data for 3 and 5): a
 // relay that passed the handshake along learns no key, so it can neither inject nor alter a
 // message, a write's target or an ack, nor replay a write (its seq is checked in a window).
-// A write's header (kAmWrite below) with its MAC: reserved up front, as every op sends one.
-constexpr size_t kAmWriteHeaderBytes = 8 + 4 + 4 + 8 + 8 + 8 + auth::kMacBytes;
 enum AmId : unsigned {
   kAmHello = 1,      // connector -> listener. header: fixed32 version, nonce_c[32]
   kAmChallenge = 2,  // listener -> connector. header: fixed32 version, nonce_l[32], proof_l[32]
@@ -84,6 +82,8 @@ enum AmId : unsigned {
   kAmWelcome = 7,    // listener -> connector. header: empty
   kAmRefused = 8,    // listener -> connector. header: empty; data: the reason (<= 1 KiB)
 };
+// A write's header (kAmWrite) with its MAC: reserved up front, as every op sends one.
+constexpr size_t kAmWriteHeaderBytes = 8 + 4 + 4 + 8 + 8 + 8 + auth::kMacBytes;
 
 // Where a connection stands in the handshake (transport/auth.h).
 enum class Handshake {
