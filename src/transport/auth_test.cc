@@ -75,16 +75,31 @@ TEST(Auth, ProofIsHmacSha256OfLabelNoncesAndLengthPrefixedBinding) {
             "31f25db913d9560926663d1033997dbf34b18c77e1c33ac07407c48354ec9b06");
 }
 
-TEST(Auth, SessionKeysPairUpAcrossTheTwoEndsAndMacsCoverBothParts) {
+// One exchange of fresh nonces under token "secret": both ends' session keys.
+struct Exchange {
+  Nonce c{};
+  Nonce l{};
+  SessionKeys conn;
+  SessionKeys lis;
+};
+Exchange freshExchange() {
   auto c = randomNonce();
   auto l = randomNonce();
-  ASSERT_TRUE(c.isOk() && l.isOk());
-  const SessionKeys conn = sessionKeys("secret", Role::kConnector, *c, *l, "");
-  const SessionKeys lis = sessionKeys("secret", Role::kListener, *c, *l, "");
+  EXPECT_TRUE(c.isOk() && l.isOk());
+  Exchange x;
+  if (c.isOk()) x.c = *c;
+  if (l.isOk()) x.l = *l;
+  x.conn = sessionKeys("secret", Role::kConnector, x.c, x.l, "");
+  x.lis = sessionKeys("secret", Role::kListener, x.c, x.l, "");
+  return x;
+}
+
+TEST(Auth, SessionKeysPairUpAcrossTheTwoEndsAndMacsCoverBothParts) {
+  const auto [c, l, conn, lis] = freshExchange();
   EXPECT_EQ(conn.send, lis.receive);
   EXPECT_EQ(conn.receive, lis.send);
   EXPECT_NE(conn.send, conn.receive);
-  EXPECT_NE(sessionKeys("other", Role::kConnector, *c, *l, "").send, conn.send);
+  EXPECT_NE(sessionKeys("other", Role::kConnector, c, l, "").send, conn.send);
   const uint8_t header[] = {1, 2, 3};
   const uint8_t data[] = {4, 5};
   const Mac m = mac(conn.send, header, data);
@@ -103,11 +118,7 @@ TEST(Auth, SessionKeysPairUpAcrossTheTwoEndsAndMacsCoverBothParts) {
 // A MacKey gives mac()'s tag call after call (its keyed context re-initialised each time),
 // with `a` in parts MACed as their concatenation, and checks as checkMac does.
 TEST(Auth, AKeptMacKeyAgreesWithMacCallAfterCall) {
-  auto c = randomNonce();
-  auto l = randomNonce();
-  ASSERT_TRUE(c.isOk() && l.isOk());
-  const SessionKeys conn = sessionKeys("secret", Role::kConnector, *c, *l, "");
-  const SessionKeys lis = sessionKeys("secret", Role::kListener, *c, *l, "");
+  const auto [c, l, conn, lis] = freshExchange();
   MacKey send(conn.send);
   MacKey receive(lis.receive);
   for (uint8_t i = 0; i < 5; ++i) {
