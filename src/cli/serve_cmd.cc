@@ -63,6 +63,13 @@ struct ServeOptions {
   std::string metrics_host = "0.0.0.0";
 };
 
+// The labels of every sample a rank's endpoint serves.
+std::string promLabels(const char* role, const std::string& instance, uint32_t rank) {
+  return engine::prometheusLabel("role", role) + "," +
+         engine::prometheusLabel("instance", instance) + "," +
+         engine::prometheusLabel("rank", std::to_string(rank));
+}
+
 // The Prometheus endpoint of --metrics-port, or nullptr without one; prints where it listens.
 StatusOr<std::unique_ptr<MetricsServer>> startMetrics(const ServeOptions& o,
                                                       std::function<std::string()> render) {
@@ -325,8 +332,7 @@ int runServe(const ServeOptions& o) {
       std::printf("registered %s (incarnation %s) in %s, lease %u s\n", rec.key().c_str(),
                   rec.incarnation.c_str(), registry->url().c_str(), o.lease_ttl_s);
     }
-    const std::string labels =
-        "role=\"context\",instance=\"" + *instance + "\",rank=\"" + std::to_string(o.rank) + "\"";
+    const std::string labels = promLabels("context", *instance, o.rank);
     auto metrics = startMetrics(o, [&] {
       std::string text = (*sender)->metrics().toPrometheus(labels);
       if (registration) {
@@ -391,7 +397,8 @@ int runServe(const ServeOptions& o) {
   // once after a failed request and otherwise once a second; a lost etcd pauses this, never
   // the transfers.
   std::atomic<uint64_t> reconnects{0}, registry_errors{0};
-  std::mutex rx_mu;  // guards rx against the metrics endpoint's thread
+  std::mutex rx_mu;                 // guards rx and retired against the metrics endpoint's thread
+  engine::MetricsSnapshot retired;  // the receivers replaced by reconnects, summed
   bool registry_reachable = true;
   auto last_check = engine::Clock::now();
   auto rediscover = [&](std::chrono::seconds wait_for_change) -> Status {
@@ -421,6 +428,12 @@ int runServe(const ServeOptions& o) {
           auto next = connect(addresses);
           if (!next.isOk()) return next.status();
           std::lock_guard lock(rx_mu);
+          // The old receiver's counts stay in the scrape (counters never go back); its
+          // gauges do not.
+          engine::MetricsSnapshot last = (*rx)->metrics();
+          last.accounting_errors = 0;
+          last.ranks_without_token = 0;
+          retired.merge(last);
           rx = std::move(next);
           found = std::move(*now);
           ++reconnects;
@@ -432,11 +445,12 @@ int runServe(const ServeOptions& o) {
     }
   };
 
-  const std::string labels =
-      "role=\"generation\",instance=\"" + *instance + "\",rank=\"" + std::to_string(o.rank) + "\"";
+  const std::string labels = promLabels("generation", *instance, o.rank);
   auto metrics = startMetrics(o, [&] {
     std::lock_guard lock(rx_mu);
-    std::string text = (*rx)->metrics().toPrometheus(labels);
+    engine::MetricsSnapshot m = retired;
+    m.merge((*rx)->metrics());
+    std::string text = m.toPrometheus(labels);
     if (registry) {
       text +=
           "# HELP hxfer:registry_errors_total Failed registry calls (etcd).\n"

@@ -132,6 +132,23 @@ void MetricsSnapshot::merge(const MetricsSnapshot& o) {
   latency.merge(o.latency);
 }
 
+std::string prometheusLabel(std::string_view name, std::string_view value) {
+  std::string out(name);
+  out += "=\"";
+  for (char c : value) {
+    if (c == '\\' || c == '"') {
+      out += '\\';
+      out += c;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  out += '"';
+  return out;
+}
+
 std::string MetricsSnapshot::toPrometheus(std::string_view labels) const {
   std::string out;
   const std::string base(labels);
@@ -171,7 +188,15 @@ std::string MetricsSnapshot::toPrometheus(std::string_view labels) const {
   counter("staged_parts_total", "Parts staged on the context rank (element orders differ).",
           staged_parts);
   counter("staging_bytes_total", "Bytes gathered into staging areas.", staging_bytes);
+  counter("staging_copies_total", "Local copies of staged parts (gather or scatter runs).",
+          staging_copies);
+  counter("streamed_ranges_total", "Ranges of layers marked ready while more were to come.",
+          streamed_ranges);
   counter("storm_parts_total", "Parts of many small ops sent as one staged write.", storm_parts);
+  counter("storm_copies_total",
+          "Local copies of storm parts (context: gathered ops; "
+          "generation: scattered runs).",
+          storm_copies);
   counter("staging_windows_total",
           "Windows of parts larger than the staging region (device pools behind a host agent).",
           staging_windows);
@@ -185,6 +210,11 @@ std::string MetricsSnapshot::toPrometheus(std::string_view labels) const {
   counter("peers_lost_total", "Peers whose connection broke.", peers_lost);
   counter("reconnects_total", "Reconnections to a context rank.", reconnects);
   counter("writes_stalled_total", "Writes cancelled for making no progress.", writes_stalled);
+  counter("stale_messages_total", "Messages about an earlier use of a request id, ignored.",
+          stale_messages);
+  counter("connections_superseded_total",
+          "Connections dropped for a newer one from the same generation rank.",
+          connections_superseded);
   counter("requests_over_limit_total", "Requests refused over a peer's bounds.",
           requests_over_limit);
   counter("auth_failures_total", "Transport handshakes refused (token, uid, timeout).",
@@ -192,8 +222,12 @@ std::string MetricsSnapshot::toPrometheus(std::string_view labels) const {
   counter("connections_refused_total",
           "Unauthenticated connections closed (over max_unauthenticated, or no fd).",
           connections_refused);
+  counter("unauthenticated_dropped_total", "Frames from connections not yet authenticated.",
+          unauthenticated_dropped);
   counter("peers_over_limit_total", "Peers dropped for exceeding a per-peer bound.",
           peers_over_limit);
+  metric("ranks_without_token", "gauge", "Ranks whose transport has no auth token configured.");
+  sample("ranks_without_token", "", static_cast<double>(ranks_without_token));
   metric("accounting_errors", "gauge", "Ranks whose self-check failed when this was taken.");
   sample("accounting_errors", "", static_cast<double>(accounting_errors));
   metric("transfer_latency_seconds", "histogram",

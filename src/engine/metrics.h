@@ -119,6 +119,10 @@ struct MetricsSnapshot {
   std::string toPrometheus(std::string_view labels) const;
 };
 
+// One label of Prometheus' text format, `name="value"`, with the value's backslashes, double
+// quotes and newlines escaped as the format requires (an instance name may hold any of them).
+std::string prometheusLabel(std::string_view name, std::string_view value);
+
 class Metrics {
  public:
   void requestStarted();

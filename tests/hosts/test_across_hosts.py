@@ -376,13 +376,42 @@ def test_generation_finds_the_context_instance_through_etcd(etcd):
     assert rc != 0 and "no context rank of instance 'ctxA'" in out, out
 
 
+def scrape(url):
+    """A metrics endpoint's samples: {"name{labels}": value}."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {k: float(v) for k, v in (l.rsplit(" ", 1) for l in text.splitlines()
+                                      if l and not l.startswith("#"))}
+
+
+def sample(samples, name, label=None):
+    """The value of `name` (with `label`, e.g. 'outcome="ok"', among its labels)."""
+    found = [v for k, v in samples.items()
+             if k.startswith(name + "{") and (label is None or label in k)]
+    assert len(found) == 1, (name, label, found)
+    return found[0]
+
+
 def test_a_restarted_context_rank_is_rediscovered_and_only_its_request_fails(etcd):
     old = registered_context(1, etcd, "ctxB")
-    g = discovering_generation(etcd, "ctxB")
+    g = generation(2, [], 1, "--registry", etcd.url, "--ctx-instance", "ctxB", "--requests", 3000,
+                   "--timeout", 20, "--metrics-port", 0, "--metrics-host", addr(2))
+    g.line(r"found hxfer/ctxB/context/0")
+    port = g.line(r"metrics on http://[0-9.]+:(\d+)/metrics")[1]
+    metrics = f"http://{addr(2)}:{port}/metrics"
     time.sleep(1.0)
+    before = scrape(metrics)
     old.kill()  # the host's process dies: no unregistering, its lease lives on for a while
     new = registered_context(1, etcd, "ctxB")
     assert new.incarnation != old.incarnation
+    # The scrape keeps what the replaced connection counted: no counter goes back.
+    deadline = time.monotonic() + 60
+    while sample(after := scrape(metrics), "hxfer:instance_reconnects_total") < 1:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)
+    for name, label in [("hxfer:requests_total", 'outcome="started"'),
+                        ("hxfer:requests_total", 'outcome="ok"'), ("hxfer:bytes_total", None)]:
+        assert sample(after, name, label) >= sample(before, name, label) > 0, (name, label)
     rc, out = g.finish(timeout=300)
     s = summary(out)
     reconnects = re.search(r"reconnects \d+", out)
