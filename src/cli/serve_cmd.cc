@@ -355,7 +355,8 @@ int runServe(const ServeOptions& o) {
     if (registration) {
       reg = {{"reachable", registration->reachable()},
              {"errors", registration->errors()},
-             {"reregistered", registration->reregistered()}};
+             {"reregistered", registration->reregistered()},
+             {"superseded", registration->superseded()}};
       registration.reset();  // unregisters: peers stop finding this rank
     }
     (*sender)->shutdown();

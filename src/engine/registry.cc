@@ -180,6 +180,11 @@ StatusOr<std::string> EtcdClient::post(const std::string& path, const std::strin
   if (rc != CURLE_OK) return Unavailable(url_ + path + ": " + curl_easy_strerror(rc));
   const json j = json::parse(reply, nullptr, false);
   if (j.is_discarded() || !j.is_object()) {
+    // A proxy in front of etcd answers 502/503 with text while etcd restarts: unreachable, not
+    // a broken registry.
+    if (http != 200) {
+      return Unavailable(url_ + path + ": HTTP " + std::to_string(http) + " without a JSON reply");
+    }
     return Corruption(url_ + path + ": HTTP " + std::to_string(http) + ", not a JSON reply");
   }
   if (auto e = j.find("error"); e != j.end() || http != 200) {
@@ -213,6 +218,39 @@ Status EtcdClient::put(const std::string& key, const std::string& value, int64_t
   json body{{"key", base64(key)}, {"value", base64(value)}};
   if (lease != 0) body["lease"] = std::to_string(lease);
   return post("/v3/kv/put", body.dump()).status();
+}
+
+StatusOr<bool> EtcdClient::putIfAbsentOrSame(const std::string& key, const std::string& value,
+                                             int64_t lease, std::string* held) {
+  json put{{"key", base64(key)}, {"value", base64(value)}};
+  if (lease != 0) put["lease"] = std::to_string(lease);
+  const json absent{
+      {"key", base64(key)}, {"target", "CREATE"}, {"result", "EQUAL"}, {"create_revision", "0"}};
+  const json same{
+      {"key", base64(key)}, {"target", "VALUE"}, {"result", "EQUAL"}, {"value", base64(value)}};
+  for (const json& compare : {absent, same}) {
+    const json txn{{"compare", json::array({compare})},
+                   {"success", json::array({json{{"request_put", put}}})},
+                   {"failure", json::array({json{{"request_range", {{"key", base64(key)}}}}})}};
+    ASSIGN_OR_RETURN(std::string reply, post("/v3/kv/txn", txn.dump()));
+    const json j = json::parse(reply);
+    if (j.value("succeeded", false)) return true;  // the gateway leaves out a false one
+    held->clear();
+    const json* kv = nullptr;
+    if (auto r = j.find("responses"); r != j.end() && r->is_array() && !r->empty()) {
+      const json& first = (*r)[0];
+      const json& range = first.contains("response_range") ? first["response_range"] : first;
+      if (auto kvs = range.find("kvs"); kvs != range.end() && kvs->is_array() && !kvs->empty()) {
+        kv = &(*kvs)[0];
+      }
+    }
+    if (kv == nullptr) continue;  // gone between the two: the next compare says
+    if (auto v = kv->find("value"); v != kv->end() && v->is_string()) {
+      ASSIGN_OR_RETURN(*held, unbase64(*v, "registry value of " + key));
+    }
+    if (*held != value) return false;
+  }
+  return false;
 }
 
 StatusOr<std::vector<std::pair<std::string, std::string>>> EtcdClient::range(
@@ -261,16 +299,40 @@ Status Registration::registerOnce() {
   return OkStatus();
 }
 
+Status Registration::registerAgain() {
+  ASSIGN_OR_RETURN(int64_t lease, client_->grantLease(ttl_));
+  std::string held;
+  auto put = client_->putIfAbsentOrSame(record_.key(), record_.toJson(), lease, &held);
+  if (put.isOk() && *put) {
+    lease_ = lease;
+    return OkStatus();
+  }
+  (void)client_->revoke(lease);
+  if (!put.isOk()) return put.status();
+  auto other = RankRecord::fromJson(held, record_.key());
+  superseded_ = true;
+  HXFER_LOG_ERROR(
+      "registry {}: {} is now held by another process (incarnation {}, this one {}): this rank "
+      "was replaced while its lease had expired, and no longer registers",
+      client_->url(), record_.key(), other.isOk() ? other->incarnation : "unreadable",
+      record_.incarnation);
+  return OkStatus();
+}
+
 void Registration::run() {
   std::unique_lock lock(mu_);
   const auto period = std::chrono::milliseconds(ttl_ * 1000 / 3);
-  while (!cv_.wait_for(lock, period, [&] { return stop_; })) {
+  // Timed from the start of the last call, so a slow call does not push the next one past the
+  // lease's end; after a failure a third of the period.
+  auto next = std::chrono::steady_clock::now() + period;
+  while (!superseded_ && !cv_.wait_until(lock, next, [&] { return stop_; })) {
     lock.unlock();
+    const auto started = std::chrono::steady_clock::now();
     Status s;
     auto ttl = client_->keepAlive(lease_);
     if (ttl.isOk() && *ttl == 0) {  // etcd lost the lease (unreachable longer than the ttl)
-      s = registerOnce();
-      if (s.isOk()) {
+      s = registerAgain();
+      if (s.isOk() && !superseded_) {
         ++reregistered_;
         HXFER_LOG_WARN("registry {}: the lease of {} had expired; registered again", client_->url(),
                        record_.key());
@@ -278,13 +340,14 @@ void Registration::run() {
     } else {
       s = ttl.status();
     }
+    next = started + (s.isOk() ? period : period / 3);
     if (!s.isOk()) {
       ++errors_;
       if (reachable_.exchange(false)) {
         HXFER_LOG_WARN(
             "registry {}: unreachable ({}): discovery of {} is paused, transfers continue; "
             "retrying every {} ms",
-            client_->url(), s.toString(), record_.key(), period.count());
+            client_->url(), s.toString(), record_.key(), (period / 3).count());
       }
     } else if (!reachable_.exchange(true)) {
       HXFER_LOG_WARN("registry {}: reachable again; {} is registered", client_->url(),
@@ -310,13 +373,12 @@ StatusOr<std::vector<RankRecord>> findInstance(EtcdClient& client, const std::st
                                                const std::string& role) {
   const std::string prefix = "hxfer/" + instance + "/" + role + "/";
   ASSIGN_OR_RETURN(auto kvs, client.range(prefix));
-  if (kvs.empty()) {
-    return NotFound("no " + role + " rank of instance '" + instance + "' is registered in " +
-                    client.url());
-  }
   std::vector<RankRecord> records;
   for (const auto& [key, value] : kvs) {
+    // The prefix also matches the keys of an instance named "<instance>/<role>/...": theirs.
+    if (key.find('/', prefix.size()) != std::string::npos) continue;
     ASSIGN_OR_RETURN(RankRecord r, RankRecord::fromJson(value, key));
+    if (r.instance != instance || r.role != role) continue;
     if (!records.empty() && (r.tp != records[0].tp || r.pp != records[0].pp)) {
       return Incompatible("instance '" + instance + "': " + key +
                           " says tp=" + std::to_string(r.tp) + " pp=" + std::to_string(r.pp) +
@@ -324,6 +386,10 @@ StatusOr<std::vector<RankRecord>> findInstance(EtcdClient& client, const std::st
                           " pp=" + std::to_string(records[0].pp));
     }
     records.push_back(std::move(r));
+  }
+  if (records.empty()) {
+    return NotFound("no " + role + " rank of instance '" + instance + "' is registered in " +
+                    client.url());
   }
   const uint32_t want = records[0].tp * records[0].pp;
   std::sort(records.begin(), records.end(),

@@ -57,6 +57,11 @@ class EtcdClient {
   StatusOr<int64_t> keepAlive(int64_t lease);
   Status revoke(int64_t lease);
   Status put(const std::string& key, const std::string& value, int64_t lease);
+  // Puts `value` under `key` only while the key is absent or holds exactly `value` (one etcd
+  // transaction each way): true when it did; false, with the value found in `*held`, when the
+  // key holds another.
+  StatusOr<bool> putIfAbsentOrSame(const std::string& key, const std::string& value, int64_t lease,
+                                   std::string* held);
   // Every key under `prefix`, with its value, in key order.
   StatusOr<std::vector<std::pair<std::string, std::string>>> range(const std::string& prefix);
 
@@ -70,9 +75,13 @@ class EtcdClient {
   std::chrono::milliseconds timeout_;
 };
 
-// A rank's registration, kept alive by a thread every ttl/3. When etcd is unreachable it logs
+// A rank's registration, kept alive by a thread every ttl/3 (a third of that after a failed
+// call, so one call that times out does not lose the lease). When etcd is unreachable it logs
 // that once and keeps trying; when etcd comes back without the lease (it expired meanwhile) it
-// registers again under a new one. The destructor revokes the lease (the key disappears).
+// registers again under a new one, unless the key now holds another record: then a newer
+// process took this rank (a restart while this one hung), and this one stops registering
+// (superseded(); never overwriting the newer one). start() itself overwrites, since a restarted
+// rank replaces its dead predecessor. The destructor revokes the lease (the key disappears).
 class Registration {
  public:
   static StatusOr<std::unique_ptr<Registration>> start(std::shared_ptr<EtcdClient> client,
@@ -84,18 +93,23 @@ class Registration {
   bool reachable() const { return reachable_; }
   uint64_t errors() const { return errors_; }  // failed keep-alives and puts
   uint64_t reregistered() const { return reregistered_; }
+  // The key holds another process's record: this one no longer registers.
+  bool superseded() const { return superseded_; }
+  int64_t lease() const { return lease_; }  // etcd's id of the lease the key is under now
 
  private:
   Registration(std::shared_ptr<EtcdClient> client, RankRecord record, int64_t ttl)
       : client_(std::move(client)), record_(std::move(record)), ttl_(ttl) {}
   Status registerOnce();
+  // After the lease expired: registers again unless another record holds the key.
+  Status registerAgain();
   void run();
 
   std::shared_ptr<EtcdClient> client_;
   RankRecord record_;
   int64_t ttl_ = 5;
-  int64_t lease_ = 0;
-  std::atomic<bool> reachable_{true};
+  std::atomic<int64_t> lease_{0};
+  std::atomic<bool> reachable_{true}, superseded_{false};
   std::atomic<uint64_t> errors_{0}, reregistered_{0};
   std::mutex mu_;
   std::condition_variable cv_;

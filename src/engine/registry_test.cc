@@ -182,6 +182,37 @@ TEST(RegistryClient, UnreachableEtcdIsUnavailableNamingIt) {
   EXPECT_FALSE(Registration::start(*c, record("x", 0, 1, "a"), 5).isOk());
 }
 
+// A proxy in front of etcd answering 503 with text (as during an etcd restart): unreachable,
+// so a discovering rank waits instead of giving up on a broken registry.
+TEST(RegistryClient, ATextErrorReplyIsUnavailableNotCorruption) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  std::thread proxy([fd] {
+    const int c = ::accept(fd, nullptr, nullptr);
+    char buf[4096];
+    (void)!::recv(c, buf, sizeof(buf), 0);
+    const std::string reply =
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 12\r\nConnection: close\r\n\r\n"
+        "no upstream\n";
+    (void)!::send(c, reply.data(), reply.size(), MSG_NOSIGNAL);
+    ::close(c);
+  });
+  auto c = EtcdClient::create("etcd://127.0.0.1:" + std::to_string(ntohs(a.sin_port)), 5s);
+  ASSERT_TRUE(c.isOk());
+  auto r = (*c)->range("hxfer/");
+  proxy.join();
+  ::close(fd);
+  ASSERT_FALSE(r.isOk());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().toString();
+  EXPECT_NE(r.status().message().find("HTTP 503"), std::string::npos) << r.status().toString();
+}
+
 class RegistryLive : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -239,6 +270,63 @@ TEST_F(RegistryLive, AnInstanceIsFoundOnceEveryRankRegisteredAndLeavesWithItsRan
   ASSERT_TRUE(all.isOk());
   EXPECT_NE((*all)[1].incarnation, one.incarnation);
   EXPECT_EQ((*all)[1].address, "ucx:10.0.0.1:7002");
+}
+
+// A process that hung past its lease while a restart took its rank comes back: its
+// keep-alive finds the lease gone, and it must not write its stale record over the new one
+// (peers would reconnect to it, and its exit would delete the key for good).
+TEST_F(RegistryLive, AProcessBackAfterItsLeaseExpiredNeverOverwritesItsReplacement) {
+  const RankRecord old = record("ctx", 0, 1, "ucx:10.0.0.1:7000");
+  auto stale = Registration::start(client_, old, 2);
+  ASSERT_TRUE(stale.isOk()) << stale.status().toString();
+  RankRecord restarted = old;
+  restarted.incarnation = newIncarnation();
+  restarted.address = "ucx:10.0.0.1:7001";
+  auto fresh = Registration::start(client_, restarted, 30);  // the restart overwrites
+  ASSERT_TRUE(fresh.isOk()) << fresh.status().toString();
+  ASSERT_TRUE(client_->revoke((*stale)->lease()).isOk());  // the hang outlived the old lease
+  for (int i = 0; i < 100 && !(*stale)->superseded(); ++i) std::this_thread::sleep_for(50ms);
+  EXPECT_TRUE((*stale)->superseded());
+  EXPECT_EQ((*stale)->reregistered(), 0u);
+  auto found = findInstance(*client_, "ctx", "context");
+  ASSERT_TRUE(found.isOk()) << found.status().toString();
+  EXPECT_EQ((*found)[0], restarted);
+  stale->reset();  // its exit revokes only its own lease
+  found = findInstance(*client_, "ctx", "context");
+  ASSERT_TRUE(found.isOk()) << found.status().toString();
+  EXPECT_EQ((*found)[0], restarted);
+  EXPECT_FALSE((*fresh)->superseded());
+
+  // With its key gone instead (nobody took the rank), it registers again.
+  const RankRecord alone = record("solo", 0, 1, "ucx:10.0.0.1:7100");
+  auto back = Registration::start(client_, alone, 2);
+  ASSERT_TRUE(back.isOk());
+  ASSERT_TRUE(client_->revoke((*back)->lease()).isOk());
+  for (int i = 0; i < 100 && (*back)->reregistered() == 0; ++i) {
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ((*back)->reregistered(), 1u);
+  EXPECT_FALSE((*back)->superseded());
+  found = findInstance(*client_, "solo", "context");
+  ASSERT_TRUE(found.isOk()) << found.status().toString();
+  EXPECT_EQ((*found)[0], alone);
+}
+
+// The prefix hxfer/a/context/ also matches the keys of an instance named "a/context/x": they
+// are that instance's, and must not complete instance a.
+TEST_F(RegistryLive, AnInstanceWhoseNameExtendsAnotherDoesNotCompleteIt) {
+  auto a0 = Registration::start(client_, record("a", 0, 2, "ucx:10.0.0.1:7000"), 3);
+  auto x0 = Registration::start(client_, record("a/context/x", 0, 1, "ucx:10.0.0.9:7000"), 3);
+  ASSERT_TRUE(a0.isOk() && x0.isOk());
+  auto got = findInstance(*client_, "a", "context");
+  ASSERT_EQ(got.status().code(), StatusCode::kUnavailable) << got.status().toString();
+  EXPECT_NE(got.status().message().find("1 of 2 context ranks registered (missing 1)"),
+            std::string::npos)
+      << got.status().toString();
+  x0->reset();
+  auto only_x = Registration::start(client_, record("b/context/x", 0, 1, "ucx:10.0.0.9:1"), 3);
+  ASSERT_TRUE(only_x.isOk());
+  EXPECT_EQ(findInstance(*client_, "b", "context").status().code(), StatusCode::kNotFound);
 }
 
 TEST_F(RegistryLive, AHugeInstanceIsReportedIncompleteWithABoundedMessage) {
