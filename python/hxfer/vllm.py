@@ -92,6 +92,10 @@ EXTRA_CONFIG_KEYS = {
     CORRUPT_KEY: None,        # negative control of tests/vllm (D only)
 }
 
+# D keeps one Receiver per prefill instance it loads from; past this many, the oldest idle one
+# is closed (each holds a staging region, the pools' registration and threads).
+MAX_RECEIVERS = 16
+
 _TORCH_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # vLLM's CPU attention ISAs whose per-head order is described here (cpu_attn.py's _get_attn_isa).
 _CPU_ISAS = ("vec", "vec16", "amx")
@@ -163,11 +167,20 @@ class _Options:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"kv_connector_extra_config['port']={port!r}: expected 0..65535")
         ucx = get("ucx_options")
-        if ucx is not None and not isinstance(ucx, dict):
-            raise ValueError(f"kv_connector_extra_config['ucx_options']={ucx!r}: expected a dict")
+        if ucx is not None and (not isinstance(ucx, dict) or not all(
+                isinstance(k, str) and isinstance(v, (str, int, float)) and not isinstance(v, bool)
+                for k, v in ucx.items())):
+            raise ValueError(f"kv_connector_extra_config['ucx_options']={ucx!r}: expected a dict "
+                             f"of UCX setting names to strings or numbers")
+        for k in ("token", "host", "instance", "model_config"):
+            if get(k) is not None and not isinstance(get(k), str):
+                raise ValueError(f"kv_connector_extra_config[{k!r}]={get(k)!r}: expected a string")
+        if not isinstance(get("checksum"), bool):
+            raise ValueError(f"kv_connector_extra_config['checksum']={get('checksum')!r}: "
+                             f"expected true or false")
         return cls(token=get("token") or os.environ.get("HXFER_TOKEN", ""), backend=backend,
                    host=get("host") or os.environ.get("HXFER_HOST", "127.0.0.1"), port=port,
-                   instance=get("instance"), checksum=bool(get("checksum")),
+                   instance=get("instance"), checksum=get("checksum"),
                    ucx_options={str(k): str(v) for k, v in ucx.items()} if ucx else None,
                    model_config=get("model_config"), corrupt=corrupt, **seconds)
 
@@ -757,14 +770,18 @@ class _Worker:
         self.layout = None
         self.memory = None
         self.sender = None
-        # (P's engine id, P's addresses) -> (index, Receiver): one Receiver per P instance.
+        # (P's addresses, P's tp) -> (index, Receiver): one Receiver per P instance, kept across
+        # P's restarts at the same addresses (it reconnects by itself), at most MAX_RECEIVERS.
         self.receivers: dict[tuple, tuple[int, Any]] = {}
+        self._receivers_made = 0
+        self._memory_taken = False  # the first Receiver (or the Sender) holds self.memory
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.stats = HxferKVConnectorStats()
         self._lock = threading.Lock()
         self._sent: dict[int, str] = {}  # P: hxfer id -> vLLM request id, pages in the Sender
         self._released_sends: set[str] = set()  # guarded by _lock
         self._loads: dict[str, _Loading] = {}  # D: vLLM request id -> load in flight
+        self._cancelled: set[str] = set()  # D: loads cancelled by vLLM (an abort), not failures
         self._expired_seen = 0
 
     # -- registration
@@ -835,15 +852,23 @@ class _Worker:
 
     # -- D: loads
     def _receiver(self, r: _RecvReq) -> tuple[int, Any]:
-        key = (r.remote_engine_id, r.peers)
+        # By P's addresses, not its engine id: P restarted at the same addresses (a new engine
+        # id) is the Receiver's own peers again, and two Receivers of one instance name towards
+        # one P would each take the other's connection over, back and forth.
+        key = (r.peers, r.peer_tp or len(r.peers))
         entry = self.receivers.get(key)
         if entry is None:
+            self._make_room_for_a_receiver(r)
             # One Receiver per P instance (its peers are fixed); each needs a Memory of its own
             # over the same buffer (a Memory serves one Sender or Receiver at a time).
             # (kv_both: the Sender holds the first one.)
-            memory = (self.memory if self.sender is None and not self.receivers
-                      else hxfer.Memory(self.layout, dict(self._pools)))
-            index = len(self.receivers)
+            if self.sender is None and not self._memory_taken:
+                memory = self.memory
+            else:
+                memory = hxfer.Memory(self.layout, dict(self._pools))
+            self._memory_taken = True
+            index = self._receivers_made
+            self._receivers_made += 1
             rx = hxfer.Receiver(
                 self.layout, memory, peers=list(r.peers), peer_tp=r.peer_tp or len(r.peers),
                 backend=self.opts.backend, token=self.opts.token,
@@ -858,6 +883,25 @@ class _Worker:
             threading.Thread(target=self._connect, args=(index, rx, list(r.peers)), daemon=True,
                              name=f"hxfer-connect-{index}").start()
         return entry
+
+    def _make_room_for_a_receiver(self, r: _RecvReq):
+        """Below MAX_RECEIVERS Receivers: shuts down the oldest with no load in flight (each
+        holds a staging region, the pools' registration and threads, and the addresses come
+        from requests). Raises when every one is busy."""
+        while len(self.receivers) >= MAX_RECEIVERS:
+            busy = {id(load.rx) for load in self._loads.values() if load.rx is not None}
+            idle = next((k for k, (_, rx) in self.receivers.items() if id(rx) not in busy), None)
+            if idle is None:
+                raise RuntimeError(f"{len(self.receivers)} prefill instances have loads in "
+                                   f"flight (at most {MAX_RECEIVERS} at once); "
+                                   f"{list(r.peers)} is one more")
+            _, rx = self.receivers.pop(idle)
+            logger.info("hxfer: closing the idle Receiver for %s (at most %d prefill "
+                        "instances)", list(idle[0]), MAX_RECEIVERS)
+            try:
+                rx.shutdown()
+            except hxfer.Error as e:
+                logger.warning("hxfer: shutdown of the Receiver for %s: %s", list(idle[0]), e)
 
     def _connect(self, index: int, rx, peers: list[str]):
         t0 = time.monotonic()
@@ -912,16 +956,22 @@ class _Worker:
                     if self.opts.corrupt:
                         self._corrupt(rid, load.req)
                     del self._loads[rid]
+                    self._cancelled.discard(rid)
                     done.add(rid)
                     continue
                 load.failed = f"{r.code}: {r.message}"
             # A failed load is reported once hxfer released its pages: no write of P can still
             # land in blocks vLLM is about to free.
             if self._released(load):
-                logger.error("hxfer: loading request %s (hxfer id %d) from %s failed: %s", rid,
-                             load.req.hxfer_id, list(load.req.peers), load.failed)
-                with self._lock:
-                    self.stats.data["num_failed_transfers"] += 1
+                if rid in self._cancelled:  # vLLM aborted it: not a failed transfer
+                    logger.info("hxfer: load of request %s (hxfer id %d) cancelled: %s", rid,
+                                load.req.hxfer_id, load.failed)
+                else:
+                    logger.error("hxfer: loading request %s (hxfer id %d) from %s failed: %s",
+                                 rid, load.req.hxfer_id, list(load.req.peers), load.failed)
+                    with self._lock:
+                        self.stats.data["num_failed_transfers"] += 1
+                self._cancelled.discard(rid)
                 if load.rx is not None:
                     try:
                         load.rx.release(load.req.hxfer_id)  # forgets the result
@@ -934,6 +984,7 @@ class _Worker:
     def _cancel(self, rid: str):
         load = self._loads.get(rid)
         if load is not None and load.failed is None and load.rx is not None:
+            self._cancelled.add(rid)
             try:
                 load.rx.cancel(load.req.hxfer_id)
             except hxfer.Error as e:

@@ -1,6 +1,7 @@
 """hxfer.vllm's checks that need vLLM importable but no running instance: the configuration it
 refuses (naming the key and what it expects), the tensors it refuses to describe, and its
 transfer statistics in NixlConnector's units. Seconds, not minutes: run before the pairs."""
+import dataclasses
 import types
 
 import pytest
@@ -19,6 +20,10 @@ torch = pytest.importorskip("torch")
     ({"request_timeout": "30"}, ["['request_timeout']='30'"]),
     ({"stall_timeout": -1}, ["['stall_timeout']=-1", "seconds > 0"]),
     ({"ucx_options": "TLS=tcp"}, ["['ucx_options']='TLS=tcp'", "a dict"]),
+    ({"ucx_options": {"TLS": None}}, ["['ucx_options']={'TLS': None}", "strings or numbers"]),
+    ({"checksum": "false"}, ["['checksum']='false'", "true or false"]),
+    ({"token": 1234}, ["['token']=1234", "a string"]),
+    ({"host": ["10.0.0.1"]}, ["['host']=['10.0.0.1']", "a string"]),
 ])
 def test_bad_extra_config_is_refused_naming_key_and_value(extra, words):
     with pytest.raises(ValueError) as e:
@@ -248,6 +253,78 @@ def test_a_kv_both_worker_loads_with_a_memory_of_its_own(layout):
         w._start("a", _load(7, tx.address))
         out = _results_until(w, "a")
         assert "a" not in out.failed_recving, w.stats.data
+    finally:
+        w.shutdown()
+        tx.shutdown()
+
+
+def _senders(layout, n):
+    out = []
+    for i in range(n):
+        mem, _ = _memory(layout)
+        out.append(hxfer.Sender(layout, mem, listen="127.0.0.1:0", backend="ucx",
+                                instance=f"p{i}"))
+    return out
+
+
+def test_a_prefill_instance_restarted_at_its_addresses_keeps_its_receiver(layout):
+    """P restarted with a new engine id at the same address: D's Receiver for that address
+    serves it (a second Receiver of the same instance name would take the first one's
+    connection over, and back, forever)."""
+    tx, = _senders(layout, 1)
+    w = _worker(layout)
+    try:
+        for i, engine in enumerate(("P", "P-restarted")):
+            tx.mark_ready(10 + i, blocks=[1 + 2 * i, 2 + 2 * i], slot=1 + i)
+            w._start(f"r{i}", dataclasses.replace(_load(10 + i, tx.address),
+                                                  remote_engine_id=engine))
+            out = _results_until(w, f"r{i}")
+            assert f"r{i}" not in out.failed_recving, w.stats.data
+        assert len(w.receivers) == 1
+    finally:
+        w.shutdown()
+        tx.shutdown()
+
+
+def test_receivers_are_bounded_closing_idle_ones_first(layout, monkeypatch):
+    """The addresses come from requests: D keeps at most MAX_RECEIVERS Receivers, closes the
+    oldest idle one for a new P, and fails a load at once when every one is busy."""
+    monkeypatch.setattr(hv, "MAX_RECEIVERS", 2)
+    txs = _senders(layout, 3)
+    w = _worker(layout)
+    try:
+        for i, tx in enumerate(txs):  # each load completes: its Receiver goes idle
+            tx.mark_ready(20 + i, blocks=[1 + 2 * i, 2 + 2 * i], slot=1 + i)
+            w._start(f"a{i}", _load(20 + i, tx.address, blocks=(1 + 2 * i, 2 + 2 * i), slot=1 + i))
+            assert f"a{i}" not in _results_until(w, f"a{i}").failed_recving, w.stats.data
+        assert [k[0] for k in w.receivers] == [(txs[1].address,), (txs[2].address,)]
+        # Loads in flight on both (never marked ready): a third P's load fails at once.
+        w._start("b1", _load(31, txs[1].address, blocks=(9, 10), slot=5))
+        w._start("b2", _load(32, txs[2].address, blocks=(11, 12), slot=6))
+        w._start("b0", _load(30, txs[0].address, blocks=(13, 14), slot=7))
+        out = _results_until(w, "b0", timeout=2.0)
+        assert "b0" in out.failed_recving
+        assert len(w.receivers) == 2
+        for rid in ("b1", "b2"):
+            w._cancel(rid)
+            _results_until(w, rid)
+    finally:
+        w.shutdown()
+        for tx in txs:
+            tx.shutdown()
+
+
+def test_a_load_vllm_cancels_is_not_a_failed_transfer(layout):
+    tx, = _senders(layout, 1)
+    w = _worker(layout)
+    try:
+        w._start("x", _load(40, tx.address))  # P never marks it ready
+        time.sleep(0.2)
+        w._cancel("x")
+        out = _results_until(w, "x")
+        assert "x" in out.finished_recving
+        assert w.stats.data["num_failed_transfers"] == 0
+        assert not w._cancelled
     finally:
         w.shutdown()
         tx.shutdown()
