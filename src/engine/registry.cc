@@ -158,7 +158,8 @@ StatusOr<std::shared_ptr<EtcdClient>> EtcdClient::create(const std::string& url,
   return std::shared_ptr<EtcdClient>(new EtcdClient(url, "http://" + hostport, timeout));
 }
 
-StatusOr<std::string> EtcdClient::post(const std::string& path, const std::string& body) {
+StatusOr<std::string> EtcdClient::post(const std::string& path, const std::string& body,
+                                       std::chrono::milliseconds timeout) {
   CURL* c = curl_easy_init();
   if (c == nullptr) return Internal("curl_easy_init failed");
   std::string reply;
@@ -170,7 +171,8 @@ StatusOr<std::string> EtcdClient::post(const std::string& path, const std::strin
   curl_easy_setopt(c, CURLOPT_HTTPHEADER, headers);
   curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, onData);
   curl_easy_setopt(c, CURLOPT_WRITEDATA, &reply);
-  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, static_cast<long>(timeout_.count()));
+  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS,
+                   static_cast<long>(std::max<int64_t>(std::min(timeout, timeout_).count(), 1)));
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
   const CURLcode rc = curl_easy_perform(c);
   long http = 0;
@@ -203,9 +205,9 @@ StatusOr<int64_t> EtcdClient::grantLease(int64_t ttl) {
   return id;
 }
 
-StatusOr<int64_t> EtcdClient::keepAlive(int64_t lease) {
-  ASSIGN_OR_RETURN(std::string reply,
-                   post("/v3/lease/keepalive", json{{"ID", std::to_string(lease)}}.dump()));
+StatusOr<int64_t> EtcdClient::keepAlive(int64_t lease, std::chrono::milliseconds max_wait) {
+  ASSIGN_OR_RETURN(std::string reply, post("/v3/lease/keepalive",
+                                           json{{"ID", std::to_string(lease)}}.dump(), max_wait));
   const json j = json::parse(reply);
   return int64Field(j.contains("result") ? j["result"] : j, "TTL");
 }
@@ -228,7 +230,9 @@ StatusOr<bool> EtcdClient::putIfAbsentOrSame(const std::string& key, const std::
       {"key", base64(key)}, {"target", "CREATE"}, {"result", "EQUAL"}, {"create_revision", "0"}};
   const json same{
       {"key", base64(key)}, {"target", "VALUE"}, {"result", "EQUAL"}, {"value", base64(value)}};
-  for (const json& compare : {absent, same}) {
+  // absent, same, absent: a key that disappears between two transactions (its lease ran out)
+  // is taken by the third.
+  for (const json& compare : {absent, same, absent}) {
     const json txn{{"compare", json::array({compare})},
                    {"success", json::array({json{{"request_put", put}}})},
                    {"failure", json::array({json{{"request_range", {{"key", base64(key)}}}}})}};
@@ -250,7 +254,7 @@ StatusOr<bool> EtcdClient::putIfAbsentOrSame(const std::string& key, const std::
     }
     if (*held != value) return false;
   }
-  return false;
+  return Unavailable(url_ + ": " + key + " kept changing under three transactions");
 }
 
 StatusOr<std::vector<std::pair<std::string, std::string>>> EtcdClient::range(
@@ -329,7 +333,9 @@ void Registration::run() {
     lock.unlock();
     const auto started = std::chrono::steady_clock::now();
     Status s;
-    auto ttl = client_->keepAlive(lease_);
+    // At most a period a call, so one call that times out leaves a retry a period before the
+    // lease's end.
+    auto ttl = client_->keepAlive(lease_, period);
     if (ttl.isOk() && *ttl == 0) {  // etcd lost the lease (unreachable longer than the ttl)
       s = registerAgain();
       if (s.isOk() && !superseded_) {

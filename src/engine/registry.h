@@ -53,13 +53,15 @@ class EtcdClient {
   const std::string& url() const { return url_; }
 
   StatusOr<int64_t> grantLease(int64_t ttl_seconds);
-  // The lease's remaining TTL in seconds; 0 when etcd no longer has it (expired).
-  StatusOr<int64_t> keepAlive(int64_t lease);
+  // The lease's remaining TTL in seconds; 0 when etcd no longer has it (expired). Waits at
+  // most `max_wait` (and the client's timeout).
+  StatusOr<int64_t> keepAlive(
+      int64_t lease, std::chrono::milliseconds max_wait = std::chrono::milliseconds::max());
   Status revoke(int64_t lease);
   Status put(const std::string& key, const std::string& value, int64_t lease);
   // Puts `value` under `key` only while the key is absent or holds exactly `value` (one etcd
   // transaction each way): true when it did; false, with the value found in `*held`, when the
-  // key holds another.
+  // key holds another; Unavailable when the key kept changing under the transactions.
   StatusOr<bool> putIfAbsentOrSame(const std::string& key, const std::string& value, int64_t lease,
                                    std::string* held);
   // Every key under `prefix`, with its value, in key order.
@@ -70,18 +72,23 @@ class EtcdClient {
       : url_(std::move(url)), base_(std::move(base)), timeout_(timeout) {}
   // POSTs `body` to base_ + path; the JSON reply, or Unavailable (etcd unreachable) /
   // the gateway's own error (code and message).
-  StatusOr<std::string> post(const std::string& path, const std::string& body);
+  StatusOr<std::string> post(const std::string& path, const std::string& body,
+                             std::chrono::milliseconds timeout);
+  StatusOr<std::string> post(const std::string& path, const std::string& body) {
+    return post(path, body, timeout_);
+  }
   std::string url_, base_;
   std::chrono::milliseconds timeout_;
 };
 
-// A rank's registration, kept alive by a thread every ttl/3 (a third of that after a failed
-// call, so one call that times out does not lose the lease). When etcd is unreachable it logs
-// that once and keeps trying; when etcd comes back without the lease (it expired meanwhile) it
-// registers again under a new one, unless the key now holds another record: then a newer
-// process took this rank (a restart while this one hung), and this one stops registering
-// (superseded(); never overwriting the newer one). start() itself overwrites, since a restarted
-// rank replaces its dead predecessor. The destructor revokes the lease (the key disappears).
+// A rank's registration, kept alive by a thread every ttl/3, each call waiting at most that
+// (a third of that after a failed call, so one call that times out does not lose the lease). When
+// etcd is unreachable it logs that once and keeps trying; when etcd comes back without the lease
+// (it expired meanwhile) it registers again under a new one, unless the key now holds another
+// record: then a newer process took this rank (a restart while this one hung), and this one stops
+// registering (superseded(); never overwriting the newer one). start() itself overwrites, since a
+// restarted rank replaces its dead predecessor. The destructor revokes the lease (the key
+// disappears).
 class Registration {
  public:
   static StatusOr<std::unique_ptr<Registration>> start(std::shared_ptr<EtcdClient> client,
