@@ -89,6 +89,36 @@ std::string typeName(py::handle obj) {
   return py::str(py::type::handle_of(obj).attr("__qualname__"));
 }
 
+// Whether the interpreter is shutting down (Python 3.13 renamed the call).
+bool pyFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// Runs `step(slice)` with the GIL released, in slices of at most 100 ms until it returns true
+// or `total` passed, checking for signals between slices: a long wait never holds off the
+// program's own handlers (Ctrl-C raises KeyboardInterrupt within a slice).
+template <typename Step>
+void waitInterruptibly(std::chrono::milliseconds total, Step&& step) {
+  const auto deadline = std::chrono::steady_clock::now() + total;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    const auto slice =
+        std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(100));
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = step(slice);
+    }
+    if (done || std::chrono::steady_clock::now() >= deadline) return;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
 // ---- Conversions ----
 
 // Float seconds to milliseconds, rounded up so a small positive timeout never becomes zero.
@@ -670,7 +700,7 @@ class PyCallback {
  public:
   explicit PyCallback(py::object fn) : fn_(std::move(fn)) {}
   ~PyCallback() {
-    if (!Py_IsInitialized() || _Py_IsFinalizing()) {
+    if (!Py_IsInitialized() || pyFinalizing()) {
       fn_.release();  // leaked: Python is gone or going
       return;
     }
@@ -682,7 +712,7 @@ class PyCallback {
 
   template <typename... Args>
   void operator()(Args&&... args) const {
-    if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+    if (!Py_IsInitialized() || pyFinalizing()) return;
     py::gil_scoped_acquire gil;
     ++t_callback_depth;
     try {
@@ -731,7 +761,7 @@ void runDetached(F work, std::vector<py::object> keep) {
   auto held = std::make_shared<std::vector<py::object>>(std::move(keep));
   std::thread([work = std::move(work), held]() mutable {
     work();
-    if (!Py_IsInitialized() || _Py_IsFinalizing()) {
+    if (!Py_IsInitialized() || pyFinalizing()) {
       for (py::object& o : *held) o.release();  // leaked: Python is gone or going
       return;
     }
@@ -771,8 +801,12 @@ struct PyEndpoint : Endpoint {
 
   void shutdownNow() override {
     if (!impl) return;
+    // A reference of its own, taken with the GIL: a callback that drops this endpoint while
+    // the GIL is released (at exit) cannot free it under the shutdown.
+    std::shared_ptr<T> s = impl;
     py::gil_scoped_release nogil;
-    impl->shutdown();
+    s->shutdown();
+    s.reset();  // without the GIL: if it was the last, ~T joins threads that may want it
   }
   // REQUIRES: the GIL; `self` is the Python object of this endpoint.
   void shutdown(py::object self) {
@@ -860,7 +894,7 @@ std::unique_ptr<PySender> makeSender(py::object layout_obj, py::object memory_ob
   if (out->on_request) {
     std::shared_ptr<PyCallback> cb = out->on_request;
     o.on_request = [cb](uint64_t id, uint64_t num_tokens, const std::string& aux) {
-      if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+      if (!Py_IsInitialized() || pyFinalizing()) return;
       py::gil_scoped_acquire gil;
       (*cb)(id, num_tokens, py::bytes(aux));
     };
@@ -1502,10 +1536,10 @@ PYBIND11_MODULE(_hxfer, m) {
           [](PyReceiver& r, double timeout) {
             std::chrono::milliseconds t = toMillis(timeout, "timeout");
             hxfer::Status st;
-            {
-              py::gil_scoped_release nogil;
-              st = r.impl->waitForPeers(t);
-            }
+            waitInterruptibly(t, [&](std::chrono::milliseconds slice) {
+              st = r.impl->waitForPeers(slice);
+              return st.code() != hxfer::StatusCode::kTimeout;
+            });
             throwIfError(st);
           },
           py::arg("timeout") = 10.0)
@@ -1549,10 +1583,10 @@ PYBIND11_MODULE(_hxfer, m) {
           [](PyReceiver& r, uint64_t id, double timeout) {
             std::chrono::milliseconds t = toMillis(timeout, "timeout");
             hxfer::StatusOr<hxfer::Result> res = hxfer::Status();
-            {
-              py::gil_scoped_release nogil;
-              res = r.impl->wait(id, t);
-            }
+            waitInterruptibly(t, [&](std::chrono::milliseconds slice) {
+              res = r.impl->wait(id, slice);
+              return !res.isOk() || res->terminal();
+            });
             return valueOrThrow(std::move(res));
           },
           py::arg("request_id"), py::arg("timeout") = 30.0,

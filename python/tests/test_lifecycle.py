@@ -262,3 +262,26 @@ def test_memory_keeps_the_buffers_it_registered_when_the_callers_dict_changes():
     del bufs[name]
     assert mem.buffers[name] is registered
     assert mem.layout == lay and mem.layout is mem.layout
+
+
+def test_a_long_wait_gives_way_to_ctrl_c(pair):
+    """wait() and wait_for_peers() sleep without the GIL, in slices: the program's signal
+    handlers run while they wait (KeyboardInterrupt within a slice, not at the timeout)."""
+    import _thread
+
+    pair.rx.start(2, 40, [4, 5], 0)  # never marked ready: the wait would last its 60 s
+    for wait in (lambda: pair.rx.wait(2, timeout=60.0),
+                 lambda: hxfer.Receiver(pair.gen, hxfer.Memory(pair.gen, numpy_pools(pair.gen)),
+                                        peers=["inproc:nobody"], backend="inproc")
+                 .wait_for_peers(timeout=60.0)):
+        timer = threading.Timer(0.3, _thread.interrupt_main)
+        t0 = time.monotonic()
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                wait()
+        finally:
+            timer.cancel()
+        assert time.monotonic() - t0 < 10.0
+    assert not pair.rx.poll(2).terminal
+    pair.rx.cancel(2)
