@@ -1,7 +1,9 @@
 #include "engine/routing.h"
 
-#include <algorithm>
+#include <arpa/inet.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 
 namespace hxfer::engine {
@@ -62,7 +64,13 @@ std::string addressHost(std::string_view a) {
 }
 
 bool isLoopbackHost(std::string_view host) {
-  return host == "localhost" || host == "::1" || host.substr(0, 4) == "127.";
+  if (host == "localhost") return true;
+  // A numeric address only: a DNS name such as "127.lab.example" may name any host.
+  const std::string h(host);
+  in_addr v4{};
+  if (inet_pton(AF_INET, h.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  return inet_pton(AF_INET6, h.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
 }
 
 bool isWildcardHost(std::string_view host) { return host == "0.0.0.0" || host == "::"; }

@@ -45,7 +45,7 @@ std::optional<BackendKind> addressBackend(std::string_view address);
 // The host of a ucx address ("ucx:10.0.0.2:5000" and "10.0.0.2:5000" -> "10.0.0.2"); empty for
 // any other address.
 std::string addressHost(std::string_view address);
-// 127.0.0.0/8, ::1 and "localhost": an address only this host reaches.
+// 127.0.0.0/8, ::1 (numeric addresses only) and "localhost": an address only this host reaches.
 bool isLoopbackHost(std::string_view host);
 // 0.0.0.0 or ::: every interface, reachable from nowhere as such.
 bool isWildcardHost(std::string_view host);

@@ -345,6 +345,11 @@ TEST(RoutingAddress, SchemesHostsAndLoopbackAreReadFromAddresses) {
   EXPECT_TRUE(isLoopbackHost("localhost"));
   EXPECT_FALSE(isLoopbackHost("10.0.0.1"));
   EXPECT_FALSE(isLoopbackHost("0.0.0.0"));
+  EXPECT_TRUE(isLoopbackHost("0:0:0:0:0:0:0:1"));
+  // A DNS name that starts like a loopback address may name any host.
+  EXPECT_FALSE(isLoopbackHost("127.lab.example"));
+  EXPECT_FALSE(isLoopbackHost("127.0.0.1.example"));
+  EXPECT_FALSE(isLoopbackHost("128.0.0.1"));
   EXPECT_TRUE(isWildcardHost("0.0.0.0"));
   EXPECT_FALSE(isWildcardHost("10.0.0.1"));
 }
