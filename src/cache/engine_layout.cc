@@ -264,12 +264,14 @@ Status addVllmCpuAttention(const ModelSpec& model, const PoolView& g, uint32_t l
   const uint64_t el = dtypeSize(out.kv_dtype);
   const uint64_t n = out.tokens_per_block, d = model.layers[layer].attention->head_dim;
   const uint32_t heads = localUnitCounts(g.sections, out.tp, out.tp_rank).value()[0];
-  if (e.kv == KvOrder::kCpuAmx && (el != 2 || n % 16 != 0 || d % 16 != 0)) {
+  // vLLM 0.32's _get_attn_isa picks its AMX kernels for bf16 with block_size % 32 == 0 and a
+  // head size that is not an odd multiple of 16 (vec16 there); the packing needs 16 | head_dim.
+  if (e.kv == KvOrder::kCpuAmx && (out.kv_dtype != DType::kBf16 || n % 32 != 0 || d % 32 != 0)) {
     return InvalidArgument(
-        "vllm kv layout cpu-amx packs 16-bit elements in tiles of 16 tokens and 16 dims: kv "
-        "dtype of " +
-        std::to_string(el) + " bytes, tokens_per_block=" + std::to_string(n) +
-        ", head_dim=" + std::to_string(d) + " do not pack (vLLM picks the cpu order there)");
+        "vllm kv layout cpu-amx is vLLM's AMX order, which it picks for bf16 with a block size "
+        "and head_dim that are multiples of 32: kv dtype " +
+        std::string(dtypeName(out.kv_dtype)) + ", tokens_per_block=" + std::to_string(n) +
+        ", head_dim=" + std::to_string(d) + " (vLLM uses the cpu order there)");
   }
   const uint64_t half = n * d * el;
   for (size_t s = 0; s < 2; ++s) {  // K, then V

@@ -92,9 +92,9 @@ std::vector<EngineLayout> allEngineLayouts();
 std::vector<EngineLayout> sharedEngineLayouts();
 // vLLM's CPU attention orders (kv=cpu and cpu-amx, conv=sd, shared off and on). They move
 // between layouts of the same kv order (any tp, pp); against another kv order every run is one
-// element and the plan is refused (staging is built for state records). cpu-amx needs 16-bit
-// kv elements and tokens per block and head_dim multiples of 16 (buildEngineLayout refuses
-// others, as vLLM picks another kernel there).
+// element and the plan is refused (staging is built for state records). cpu-amx needs bf16
+// kv and tokens per block and head_dim multiples of 32 (buildEngineLayout refuses others, as
+// vLLM 0.32 picks another kernel there).
 std::vector<EngineLayout> cpuEngineLayouts();
 
 // The engine's own dtype defaults for what the caller left unset (`conv_set`, `ssm_set` say

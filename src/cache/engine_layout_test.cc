@@ -152,8 +152,31 @@ TEST(EngineLayout, VllmCpuAttentionKeepsKThenVPerHeadInTheKernelsElementOrder) {
   auto refused =
       buildEngineLayout(fp32, {1, 1, {}}, 0, 0, *parseEngineLayout("vllm", "cpu-amx"), 10, 3);
   EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("cpu-amx packs 16-bit elements"), std::string::npos)
+  EXPECT_NE(refused.status().message().find("cpu-amx is vLLM's AMX order"), std::string::npos)
       << refused.status().toString();
+  // vLLM 0.32 takes AMX only for bf16, block sizes a multiple of 32 and head sizes a multiple
+  // of 32 (_get_attn_isa): fp16, 16-token blocks and head_dim 48 get its vec / vec16 kernels.
+  ModelSpec fp16 = m;
+  fp16.kv_dtype = DType::kFp16;
+  EXPECT_EQ(buildEngineLayout(fp16, {1, 1, {}}, 0, 0, *parseEngineLayout("vllm", "cpu-amx"), 10, 3)
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+  ModelSpec t16 = m;
+  t16.tokens_per_block = 16;
+  auto small =
+      buildEngineLayout(t16, {1, 1, {}}, 0, 0, *parseEngineLayout("vllm", "cpu-amx"), 10, 3);
+  EXPECT_EQ(small.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(small.status().message().find("tokens_per_block=16"), std::string::npos)
+      << small.status().toString();
+  ModelSpec d48 = m;
+  for (LayerSpec& l : d48.layers) {
+    if (l.attention) l.attention->head_dim = 48;
+  }
+  EXPECT_EQ(buildEngineLayout(d48, {1, 1, {}}, 0, 0, *parseEngineLayout("vllm", "cpu-amx"), 10, 3)
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(EngineLayout, VllmMambaPageIsConvThenSsmPaddedToTheAttentionPage) {

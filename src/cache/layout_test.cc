@@ -365,10 +365,18 @@ TEST(Layout, BuildRefusesPoolsWhoseSizeOverflows64Bits) {
   ModelSpec m = tiny();
   m.tokens_per_block = 1u << 10;
   for (auto& l : m.layers) {
-    if (l.hasAttention()) l.attention = AttentionShape{1u << 20, 1u << 20};
+    if (l.hasAttention()) l.attention = AttentionShape{1u << 14, 1u << 10};  // 64 GiB a page
   }
   auto l = buildRankLayout(m, {1, 1, {}}, 0, 0, StateLayout::kPaged, 0xffffffffu, 1);
   EXPECT_EQ(l.status().code(), StatusCode::kResourceExhausted) << l.status().toString();
+  // A page of one layer whose byte count itself would pass 2^40 is the model's error.
+  for (auto& l : m.layers) {
+    if (l.hasAttention()) l.attention = AttentionShape{1u << 20, 1u << 20};
+  }
+  l = buildRankLayout(m, {1, 1, {}}, 0, 0, StateLayout::kPaged, 1, 1);
+  EXPECT_EQ(l.status().code(), StatusCode::kInvalidArgument) << l.status().toString();
+  EXPECT_NE(l.status().message().find("kv record is above"), std::string::npos)
+      << l.status().toString();
 }
 
 // A split dim (mixed radix, first named most significant) against a whole one: the box is the

@@ -25,6 +25,8 @@ class Fields {
     auto it = j_.find(key);
     return it != j_.end() && !it->is_null();
   }
+  // Written out, null or not.
+  bool written(std::string_view key) const { return j_.find(key) != j_.end(); }
   const Json& at(std::string_view key) const { return *j_.find(key); }
 
   Status error(const std::string& message) const { return InvalidArgument(arch_ + ": " + message); }
@@ -42,6 +44,15 @@ class Fields {
   StatusOr<uint32_t> positive(std::string_view key) const {
     if (!has(key)) return missing(key);
     return positiveValue(key);
+  }
+
+  // num_hidden_layers, at most kMaxModelLayers (the importers size a vector by it).
+  StatusOr<uint32_t> layerCount() const {
+    ASSIGN_OR_RETURN(uint32_t n, positive("num_hidden_layers"));
+    if (n > kMaxModelLayers) {
+      return wrongType("num_hidden_layers", "at most " + std::to_string(kMaxModelLayers));
+    }
+    return n;
   }
 
   // The first of `keys` that is present (aliases: the current name first, then legacy ones).
@@ -87,8 +98,9 @@ class Fields {
     if (!v.is_number_integer()) return wrongType(key, "a positive integer");
     if (v.is_number_unsigned()) {
       const uint64_t u = v.get<uint64_t>();
-      if (u == 0 || u > std::numeric_limits<uint32_t>::max()) {
-        return wrongType(key, "a positive integer below 2^32");
+      // Far above any real model's; every byte count derived from it then fits 64 bits.
+      if (u == 0 || u > kMaxShapeField) {
+        return wrongType(key, "a positive integer up to " + std::to_string(kMaxShapeField));
       }
       return static_cast<uint32_t>(u);
     }
@@ -183,25 +195,28 @@ StatusOr<Mamba2Shape> prefixedMamba2Shape(const Fields& f, bool d_ssm_field) {
     m.head_dim = *d_head;
     return m;
   }
-  // Hugging Face: FalconH1's d_ssm = mamba_d_ssm, or mamba_expand * hidden_size when null.
+  // Hugging Face: FalconH1's d_ssm = mamba_d_ssm (FalconH1Config's default 1024 when the field
+  // is not written), or mamba_expand * hidden_size when it is null.
   uint32_t d_inner = 0;
+  std::string d_inner_name = "mamba_expand*hidden_size";
   if (d_ssm_field && f.has("mamba_d_ssm")) {
     ASSIGN_OR_RETURN(d_inner, f.positive("mamba_d_ssm"));
+    d_inner_name = "mamba_d_ssm";
+  } else if (d_ssm_field && !f.written("mamba_d_ssm")) {
+    d_inner = 1024;
+    d_inner_name = "mamba_d_ssm (not written: FalconH1Config's default)";
   } else {
     ASSIGN_OR_RETURN(uint32_t expand, f.positive("mamba_expand"));
     ASSIGN_OR_RETURN(uint32_t hidden, f.positive("hidden_size"));
     ASSIGN_OR_RETURN(d_inner, product(f, expand, "mamba_expand", hidden, "hidden_size"));
   }
-  ASSIGN_OR_RETURN(
-      m.head_dim,
-      exactQuotient(f, d_inner, d_ssm_field ? "mamba_d_ssm" : "mamba_expand*hidden_size", m.n_heads,
-                    "mamba_n_heads"));
+  ASSIGN_OR_RETURN(m.head_dim, exactQuotient(f, d_inner, d_inner_name, m.n_heads, "mamba_n_heads"));
   return m;
 }
 
 Status checkLayerCount(const Fields& f, size_t count, std::string_view source) {
   if (!f.has("num_hidden_layers")) return OkStatus();
-  ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
+  ASSIGN_OR_RETURN(uint32_t n, f.layerCount());
   if (n != count) {
     return f.error(std::string(source) + " has " + std::to_string(count) +
                    " layers but num_hidden_layers=" + std::to_string(n));
@@ -298,7 +313,7 @@ StatusOr<std::vector<LayerSpec>> importNemotronH(const Fields& f) {
 // ---- Mamba2 ----------------------------------------------------------------------------------
 
 StatusOr<std::vector<LayerSpec>> importMamba2(const Fields& f) {
-  ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
+  ASSIGN_OR_RETURN(uint32_t n, f.layerCount());
   Mamba2Shape m;
   ASSIGN_OR_RETURN(m.n_heads, f.positive("num_heads"));
   ASSIGN_OR_RETURN(m.head_dim, f.positive("head_dim"));
@@ -311,7 +326,7 @@ StatusOr<std::vector<LayerSpec>> importMamba2(const Fields& f) {
 // ---- Qwen3-Next ------------------------------------------------------------------------------
 
 StatusOr<std::vector<LayerSpec>> importQwen3Next(const Fields& f) {
-  ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
+  ASSIGN_OR_RETURN(uint32_t n, f.layerCount());
   std::vector<bool> is_attention(n);
   if (f.has("layer_types")) {
     RETURN_IF_ERROR(readLayerTypes(f, {"full_attention", "attention"}, {"linear_attention"},
@@ -343,7 +358,7 @@ StatusOr<std::vector<LayerSpec>> importQwen3Next(const Fields& f) {
 // ---- GraniteMoeHybrid ------------------------------------------------------------------------
 
 StatusOr<std::vector<LayerSpec>> importGraniteMoeHybrid(const Fields& f) {
-  ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
+  ASSIGN_OR_RETURN(uint32_t n, f.layerCount());
   std::vector<bool> is_attention(n, false);  // Hugging Face: no layer_types means all mamba
   if (f.has("layer_types")) {
     // transformers 5 spells them linear_attention / full_attention (the Qwen3-Next names).
@@ -369,7 +384,7 @@ StatusOr<std::vector<LayerSpec>> importGraniteMoeHybrid(const Fields& f) {
 // ---- Jamba -----------------------------------------------------------------------------------
 
 StatusOr<std::vector<LayerSpec>> importJamba(const Fields& f) {
-  ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
+  ASSIGN_OR_RETURN(uint32_t n, f.layerCount());
   ASSIGN_OR_RETURN(uint32_t period, f.positive("attn_layer_period"));
   uint32_t offset = 0;  // 0 is a valid offset, so it is read without positive()
   if (!f.has("attn_layer_offset")) return f.missing("attn_layer_offset");
@@ -399,7 +414,7 @@ StatusOr<std::vector<LayerSpec>> importJamba(const Fields& f) {
 // ---- FalconH1 --------------------------------------------------------------------------------
 
 StatusOr<std::vector<LayerSpec>> importFalconH1(const Fields& f) {
-  ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
+  ASSIGN_OR_RETURN(uint32_t n, f.layerCount());
   ASSIGN_OR_RETURN(AttentionShape a, attentionShape(f));
   ASSIGN_OR_RETURN(Mamba2Shape m, prefixedMamba2Shape(f, /*d_ssm_field=*/true));
   LayerSpec l = mamba2Layer(m);  // parallel hybrid: both parts in every layer
@@ -412,7 +427,7 @@ StatusOr<std::vector<LayerSpec>> importFalconH1(const Fields& f) {
 // Every one of num_hidden_layers is full attention: no recurrent state, only kv. A control for
 // engines whose connector serves hybrid and plain models alike.
 StatusOr<std::vector<LayerSpec>> importLlama(const Fields& f) {
-  ASSIGN_OR_RETURN(uint32_t n, f.positive("num_hidden_layers"));
+  ASSIGN_OR_RETURN(uint32_t n, f.layerCount());
   ASSIGN_OR_RETURN(AttentionShape a, attentionShape(f));
   return std::vector<LayerSpec>(n, attentionLayer(a));
 }

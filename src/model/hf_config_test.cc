@@ -176,6 +176,46 @@ TEST(HfConfig, FalconH1AutoHeadDimUsesDSsmThenExpandTimesHidden) {
   EXPECT_EQ(importOk(j).layers[0].mamba2.head_dim, 1536u / 24);
   j["mamba_d_ssm"] = nullptr;  // Hugging Face: null means mamba_expand * hidden_size
   EXPECT_EQ(importOk(j).layers[0].mamba2.head_dim, 2u * 3072 / 24);
+  j["hidden_size"] = 1000;  // 2000 is not a multiple of 24: the error names where 2000 came from
+  auto bad = importJson(j);
+  ASSERT_FALSE(bad.isOk());
+  EXPECT_NE(bad.status().message().find("does not divide mamba_expand*hidden_size=2000"),
+            std::string::npos)
+      << bad.status().toString();
+  // Not written at all: FalconH1Config's default, 1024 (not mamba_expand * hidden_size).
+  j.erase("mamba_d_ssm");
+  j["mamba_n_heads"] = 16;
+  EXPECT_EQ(importOk(j).layers[0].mamba2.head_dim, 1024u / 16);
+}
+
+// Shape fields far above any model's would make byte counts wrap 64 bits, and a huge layer
+// count a vector of that many layers: both refused, naming the field.
+TEST(HfConfig, HugeShapesAndLayerCountsAreRefusedNamingTheField) {
+  Json j = presetJson("mamba-codestral-7b");
+  j["head_dim"] = 2147483648u;
+  auto big = importJson(j);
+  ASSERT_FALSE(big.isOk());
+  EXPECT_NE(
+      big.status().message().find("field 'head_dim' must be a positive integer up to 1048576"),
+      std::string::npos)
+      << big.status().toString();
+  j = presetJson("mamba-codestral-7b");
+  j["num_hidden_layers"] = 4000000000u;
+  EXPECT_NE(importJson(j).status().message().find("'num_hidden_layers'"), std::string::npos);
+  j["num_hidden_layers"] = 70000;
+  auto layers = importJson(j);
+  ASSERT_FALSE(layers.isOk());
+  EXPECT_NE(layers.status().message().find("must be at most 65536, got 70000"), std::string::npos)
+      << layers.status().toString();
+  // Fields each within bounds whose product is not: the record is refused, not wrapped.
+  j = presetJson("mamba-codestral-7b");
+  j["head_dim"] = 1048576;
+  j["state_size"] = 1048576;
+  auto wide = importJson(j);
+  ASSERT_FALSE(wide.isOk());
+  EXPECT_NE(wide.status().message().find("ssm record is above 1099511627776 bytes"),
+            std::string::npos)
+      << wide.status().toString();
 }
 
 TEST(HfConfig, TinyHybridHasEveryKindOfLayer) {

@@ -75,6 +75,10 @@ namespace {
 
 Status requirePositive(uint32_t v, std::string_view layer, std::string_view field) {
   if (v == 0) return InvalidArgument(std::string(layer) + " " + std::string(field) + "=0");
+  if (v > kMaxShapeField) {
+    return InvalidArgument(std::string(layer) + " " + std::string(field) + "=" + std::to_string(v) +
+                           " is above " + std::to_string(kMaxShapeField));
+  }
   return OkStatus();
 }
 
@@ -83,6 +87,23 @@ Status requireConv(uint32_t d_conv, std::string_view layer) {
     return InvalidArgument(std::string(layer) + " d_conv=" + std::to_string(d_conv) +
                            " must be >= 2 (the conv state keeps d_conv-1 columns)");
   }
+  return requirePositive(d_conv, layer, "d_conv");
+}
+
+// With every field at most kMaxShapeField a section's unit bytes fit 64 bits (two fields and
+// an element size); units x unit bytes and their sum are taken in 128.
+Status requireRecordBytes(const ModelSpec& model, const LayerSpec& layer, std::string_view where) {
+  for (Role role : layerRoles(layer)) {
+    unsigned __int128 bytes = 0;
+    for (const Section& s : recordSections(model, layer, role)) {
+      bytes += static_cast<unsigned __int128>(s.units) * s.unit_bytes;
+    }
+    if (bytes > kMaxRecordBytes) {
+      return InvalidArgument(std::string(where) + " " + std::string(roleName(role)) +
+                             " record is above " + std::to_string(kMaxRecordBytes) +
+                             " bytes a page (its shape fields multiply past it)");
+    }
+  }
   return OkStatus();
 }
 
@@ -90,7 +111,11 @@ Status requireConv(uint32_t d_conv, std::string_view layer) {
 
 Status ModelSpec::validate() const {
   if (layers.empty()) return InvalidArgument("model '" + name + "' has no layers");
-  if (tokens_per_block == 0) return InvalidArgument("tokens_per_block=0");
+  if (layers.size() > kMaxModelLayers) {
+    return InvalidArgument("model '" + name + "' has " + std::to_string(layers.size()) +
+                           " layers, above " + std::to_string(kMaxModelLayers));
+  }
+  RETURN_IF_ERROR(requirePositive(tokens_per_block, "model '" + name + "'", "tokens_per_block"));
   bool any_cache = false;
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerSpec& l = layers[i];
@@ -124,6 +149,7 @@ Status ModelSpec::validate() const {
         RETURN_IF_ERROR(requireConv(l.mamba1.d_conv, where));
         break;
     }
+    RETURN_IF_ERROR(requireRecordBytes(*this, l, where));
   }
   if (!any_cache) return InvalidArgument("model '" + name + "' has no layer with a cache");
   return OkStatus();

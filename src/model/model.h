@@ -84,6 +84,13 @@ struct LayerSpec {
   bool operator==(const LayerSpec&) const = default;
 };
 
+// Bounds on a model's numbers, far above any real model's, so that every byte count derived
+// from them fits 64 bits: a shape field (heads, dims, d_state, d_conv, tokens per block), the
+// layer count (the wire's limit), one record's bytes.
+inline constexpr uint32_t kMaxShapeField = 1u << 20;
+inline constexpr uint32_t kMaxModelLayers = 1u << 16;
+inline constexpr uint64_t kMaxRecordBytes = uint64_t{1} << 40;
+
 struct ModelSpec {
   std::string name;               // preset name or file stem
   std::string architecture;       // Hugging Face architecture, e.g. "NemotronHForCausalLM"
@@ -94,7 +101,9 @@ struct ModelSpec {
   uint32_t tokens_per_block = 32;
 
   uint32_t numLayers() const { return static_cast<uint32_t>(layers.size()); }
-  // Every shape non-zero, d_conv >= 2, at least one layer with a cache.
+  // Every shape non-zero and at most kMaxShapeField, d_conv >= 2, at most kMaxModelLayers
+  // layers, every record (one page of one layer and role) at most kMaxRecordBytes, at least
+  // one layer with a cache.
   Status validate() const;
 };
 

@@ -206,7 +206,7 @@ TEST(PlannerProperty, EveryEnginePairTpPairAndPpPairMovesEveryByteExactlyOnce) {
 // vLLM's CPU attention orders (per head K then V; the vec kernels' K transposed, and the AMX
 // packing with split token and dim): each moves between two ranks of its own order over every
 // tp and pp pair, per-layer and shared tensors both ways, with token ranges in some cases
-// (cpu) and prefixes, every byte once. The AMX order needs 16-bit elements and multiples of 16.
+// (cpu) and prefixes, every byte once. The AMX order needs bf16 and multiples of 32.
 TEST(PlannerProperty, VllmCpuAttentionOrdersMoveEveryByteExactlyOnceBetweenRanksOfTheirOrder) {
   using namespace testing;
   LayerSpec hybrid = mamba2Layer(8, 2, 2, 4, 4);

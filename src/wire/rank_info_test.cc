@@ -448,7 +448,7 @@ TEST(RankInfo, DescribedRecordNeedsMinorThreeAndAnOlderPeerIsRefusedNamingTheVie
 TEST(RankInfo, SplitRecordDimsTravelAndAPeerOlderThanSixIsRefused) {
   auto model = loadPreset("nemotron-h-8b");
   ASSERT_TRUE(model.isOk());
-  model->tokens_per_block = 1040;
+  model->tokens_per_block = 1056;
   auto l = buildEngineLayout(*model, {8, 1, {}}, 0, 0, *parseEngineLayout("vllm", "cpu-amx"), 2, 2);
   ASSERT_TRUE(l.isOk()) << l.status().toString();
   RankInfo info = sample();
