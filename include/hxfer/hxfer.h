@@ -373,7 +373,8 @@ struct TransportOptions {
 struct SenderOptions : TransportOptions {
   // Pages marked ready that not every overlapping generation rank asked for within this time
   // are released (Metrics::leases_expired); between two windows of a staged part (device
-  // pools behind ucx) it runs from the last window answered.
+  // pools behind ucx) it runs from the last window answered. Positive (create() refuses 0 or
+  // less).
   std::chrono::milliseconds lease_timeout{30000};
   // A write to a generation rank (or, device pools behind ucx, the device's copy of a part into
   // host memory, counted from when the copies queued ahead of it are done) that made no
@@ -391,10 +392,12 @@ struct SenderOptions : TransportOptions {
 class Sender {
  public:
   // Errors: `memory` made for another layout; a backend the memory or build cannot use (shm
-  // with private memory names both); listen failures.
+  // with private memory names both); listen failures; a timeout option of 0 or less.
   static StatusOr<std::unique_ptr<Sender>> create(const Layout& layout, const Memory& memory,
                                                   SenderOptions options);
-  ~Sender();  // shutdown()
+  // shutdown(), then waits for an on_released callback still running (one that called
+  // shutdown() may go on using the Sender).
+  ~Sender();
   Sender(const Sender&) = delete;
   Sender& operator=(const Sender&) = delete;
 
@@ -410,7 +413,8 @@ class Sender {
   // Pages are only read here, so requests may share them (a cached prompt prefix): a page
   // stays fenced until the last request naming it is released.
   // InvalidArgument: a page outside its pool or listed twice (naming it), a known id, aux too
-  // large, no slot on a rank with recurrent layers. Unavailable after shutdown().
+  // large, no slot on a rank with recurrent layers. Unavailable after shutdown(). Either
+  // answer means the call took nothing: no release of its pages follows.
   // Cancelled / Timeout: cancelled before, or every asker gave up (the pages are released).
   Status markReady(uint64_t request_id, std::span<const uint32_t> blocks,
                    std::optional<uint32_t> slot, std::string_view aux = {});
@@ -469,6 +473,9 @@ struct ReceiverOptions : TransportOptions {
   std::vector<std::string> peers;
   uint32_t peer_tp = 0;  // 0: peers.size() / peer_pp
   uint32_t peer_pp = 1;
+  // A request not complete this long after start() fails (Timeout); a context rank not through
+  // its handshake this long after connecting is dropped and tried again. Both positive
+  // (create() refuses 0 or less).
   std::chrono::milliseconds request_timeout{30000};
   std::chrono::milliseconds handshake_timeout{10000};
   // Storm control: a registered region of this many bytes into which a context rank writes a
@@ -498,16 +505,19 @@ struct Result {
 class Receiver {
  public:
   // Errors: `memory` made for another layout; peers that do not match peer_tp x peer_pp;
-  // addresses of mixed or unknown backends; shm peers with private memory.
+  // addresses of mixed or unknown backends; shm peers with private memory; a timeout option of
+  // 0 or less.
   static StatusOr<std::unique_ptr<Receiver>> create(const Layout& layout, const Memory& memory,
                                                     ReceiverOptions options);
-  ~Receiver();  // shutdown()
+  ~Receiver();  // as ~Sender()
   Receiver(const Receiver&) = delete;
   Receiver& operator=(const Receiver&) = delete;
 
   std::string backend() const;
   std::string routing() const;
-  // Waits until every context rank this rank reads from completed its handshake.
+  // Waits until every context rank this rank reads from completed its handshake: Timeout when
+  // `timeout` passes first (0: only looks), a context rank's refusal as soon as it is known,
+  // Unavailable after (or racing) shutdown().
   Status waitForPeers(std::chrono::milliseconds timeout);
 
   // Asks the context ranks for `request_id`'s state of `num_tokens` tokens, into `blocks`

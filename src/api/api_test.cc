@@ -419,6 +419,45 @@ TEST(ApiLayout, FromRecordsRefusesAnIncompleteOrOverlappingDescriptionNamingTheR
   expectRefused(dims, "record dim nonsense is not a dim of a");
 }
 
+// The layout's own check names views and regions by index; a described layout's errors name
+// the records and pools of the description instead (records[i], pools[n]).
+TEST(ApiLayout, FromRecordsNamesTheRecordsAndThePoolThatOverlapOrRunPast) {
+  auto l = Layout::engine(options("vllm", 1, 0, 64, 8));
+  ASSERT_TRUE(l.isOk());
+  const LayoutDescription good = describedAs(*l);
+  ASSERT_GE(good.records.size(), 2u);
+  auto refusal = [](const LayoutDescription& d) {
+    auto r = Layout::fromRecords(d);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().toString();
+    return r.status().message();
+  };
+  auto named = [&](size_t i) {
+    return "records[" + std::to_string(i) + "] (layer " + std::to_string(good.records[i].layer) +
+           " " + good.records[i].role + ")";
+  };
+  size_t pool_index = 0;
+  while (good.pools[pool_index].name != good.records[0].pool) ++pool_index;
+  const std::string pool =
+      "pool '" + good.records[0].pool + "' (pools[" + std::to_string(pool_index) + "])";
+
+  LayoutDescription overlap = good;
+  overlap.records[1].pool = overlap.records[0].pool;
+  overlap.records[1].offset = overlap.records[0].offset;
+  overlap.records[1].index_stride = overlap.records[0].index_stride;
+  std::string m = refusal(overlap);
+  EXPECT_NE(m.find(named(0) + " and " + named(1) + " overlap in " + pool), std::string::npos) << m;
+  EXPECT_EQ(m.find("view"), std::string::npos) << m;
+
+  LayoutDescription past = good;
+  past.records[0].offset = good.pools[pool_index].bytes;
+  m = refusal(past);
+  EXPECT_NE(m.find(named(0) + " records run past " + pool + " of length " +
+                   std::to_string(good.pools[pool_index].bytes)),
+            std::string::npos)
+      << m;
+  EXPECT_EQ(m.find("region"), std::string::npos) << m;
+}
+
 // The dtypes an engine keeps its state in unless told: vLLM 0.32 the model dtype except for
 // NemotronH (fp32, MambaStateDtypeCalculator and its NemotronH hook), SGLang conv bf16 and ssm
 // fp32, TensorRT-LLM ssm in the model dtype, hxfer fp32; an explicit dtype wins.
@@ -1936,6 +1975,133 @@ TEST(ApiPages, CallsRacingShutdownReturnUnavailableAndShutdownMayComeFromOnRelea
   for (int i = 0; i < 500 && from_callback == 0; ++i) std::this_thread::sleep_for(10ms);
   EXPECT_EQ(from_callback.load(), 1);
   EXPECT_EQ(tx->markReady(1001, std::vector<uint32_t>{1}, 1).code(), StatusCode::kUnavailable);
+}
+
+// A streamed markReady refused for its range (empty, leaving a gap) took nothing: the pages
+// it fenced on the way are handed back unreported, so an engine that frees them on the error
+// does not free them again in on_released (docs/api.md, the contract's rule 4).
+TEST(ApiPages, AMarkReadyRefusedForItsLayersReportsNoRelease) {
+  EngineRank ctx = EngineRank::make(options("hxfer", 1, 0));
+  Released released;
+  auto tx = inprocSender(ctx, released);
+  ASSERT_NE(tx, nullptr);
+  const LayerSpan stage = ctx.layout.stageLayers();
+  ASSERT_GE(stage.count, 2u);
+  const RankPages pages{{3, 4}, 0};
+  Status s = tx->markReady(7, pages, LayerSpan{stage.first, 0});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.toString();
+  EXPECT_NE(s.message().find("is empty"), std::string::npos) << s.toString();
+  s = tx->markReady(8, pages, LayerSpan{stage.first + 1, 1});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.toString();
+  EXPECT_NE(s.message().find("not ready"), std::string::npos) << s.toString();
+  EXPECT_FALSE(tx->holds(7));
+  EXPECT_FALSE(tx->holds(8));
+  EXPECT_EQ(ctx.memory->impl().cache->counters().free_blocks, 16u);
+  std::this_thread::sleep_for(200ms);  // a release would have been delivered by now
+  EXPECT_EQ(released.count(7), 0u);
+  EXPECT_EQ(released.count(8), 0u);
+  // The pages are the engine's again: a request may take them, and its release is reported.
+  ASSERT_TRUE(tx->markReady(7, pages).isOk());
+  ASSERT_TRUE(tx->cancel(7).isOk());
+  EXPECT_TRUE(released.waitFor(7));
+}
+
+// on_released shuts its Sender down and goes on using it while another thread destroys it:
+// the destructor waits for the callback, so it never runs on a half-destroyed Sender (the
+// release thread used to be left detached, outliving the members it touches).
+TEST(ApiPages, DestroyingASenderWaitsForTheCallbackThatShutItDown) {
+  EngineRank ctx = EngineRank::make(options("hxfer", 1, 0));
+  Sender* raw = nullptr;
+  std::atomic<bool> shut{false}, done{false};
+  SenderOptions so;
+  so.instance = "ctx";
+  so.backend = "inproc";
+  so.on_released = [&](uint64_t) {
+    raw->shutdown();
+    shut = true;
+    std::this_thread::sleep_for(200ms);  // the other thread destroys the Sender meanwhile
+    (void)raw->metrics();
+    (void)raw->holds(1);
+    done = true;
+  };
+  auto tx = createdSender(ctx, so);
+  ASSERT_NE(tx, nullptr);
+  raw = tx.get();
+  ASSERT_TRUE(tx->markReady(1, std::vector<uint32_t>{0}, 0).isOk());
+  ASSERT_TRUE(tx->cancel(1).isOk());
+  for (int i = 0; i < 500 && !shut; ++i) std::this_thread::sleep_for(10ms);
+  ASSERT_TRUE(shut.load());
+  tx.reset();
+  EXPECT_TRUE(done.load()) << "the Sender was destroyed under its running callback";
+}
+
+// waitForPeers racing shutdown(), or after it, answers Unavailable instead of waiting out its
+// timeout (here a context rank that never answers).
+TEST(ApiPages, WaitForPeersAnswersUnavailableOnceShutDown) {
+  EngineRank gen = EngineRank::make(options("hxfer", 1, 0));
+  ReceiverOptions ro;
+  ro.instance = "gen";
+  ro.backend = "inproc";
+  ro.peers = {"inproc:nowhere"};
+  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
+  const auto t0 = std::chrono::steady_clock::now();
+  Status waited;
+  std::thread waiter([&] { waited = (*rx)->waitForPeers(60s); });
+  std::this_thread::sleep_for(200ms);
+  (*rx)->shutdown();
+  waiter.join();
+  EXPECT_EQ(waited.code(), StatusCode::kUnavailable) << waited.toString();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  const auto t1 = std::chrono::steady_clock::now();
+  Status s = (*rx)->waitForPeers(60s);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.toString();
+  EXPECT_LT(std::chrono::steady_clock::now() - t1, 1s);
+}
+
+// A timeout option of 0 or less would end every lease, request or handshake at once: create()
+// refuses it naming the option and the value. A call's own wait of 0 stays a poll.
+TEST(ApiPages, CreateRefusesTimeoutOptionsThatAreNotPositive) {
+  EngineRank ctx = EngineRank::make(options("hxfer", 1, 0));
+  SenderOptions so;
+  so.instance = "ctx";
+  so.backend = "inproc";
+  so.lease_timeout = 0ms;
+  auto tx = Sender::create(ctx.layout, *ctx.memory, so);
+  EXPECT_EQ(tx.status().code(), StatusCode::kInvalidArgument) << tx.status().toString();
+  EXPECT_NE(tx.status().message().find("lease_timeout=0 ms"), std::string::npos)
+      << tx.status().toString();
+  so.lease_timeout = -5ms;
+  tx = Sender::create(ctx.layout, *ctx.memory, so);
+  EXPECT_NE(tx.status().message().find("lease_timeout=-5 ms"), std::string::npos)
+      << tx.status().toString();
+
+  EngineRank gen = EngineRank::make(options("hxfer", 1, 0));
+  ReceiverOptions ro;
+  ro.instance = "gen";
+  ro.backend = "inproc";
+  ro.peers = {"inproc:nowhere"};
+  ro.request_timeout = 0ms;
+  auto rx = Receiver::create(gen.layout, *gen.memory, ro);
+  EXPECT_EQ(rx.status().code(), StatusCode::kInvalidArgument) << rx.status().toString();
+  EXPECT_NE(rx.status().message().find("request_timeout=0 ms"), std::string::npos)
+      << rx.status().toString();
+  ro.request_timeout = 1s;
+  ro.handshake_timeout = -1ms;
+  rx = Receiver::create(gen.layout, *gen.memory, ro);
+  EXPECT_EQ(rx.status().code(), StatusCode::kInvalidArgument) << rx.status().toString();
+  EXPECT_NE(rx.status().message().find("handshake_timeout=-1 ms"), std::string::npos)
+      << rx.status().toString();
+
+  // Neither refusal kept the memory: it serves a transceiver with positive timeouts, whose
+  // waits of 0 poll.
+  ro.handshake_timeout = 1s;
+  rx = Receiver::create(gen.layout, *gen.memory, ro);
+  ASSERT_TRUE(rx.isOk()) << rx.status().toString();
+  EXPECT_EQ((*rx)->waitForPeers(0ms).code(), StatusCode::kTimeout);
+  EXPECT_EQ((*rx)->wait(1, 0ms).status().code(), StatusCode::kNotFound);
+  so.lease_timeout = 1s;
+  EXPECT_TRUE(Sender::create(ctx.layout, *ctx.memory, so).isOk());
 }
 
 TEST(ApiPages, OneMemoryServesOneTransceiverAtATime) {

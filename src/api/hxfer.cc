@@ -57,9 +57,12 @@ class Dispatcher {
       state_->finished = true;
     }
   }
-  // Waits until the thread delivered its last id, unless this is that thread (a callback
-  // that dropped the last reference to its Sender or Receiver).
-  ~Dispatcher() {
+  ~Dispatcher() { finish(); }
+
+  // stop(), then waits until the thread delivered its last id, unless this is that thread (a
+  // callback that dropped the last reference to its Sender or Receiver). A thread left to end
+  // by stop() on itself may still be in its callback: this waits for that too.
+  void finish() {
     stop();
     if (onThread()) return;
     std::unique_lock lock(state_->mu);
@@ -157,6 +160,10 @@ Status applyDType(std::string_view field, const std::string& value, DType* out) 
   return OkStatus();
 }
 
+// A request whose pages this thread hands back unreported (freeUnreported); the release
+// listener runs on the freeing thread, inside free().
+thread_local std::optional<uint64_t> t_unreported;
+
 // The page lifetime hook shared by both sides: a Memory used by one transceiver at a time.
 Status claim(const Layout& layout, const Memory& memory,
              const std::shared_ptr<Dispatcher>& dispatcher, uint64_t owner,
@@ -178,7 +185,7 @@ Status claim(const Layout& layout, const Memory& memory,
   // Only this transceiver's requests (adopted with its owner tag): a late release of an
   // earlier user's is not reported here.
   m.cache->setReleaseListener([dispatcher, owner](uint64_t id, uint64_t tag) {
-    if (tag == owner) dispatcher->push(id);
+    if (tag == owner && t_unreported != id) dispatcher->push(id);
   });
   return OkStatus();
 }
@@ -190,15 +197,34 @@ void unclaim(Memory::Impl& m) {
   m.in_use.store(false);
 }
 
+// Hands back the pages of a request taken by a call that then failed: to the engine that call
+// took nothing, so no release is reported (docs/api.md, the page contract's rule 4); an engine
+// that frees the pages on the error must not hear of them again in on_released.
+// REQUIRES: nothing was posted out of or into the pages (free() releases them at once).
+void freeUnreported(HybridCacheManager& cache, uint64_t request_id) {
+  t_unreported = request_id;
+  (void)cache.free(request_id);
+  t_unreported.reset();
+}
+
 uint64_t nextOwner() {
   static std::atomic<uint64_t> next{1};
   return next++;
 }
 
 // Deadlines far in the future saturate instead of overflowing the clock.
+// REQUIRES: t >= 0 where 0 means "do not wait" (a poll); options are checked (positiveTimeout).
 std::chrono::milliseconds clampTimeout(std::chrono::milliseconds t) {
   constexpr std::chrono::milliseconds kMax = std::chrono::hours(24 * 365);
   return std::clamp(t, std::chrono::milliseconds(0), kMax);
+}
+
+// An option's timeout of 0 or less would end every lease, request or handshake at once:
+// InvalidArgument naming the option, its value and `what` it bounds.
+Status positiveTimeout(std::string_view name, std::chrono::milliseconds t, std::string_view what) {
+  if (t > std::chrono::milliseconds(0)) return OkStatus();
+  return InvalidArgument(std::string(name) + "=" + std::to_string(t.count()) +
+                         " ms: " + std::string(what) + "; it must be positive");
 }
 
 struct Routed {
@@ -306,6 +332,12 @@ Status loadLayoutModel(const LayoutOptions& o, ModelSpec* out) {
   return OkStatus();
 }
 
+// "records[3] (layer 5 kv)": record i of a description, as fromRecords' errors name it.
+std::string recordWords(const LayoutDescription& d, size_t i) {
+  return "records[" + str(i) + "] (layer " + str(d.records[i].layer) + " " + d.records[i].role +
+         ")";
+}
+
 void fillPools(Layout::Impl& impl) {
   for (const RegionSpec& spec : impl.layout.regions) {
     PoolInfo p;
@@ -369,7 +401,7 @@ StatusOr<Layout> Layout::fromRecords(const LayoutDescription& d) {
   std::set<std::tuple<uint32_t, Role, std::string>> placed;
   for (size_t i = 0; i < d.records.size(); ++i) {
     const RecordSpec& r = d.records[i];
-    const std::string what = "records[" + str(i) + "] (layer " + str(r.layer) + " " + r.role + ")";
+    const std::string what = recordWords(d, i);
     std::optional<Role> role;
     for (Role c : {Role::kKv, Role::kConv, Role::kSsm}) {
       if (roleName(c) == r.role) role = c;
@@ -431,7 +463,15 @@ StatusOr<Layout> Layout::fromRecords(const LayoutDescription& d) {
       }
     }
   }
-  RETURN_IF_ERROR(out.validate().withContext("described layout"));
+  // View i is records[i], region n pools[n]: errors name what the engine described
+  // ("records[0] (layer 0 conv) and records[1] (layer 0 ssm) overlap in pool 'layer.0'
+  // (pools[0])"), as the header promises.
+  RankLayout::Names names;
+  names.view = [&d](size_t i) { return recordWords(d, i); };
+  names.region = [&d](uint32_t n) {
+    return "pool '" + d.pools[n].name + "' (pools[" + str(n) + "])";
+  };
+  RETURN_IF_ERROR(out.validate(names).withContext("described layout"));
   impl->engine = EngineLayout{};
   impl->layout = std::move(out);
   fillPools(*impl);
@@ -861,13 +901,20 @@ struct Endpoint {
     shutdown_done = true;
     shutdown_cv.notify_all();
   }
+  // The destructors' shutdown(): it also waits for the release thread to end (unless this is
+  // it). A callback that called shutdown() left that thread running in it, and may still use
+  // the endpoint; nothing of it may be destroyed before the callback returns.
+  void close() {
+    shutdown();
+    if (dispatcher) dispatcher->finish();
+  }
 };
 
 }  // namespace
 
 struct Sender::Impl : Endpoint<engine::ContextSender> {
   using Endpoint::Endpoint;
-  ~Impl() { shutdown(); }
+  ~Impl() { close(); }
   // Both markReady forms; kAllLayers: the whole request at once.
   Status markReady(uint64_t request_id, std::span<const uint32_t> blocks,
                    std::optional<uint32_t> slot, std::span<const uint32_t> group_slots,
@@ -875,15 +922,15 @@ struct Sender::Impl : Endpoint<engine::ContextSender> {
 };
 
 Sender::Sender(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Sender::~Sender() { shutdown(); }
+// Before any member goes: a callback still running may use the Sender (close()).
+Sender::~Sender() { impl_->close(); }
 
 StatusOr<std::unique_ptr<Sender>> Sender::create(const Layout& layout, const Memory& memory,
                                                  SenderOptions o) {
-  if (o.stall_timeout <= std::chrono::milliseconds(0)) {
-    return InvalidArgument("stall_timeout=" + std::to_string(o.stall_timeout.count()) +
-                           " ms: a write that makes no progress this long is cancelled; it must "
-                           "be positive");
-  }
+  RETURN_IF_ERROR(positiveTimeout("lease_timeout", o.lease_timeout,
+                                  "pages no generation rank asked for this long are released"));
+  RETURN_IF_ERROR(positiveTimeout("stall_timeout", o.stall_timeout,
+                                  "a write that makes no progress this long is cancelled"));
   auto impl = std::make_unique<Impl>(layout, memory);
   ASSIGN_OR_RETURN(Routed routed, route(o.backend, std::nullopt, memory));
   impl->backend = routed.backend;
@@ -1003,10 +1050,10 @@ Status Sender::Impl::markReady(uint64_t request_id, std::span<const uint32_t> bl
       pages.adopt(request_id, static_cast<uint32_t>(tokens), blocks, slot, owner, 0, group_slots);
   if (!alloc.isOk()) return alloc.status();
   Status s = transceiver->markReady(request_id, layers, aux_bytes, std::move(event));
-  // InvalidArgument / Unavailable leave the pages with the caller: hand them back (released
-  // at once: nothing was posted).
+  // InvalidArgument (the range, the id) / Unavailable (shut down) leave the pages with the
+  // caller: hand them back, unreported (nothing was posted).
   if (s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kUnavailable) {
-    (void)pages.free(request_id);
+    freeUnreported(pages, request_id);
   }
   return s;
 }
@@ -1026,7 +1073,7 @@ void Sender::shutdown() { impl_->shutdown(); }
 struct Receiver::Impl : Endpoint<engine::GenerationReceiver> {
   using Endpoint::Endpoint;
   ~Impl() {
-    shutdown();
+    close();
     if (!transceiver) return;
     std::lock_guard lock(started_mu);
     for (uint64_t id : started) (void)transceiver->release(id);
@@ -1040,10 +1087,14 @@ struct Receiver::Impl : Endpoint<engine::GenerationReceiver> {
 };
 
 Receiver::Receiver(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Receiver::~Receiver() { shutdown(); }
+Receiver::~Receiver() { impl_->close(); }  // as ~Sender
 
 StatusOr<std::unique_ptr<Receiver>> Receiver::create(const Layout& layout, const Memory& memory,
                                                      ReceiverOptions o) {
+  RETURN_IF_ERROR(positiveTimeout("request_timeout", o.request_timeout,
+                                  "a request not complete this long fails"));
+  RETURN_IF_ERROR(positiveTimeout("handshake_timeout", o.handshake_timeout,
+                                  "a context rank not through its handshake this long is down"));
   if (o.peers.empty()) return InvalidArgument("peers is empty: name every context rank");
   if (o.peer_pp == 0) return InvalidArgument("peer_pp=0; it must be >= 1");
   const uint32_t n = static_cast<uint32_t>(o.peers.size());
@@ -1100,6 +1151,11 @@ std::string Receiver::backend() const { return std::string(engine::backendName(i
 std::string Receiver::routing() const { return impl_->routing; }
 
 Status Receiver::waitForPeers(std::chrono::milliseconds timeout) {
+  {
+    std::shared_lock lock(impl_->mu);  // not held while waiting: shutdown() takes it
+    if (impl_->stopped) return Unavailable("receiver is shut down");
+  }
+  // One racing shutdown() is woken by the transceiver's, and answers Unavailable too.
   return impl_->transceiver->waitForPeers(engine::Clock::now() + clampTimeout(timeout));
 }
 

@@ -362,7 +362,7 @@ uint64_t RankLayout::stateBytesPerSlot() const {
   return total;
 }
 
-Status RankLayout::validate() const {
+Status RankLayout::validate(const Names& names) const {
   if (tp == 0 || pp == 0) return InvalidArgument("tp and pp must be >= 1");
   if (tp_rank >= tp) {
     return InvalidArgument("tp_rank=" + std::to_string(tp_rank) + " >= tp=" + std::to_string(tp));
@@ -397,6 +397,9 @@ Status RankLayout::validate() const {
                            " but num_blocks=" + std::to_string(num_blocks) +
                            " (block and state ids are drawn from one pool)");
   }
+  auto regionName = [&](uint32_t id) {
+    return names.region ? names.region(id) : "region " + std::to_string(id);
+  };
   std::vector<Footprint> footprints;
   // (role, layer, section): one place per section of a record (a layout may keep K and V in
   // views of their own, never one section twice).
@@ -404,7 +407,8 @@ Status RankLayout::validate() const {
   for (size_t vi = 0; vi < views.size(); ++vi) {
     const PoolView& v = views[vi];
     const std::string where =
-        "view " + std::to_string(vi) + " (" + std::string(roleName(v.role)) + ")";
+        names.view ? names.view(vi)
+                   : "view " + std::to_string(vi) + " (" + std::string(roleName(v.role)) + ")";
     if (v.layers.empty()) return InvalidArgument(where + " has no layers");
     for (uint32_t layer : v.layers) {
       for (const Section& sec : v.sections) {
@@ -468,8 +472,8 @@ Status RankLayout::validate() const {
     if (!mulAdd(v.num_indices - 1, v.index_stride, v.base, &a) ||
         !mulAdd(v.layers.size() - 1, v.layer_stride, a, &b) ||
         __builtin_add_overflow(b, v.span(), &a) || a > region->length) {
-      return InvalidArgument(where + " records run past region " + std::to_string(region->id) +
-                             " of length " + std::to_string(region->length));
+      return InvalidArgument(where + " records run past " + regionName(region->id) + " of length " +
+                             std::to_string(region->length));
     }
     StatusOr<Footprint> fp = footprintOf(v, a);
     if (!fp.isOk()) return fp.status().withContext(where);
@@ -485,8 +489,12 @@ Status RankLayout::validate() const {
       if (!mayOverlap(x, y)) continue;
       if (joint_ids && jointlyIndexed(views[x.view], views[y.view])) continue;
       if (interleaveCleanly(views[x.view], x, views[y.view], y)) continue;
+      if (names.view) {
+        return InvalidArgument(names.view(y.view) + " and " + names.view(x.view) + " overlap in " +
+                               regionName(views[x.view].region_id));
+      }
       return InvalidArgument("views " + std::to_string(y.view) + " and " + std::to_string(x.view) +
-                             " overlap in region " + std::to_string(views[x.view].region_id));
+                             " overlap in " + regionName(views[x.view].region_id));
     }
   }
   return OkStatus();

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -100,8 +101,13 @@ struct RankLayout {
   // record, outer stride >= the inner run) and views sharing a region must interleave on one
   // common stride, as every layout buildRankLayout makes does. With joint_ids, views of
   // different id groups may share bytes at the same index as said there, and nothing else.
-  // Errors name the view and field.
-  Status validate() const;
+  // Errors name the view and field: "view 3 (kv)" and "region 2", or what `names` makes of
+  // them (a caller that built the views from records of its own names those).
+  struct Names {
+    std::function<std::string(size_t view)> view;
+    std::function<std::string(uint32_t region_id)> region;
+  };
+  Status validate(const Names& names = {}) const;
 
   // Global layers of this rank's pp stage, cache or not. REQUIRES: validate() is ok.
   LayerRange stageLayers() const;

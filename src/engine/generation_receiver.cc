@@ -303,6 +303,8 @@ GenerationReceiver::CtxPeer* GenerationReceiver::peerById(transport::PeerId id) 
 Status GenerationReceiver::waitForPeers(Clock::time_point deadline) {
   std::unique_lock lock(mu_);
   while (true) {
+    // shutdown() wakes the waiters once it is done; the peers never come now.
+    if (stop_) return Unavailable("receiver is shut down");
     bool all = true;
     for (const auto& p : peers_) {
       if (p->state == CtxPeer::State::kRefused) {
