@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -33,6 +34,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -613,15 +615,40 @@ struct Context {
   uint64_t next_id = 1;
 };
 
-std::vector<std::string> backendsFor(const WorkloadOptions& o, const std::string& fallback) {
+// The backends a workload may name; one of them not compiled in is skipped with a note.
+constexpr std::array<std::string_view, 3> kWorkloadBackends = {"shm", "ucx", "inproc"};
+
+// --backend's names, each one a workload may run over. Errors name --backend and the value.
+Status checkBackendNames(const std::string& backends) {
+  for (const std::string& b : splitList(backends)) {
+    if (std::find(kWorkloadBackends.begin(), kWorkloadBackends.end(), b) ==
+        kWorkloadBackends.end()) {
+      return InvalidArgument("--backend " + b + " is not one of shm, ucx, inproc");
+    }
+  }
+  return OkStatus();
+}
+
+// The backends to run: --backend or the workload's `fallback`, less those not built in (with a
+// note). Unavailable when none is left.
+StatusOr<std::vector<std::string>> backendsFor(const WorkloadOptions& o,
+                                               const std::string& fallback) {
+  const std::string asked = o.backends.empty() ? fallback : o.backends;
+  RETURN_IF_ERROR(checkBackendNames(asked));
   const std::vector<std::string> available = transport::availableBackends();
   std::vector<std::string> out;
-  for (const std::string& b : splitList(o.backends.empty() ? fallback : o.backends)) {
+  for (const std::string& b : splitList(asked)) {
     if (std::find(available.begin(), available.end(), b) == available.end()) {
       std::fprintf(stderr, "bench: backend %s is not built in; skipped\n", b.c_str());
       continue;
     }
     out.push_back(b);
+  }
+  if (out.empty()) {
+    std::string built;
+    for (const std::string& b : available) built += (built.empty() ? "" : ", ") + b;
+    return Unavailable("--backend " + asked +
+                       ": none of these backends is built in (built in: " + built + ")");
   }
   return out;
 }
@@ -770,7 +797,8 @@ Status runRequestWorkload(Context& cx) {
   Table t({"backend", "tokens", "MiB", "ops", "median ms", "GB/s", "spread", "memcpy", "x memcpy",
            "tcp", "x tcp"},
           {false, true, true, true, true, true, true, true, true, true, true});
-  for (const std::string& be : backendsFor(cx.o, "shm,ucx")) {
+  ASSIGN_OR_RETURN(const std::vector<std::string> backends, backendsFor(cx.o, "shm,ucx"));
+  for (const std::string& be : backends) {
     ASSIGN_OR_RETURN(auto c, makeCluster(cx.model, cx.o.ctx_tp, cx.o.gen_tp, be,
                                          blocksFor(cx.model, max_tokens) + 1, 1));
     for (uint32_t T : tokens) {
@@ -798,7 +826,8 @@ Status runMismatchWorkload(Context& cx) {
   Table t({"backend", "tokens", "tp", "ops", "median ms", "GB/s", "spread", "x memcpy", "x matched",
            "(norm)"},
           {false, true, false, true, true, true, true, true, true, true});
-  for (const std::string& be : backendsFor(cx.o, "shm")) {
+  ASSIGN_OR_RETURN(const std::vector<std::string> backends, backendsFor(cx.o, "shm"));
+  for (const std::string& be : backends) {
     for (uint32_t T : tokens) {
       std::optional<double> matched, matched_norm;
       std::vector<size_t> mine;
@@ -850,7 +879,8 @@ Status runSmallPagesWorkload(Context& cx) {
   Table t({"backend", "layers", "tp", "block", "ops", "runs", "ops/runs", "median ms", "GB/s",
            "x memcpy", "x large page", "(norm)"},
           {false, true, false, true, true, true, true, true, true, true, true, true});
-  for (const std::string& be : backendsFor(cx.o, "shm")) {
+  ASSIGN_OR_RETURN(const std::vector<std::string> backends, backendsFor(cx.o, "shm"));
+  for (const std::string& be : backends) {
     for (uint32_t L : layers) {
       for (uint32_t T : tokens) {
         for (auto [a, b] : pairs) {
@@ -978,7 +1008,8 @@ Status runLoadWorkload(Context& cx) {
   Table t({"backend", "tokens", "conc", "requests", "req/s", "GB/s", "p50 ms", "p99 ms", "p999 ms",
            "max ms"},
           {false, true, true, true, true, true, true, true, true, true});
-  for (const std::string& be : backendsFor(cx.o, "shm,ucx")) {
+  ASSIGN_OR_RETURN(const std::vector<std::string> backends, backendsFor(cx.o, "shm,ucx"));
+  for (const std::string& be : backends) {
     // Room for every in-flight request on both sides plus the ones being freed.
     ASSIGN_OR_RETURN(auto c, makeCluster(cx.model, cx.o.ctx_tp, cx.o.gen_tp, be,
                                          (max_c + 2) * blocksFor(cx.model, max_t), max_c + 2));
@@ -1033,7 +1064,8 @@ Status runStormWorkload(Context& cx) {
   ModelSpec m = cx.model;
   m.tokens_per_block = o.small_block;
   const int runs = o.warmup + o.repetitions;
-  for (const std::string& be : backendsFor(o, "shm")) {
+  ASSIGN_OR_RETURN(const std::vector<std::string> backends, backendsFor(o, "shm"));
+  for (const std::string& be : backends) {
     for (uint32_t T : tokens) {
       // Posted ops of the matched pair per layout, goodput of hnd (direct) per tp pair.
       std::map<std::string, uint64_t> matched_ops;
@@ -1098,7 +1130,8 @@ Status runCopyBandwidthWorkload(Context& cx) {
   Table t({"contender", "tokens", "MiB", "median ms", "GB/s", "spread", "x memcpy x1",
            "x memcpy xN", "target"},
           {false, true, true, true, true, false, true, true, false});
-  for (const std::string& be : backendsFor(o, "shm")) {
+  ASSIGN_OR_RETURN(const std::vector<std::string> backends, backendsFor(o, "shm"));
+  for (const std::string& be : backends) {
     const uint32_t max_t = *std::max_element(tokens.begin(), tokens.end());
     ASSIGN_OR_RETURN(
         auto c, makeCluster(cx.model, o.ctx_tp, o.gen_tp, be, 2 * blocksFor(cx.model, max_t), 2));
@@ -1219,7 +1252,8 @@ Status runStreamingWorkload(Context& cx) {
   Table t({"backend", "tokens", "MiB", "prefill ms", "whole ms", "streamed ms", "exposed", "spread",
            "writes", "target"},
           {false, true, true, true, true, true, true, false, true, false});
-  for (const std::string& be : backendsFor(o, "shm")) {
+  ASSIGN_OR_RETURN(const std::vector<std::string> backends, backendsFor(o, "shm"));
+  for (const std::string& be : backends) {
     ASSIGN_OR_RETURN(
         auto c, makeCluster(cx.model, o.ctx_tp, o.gen_tp, be, 2 * blocksFor(cx.model, max_t), 2,
                             ClusterShape{std::nullopt, o.stream_min_tokens}));
@@ -1365,7 +1399,8 @@ Status runControlWorkload(Context& cx) {
   const BusyThreads busy(cx.o.busy_threads);
   Table t({"backend", "rounds", "p50 us", "p99 us", "p999 us", "max us", "target p50 < 100 us"},
           {false, true, true, true, true, true, false});
-  for (const std::string& be : backendsFor(cx.o, "shm,ucx,inproc")) {
+  ASSIGN_OR_RETURN(const std::vector<std::string> backends, backendsFor(cx.o, "shm,ucx,inproc"));
+  for (const std::string& be : backends) {
     ASSIGN_OR_RETURN(auto c, makeCluster(m, 1, 1, be, 4, 1));
     Row r = baseRow(cx, m, "control", be, m.tokens_per_block, 1, 1);
     const uint32_t rounds = cx.o.control_rounds;
@@ -1811,6 +1846,7 @@ Status runAll(const WorkloadOptions& o, const std::vector<const NamedWorkload*>&
   if (o.repetitions < 1 || o.warmup < 0) {
     return InvalidArgument("--repetitions must be >= 1 and --warmup >= 0");
   }
+  RETURN_IF_ERROR(checkBackendNames(o.backends));  // before any workload runs
   const ModelSpec* model = &o.model;
   std::vector<Row> rows;
   Context cx{o, *model, &rows, Progress(!o.quiet)};

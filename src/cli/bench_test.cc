@@ -62,6 +62,21 @@ TEST(BenchCommand, BenchAloneRunsEveryWorkload) {
   EXPECT_NE(testing::runHxfer("bench nonesuch").exit_code, 0);
 }
 
+// A backend name outside shm, ucx, inproc is refused naming --backend and the value, before any
+// workload runs (it was "not built in; skipped" and exit 0).
+TEST(BenchCommand, UnknownBackendIsRefusedNamingIt) {
+  auto r = testing::runHxfer("bench request --backend foo --quiet", testing::Stderr::kMerge);
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_NE(r.out.find("hxfer: InvalidArgument: --backend foo is not one of shm, ucx, inproc"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("hxfer bench: model"), std::string::npos) << r.out;
+  r = testing::runHxfer("bench control --backend inproc,rdma --rounds 20 --quiet",
+                        testing::Stderr::kMerge);
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_NE(r.out.find("--backend rdma"), std::string::npos) << r.out;
+}
+
 // The control round trip with CPU-bound threads beside it (a serving engine's busy loops): a
 // few rounds, no speed asserted; the report says what ran beside it.
 TEST(BenchCommand, ControlRunsBesideBusyThreadsAndSaysSo) {

@@ -36,18 +36,21 @@ void addWorkloadOptions(CLI::App* cmd, Options* opts) {
       ->capture_default_str();
   cmd->add_option("--backend", o->backends,
                   "comma list of shm, ucx, inproc (default depends on the workload)");
-  cmd->add_option("--tokens", o->tokens,
-                  "comma list of request lengths, k = 1024 (default depends on the workload)");
+  cmd->add_option(
+      "--tokens", o->tokens,
+      "comma list of request lengths, k = 1024, m = 1024^2 (default depends on the workload)");
   cmd->add_option("--tp-pairs", o->tp_pairs, "ctx:gen TP pairs (mismatch, small-pages)");
-  cmd->add_option("--layers", o->layers,
-                  "small-pages: layer counts; the model's layer pattern is repeated");
+  cmd->add_option(
+      "--layers", o->layers,
+      "small-pages: layer counts (k, m as for --tokens); the model's layer pattern is repeated");
   cmd->add_option("--small-block", o->small_block, "small-pages: small tokens_per_block")
       ->capture_default_str();
   cmd->add_option("--large-block", o->large_block, "small-pages: reference tokens_per_block")
       ->capture_default_str();
   cmd->add_option("--requests", o->requests, "load: timed requests per configuration")
       ->capture_default_str();
-  cmd->add_option("--concurrency", o->concurrency, "load: comma list of requests in flight");
+  cmd->add_option("--concurrency", o->concurrency,
+                  "load: comma list of requests in flight (k, m as for --tokens)");
   cmd->add_option("--prefill-us-per-token", o->prefill_us_per_token,
                   "streaming: simulated prefill cost per token (whole model), spread evenly "
                   "over the layers")

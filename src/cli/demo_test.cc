@@ -289,6 +289,12 @@ TEST(Demo, BadOptionsAreRefusedNamingTheOption) {
   r = runHxfer("demo --ctx-tp 3", Stderr::kMerge);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.out.find("context"), std::string::npos) << r.out;
+  // It said "state_layout: unknown state layout 'foo'", naming no option.
+  r = runHxfer("demo --gen-layout foo", Stderr::kMerge);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("hxfer: InvalidArgument: --gen-layout: unknown state layout 'foo'"),
+            std::string::npos)
+      << r.out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -562,6 +568,79 @@ TEST(Serve, GenerationKilledMidRunLeavesTheContextRankServing) {
   EXPECT_NE(next.out.find("4 of 4 requests verified"), std::string::npos) << next.out;
   nlohmann::json j = stopContext(ctx);
   EXPECT_GE(j.value("peers_lost", 0), 1) << j.dump();
+}
+
+// A signal stopped the generation rank only between requests: while it connected and while it
+// waited for a request it ran on to --timeout. Now it stops within a poll (200 ms) in both, the
+// request in flight cancelled, and reports as at its end (exit 1: not every request verified).
+TEST(Serve, GenerationRankStopsOnASignalWhileConnectingAndWhileWaiting) {
+  const std::regex kRouting(R"((routing:))");
+  const std::regex kRequests(R"((request ids from))");
+  auto expectStopped = [](Background& gen) {
+    gen.signal(SIGTERM);
+    const auto t0 = Clock::now();
+    EXPECT_EQ(gen.wait(std::chrono::milliseconds(10000)), 1) << gen.output();
+    EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(2000)) << gen.output();
+    EXPECT_NE(gen.output().find("stopped by a signal\n0 of 16 requests verified"),
+              std::string::npos)
+        << gen.output();
+    EXPECT_NE(gen.output().find("leaked pages 0"), std::string::npos) << gen.output();
+  };
+  {
+    // Nobody listens at this address: the rank keeps trying to connect.
+    Background gen({"serve", "--role", "generation", "--timeout", "60", "--peers",
+                    "shm:@hxfer-nobody-" + std::to_string(::getpid())});
+    ASSERT_FALSE(gen.waitFor(kRouting, kStart).empty()) << gen.output();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    expectStopped(gen);
+  }
+  // A context pool smaller than one request: it takes the request and never marks it ready.
+  Background ctx({"serve", "--role", "context", "--blocks", "16", "--slots", "16"});
+  const std::string address = startContext(ctx);
+  ASSERT_FALSE(address.empty());
+  {
+    Background gen({"serve", "--role", "generation", "--timeout", "60", "--tokens", "1000",
+                    "--peers", address});
+    ASSERT_FALSE(gen.waitFor(kRequests, kStart).empty()) << gen.output();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    expectStopped(gen);
+    EXPECT_NE(gen.output().find("cancelled by generation"), std::string::npos) << gen.output();
+  }
+  stopContext(ctx);
+}
+
+// Options the rank cannot run with are refused before it resolves its routing, listens,
+// connects or registers (some were refused only after listening or registering, --metrics-port
+// -5 not at all), each in one line naming the option.
+TEST(Serve, BadOptionsAreRefusedBeforeTheRankListensNamingTheOption) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--role", "context", "--metrics-port", "70000"}, "--metrics-port"},
+      {{"--role", "context", "--metrics-port", "-5"}, "--metrics-port"},
+      {{"--role", "context", "--metrics-host", "foo"}, "--metrics-host"},
+      {{"--role", "context", "--lease-ttl", "0", "--instance", "c", "--registry",
+        "etcd://127.0.0.1:9"},
+       "--lease-ttl"},
+      {{"--role", "context", "--tp", "0"}, "--tp"},
+      {{"--role", "context", "--advertise", "10.0.0.1"}, "pass --listen 0.0.0.0:PORT"},
+      {{"--role", "context", "--listen", "127.0.0.1:0", "--advertise", "10.0.0.1:5000"},
+       "--listen 127.0.0.1:0 is a loopback address"},
+      {{"--role", "generation"}, "--peers is empty"},
+      {{"--role", "generation", "--peers", ","}, "--peers is empty"},
+      {{"--role", "generation", "--peers", "shm:@x", "--peer-tp", "0"}, "--peer-tp"},
+      {{"--role", "generation", "--peers", "shm:@x", "--peer-pp", "2"},
+       "--peers gives 1 address, but --peer-tp 1 x --peer-pp 2 is 2 context ranks"},
+  };
+  for (const auto& [args, expected] : cases) {
+    std::vector<std::string> argv = {"serve"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    Background rank(argv);
+    const int rc = rank.wait(std::chrono::milliseconds(10000));
+    const std::string out = rank.output();
+    EXPECT_TRUE(rc == 1 || rc == 2) << expected << ": exit " << rc << "\n" << out;
+    EXPECT_EQ(out.rfind("hxfer: InvalidArgument: ", 0), 0u) << out;
+    EXPECT_EQ(out.find('\n'), out.size() - 1) << out;
+    EXPECT_NE(out.find(expected), std::string::npos) << out;
+  }
 }
 
 }  // namespace

@@ -37,6 +37,20 @@ TEST(CliVersion, VersionIsTheProjectsAndNamesTheWire) {
                        std::to_string(hxfer::wire::kWireVersionMinor) + ")\n");
 }
 
+// A command line CLI11 refuses while parsing reads as every other bad input: one line,
+// `hxfer: InvalidArgument: ...`, exit 2 (it printed CLI11's own text and exited 104-109).
+TEST(CliParse, ParseErrorsAreOneHxferLineWithExitCodeTwo) {
+  for (const char* args : {"models --nope", "serve", "describe --tp 0", "describe --tp x",
+                           "--log-level loud models", "nosuchcommand"}) {
+    CmdResult r = runHxfer(args, Stderr::kMerge);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.out;
+    EXPECT_EQ(r.out.rfind("hxfer: InvalidArgument: ", 0), 0u) << args << ": " << r.out;
+    EXPECT_EQ(r.out.find('\n'), r.out.size() - 1) << args << ": " << r.out;
+  }
+  EXPECT_NE(runHxfer("serve", Stderr::kMerge).out.find("--role is required"), std::string::npos);
+  EXPECT_EQ(runHxfer("models --help").exit_code, 0);
+}
+
 TEST(CliDescribe, TinyHybridAtTp2JsonHasHandComputedBytesPerRank) {
   Json j = describeJson("--model tiny-hybrid --tp 2");
   ASSERT_TRUE(j.contains("ranks"));

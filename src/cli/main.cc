@@ -2,9 +2,21 @@
 // registered here.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+#include <cstdio>
+#include <string>
+
 #include "cli/commands.h"
 #include "common/logging.h"
 #include "wire/codec.h"
+
+namespace {
+
+// The exit code of a command line CLI11 refuses (an unknown option, a value out of range, a
+// missing required one); a command's own errors exit 1.
+constexpr int kUsageError = 2;
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"hxfer: move hybrid-LLM cache state between disaggregated serving instances"};
@@ -18,7 +30,10 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error, off")
       ->default_val("warn");
   app.parse_complete_callback([&] {
-    if (!hxfer::setLogLevel(log_level)) throw CLI::ValidationError("--log-level", log_level);
+    if (!hxfer::setLogLevel(log_level)) {
+      throw CLI::ValidationError(
+          "--log-level", "'" + log_level + "' is not trace, debug, info, warn, error or off");
+    }
   });
   hxfer::cli::addDemoCommand(app);
   hxfer::cli::addConfigCommand(app);
@@ -30,6 +45,17 @@ int main(int argc, char** argv) {
   hxfer::cli::addInspectCommand(app);
   hxfer::cli::addBenchCommand(app);
   hxfer::cli::addBenchWorkloadsCommand(app);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version (exit code 0) and a command's own failure (RuntimeError, already
+    // reported by the command) as CLI11 has them; an option CLI11 refuses while parsing in
+    // hxfer's one-line form, with the usage error's exit code.
+    if (e.get_exit_code() == 0 || e.get_name() == "RuntimeError") return app.exit(e);
+    std::string message = e.what();
+    std::replace(message.begin(), message.end(), '\n', ' ');
+    std::fprintf(stderr, "hxfer: InvalidArgument: %s\n", message.c_str());
+    return kUsageError;
+  }
   return 0;
 }

@@ -23,6 +23,7 @@ struct MetadataOptions {
   uint32_t pp = 1;
   uint32_t rank = 0;  // global: tp_rank = rank % tp, pp_rank = rank / tp
   std::string layout = "paged";
+  bool layout_given = false;  // --layout on the command line: refused with another engine
   std::string engine = "hxfer", kv_layout, conv_layout, shared_tensors;
   uint32_t blocks = 16;
   uint32_t slots = 4;
@@ -49,14 +50,13 @@ Status run(const MetadataOptions& o) {
     return InvalidArgument("--rank " + std::to_string(o.rank) +
                            " >= tp*pp=" + std::to_string(pc.worldSize()));
   }
-  auto layout = parseEngineLayout(o.engine, o.kv_layout, o.conv_layout,
-                                  o.engine == "hxfer" ? o.layout : "", o.shared_tensors);
-  if (!layout.isOk()) return layout.status().withContext("--engine");
+  const EngineOptions engine{o.engine, o.kv_layout, o.conv_layout, o.shared_tensors};
+  ASSIGN_OR_RETURN(EngineLayout layout, resolveEngineLayout(engine, "", o.layout, o.layout_given));
   auto role = wire::parseInstanceRole(o.role);
   if (!role.isOk()) return role.status().withContext("--role");
 
   ASSIGN_OR_RETURN(auto cache,
-                   HybridCacheManager::create(model, pc, o.rank % o.tp, o.rank / o.tp, *layout,
+                   HybridCacheManager::create(model, pc, o.rank % o.tp, o.rank / o.tp, layout,
                                               Capacity::counts(o.blocks, o.slots)));
   wire::Hello hello;
   wire::RankInfo& info = hello.rank_info;
@@ -84,12 +84,18 @@ void addMetadataCommand(CLI::App& app) {
       "metadata", "Build one rank's cache and write the RankInfo it publishes (a Hello frame)");
   auto o = std::make_shared<MetadataOptions>();
   addModelOptions(cmd, &o->model);
-  cmd->add_option("--tp", o->tp, "Tensor-parallel size")->default_val(1);
-  cmd->add_option("--pp", o->pp, "Pipeline-parallel size (even split of layers)")->default_val(1);
+  cmd->add_option("--tp", o->tp, "Tensor-parallel size")
+      ->default_val(1)
+      ->check(CLI::Range(1u, 1024u));
+  cmd->add_option("--pp", o->pp, "Pipeline-parallel size (even split of layers)")
+      ->default_val(1)
+      ->check(CLI::Range(1u, 1024u));
   cmd->add_option("--rank", o->rank, "Global rank: tp_rank = R % tp, pp_rank = R / tp")
       ->default_val(0);
-  cmd->add_option("--layout", o->layout, "State layout: paged or layer-major")
-      ->default_val("paged");
+  auto* layout = cmd->add_option("--layout", o->layout,
+                                 "State layout of --engine hxfer (refused with another engine): "
+                                 "paged or layer-major")
+                     ->default_val("paged");
   cmd->add_option("--engine", o->engine,
                   "Engine layout of the pools: hxfer, trtllm-v1, trtllm-v2, vllm, vllm-0.25, "
                   "sglang (docs/layouts.md)")
@@ -99,8 +105,9 @@ void addMetadataCommand(CLI::App& app) {
                   "and V side by side per token and head), cpu or cpu-amx (vllm)");
   cmd->add_option("--conv-layout", o->conv_layout, "Conv state order: sd or ds (vllm)");
   cmd->add_option("--shared-tensors", o->shared_tensors,
-                  "vllm: on for the hybrid manager's shared per-group tensors (one id pool: "
-                  "--slots is ignored), off (default) for one tensor per layer");
+                  "vllm: on for the hybrid manager's shared per-group tensors (one id pool "
+                  "of --blocks + --slots x state groups pages, the states pages of it), off "
+                  "(default) for one tensor per layer");
   cmd->add_option("--blocks", o->blocks, "KV blocks to allocate")->default_val(16);
   cmd->add_option("--slots", o->slots, "Recurrent-state slots to allocate")->default_val(4);
   cmd->add_option("--role", o->role, "Instance role: context or generation")
@@ -108,7 +115,8 @@ void addMetadataCommand(CLI::App& app) {
   cmd->add_option("--instance-id", o->instance_id, "Instance id (default: <role>-<model>)");
   cmd->add_option("--address", o->address, "Transport address to publish");
   cmd->add_option("--out", o->out, "File to write")->required();
-  cmd->callback([o] {
+  cmd->callback([o, layout] {
+    o->layout_given = layout->count() > 0;
     Status s = run(*o);
     if (!s.isOk()) throw CLI::RuntimeError(reportError(s));
   });

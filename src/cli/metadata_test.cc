@@ -187,6 +187,25 @@ TEST(CliMetadata, EngineLayoutRecordsTravelAndInspectShowsThem) {
   std::remove(f.c_str());
 }
 
+// --layout is hxfer's: with another engine it is refused naming it (it was silently ignored),
+// and a layout metadata does not take names --layout (it named --engine).
+TEST(CliMetadata, LayoutWithAnotherEngineIsRefusedAndLayoutErrorsNameLayout) {
+  const std::string f = tempFile("layout.bin");
+  CmdResult r = runHxfer("metadata --engine vllm --layout layer-major --out " + f, Stderr::kMerge);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("hxfer: InvalidArgument: --layout layer-major applies to --engine hxfer "
+                       "only; --engine vllm keeps its own state layout"),
+            std::string::npos)
+      << r.out;
+  r = runHxfer("metadata --layout auto --out " + f, Stderr::kMerge);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("hxfer: InvalidArgument: --layout: unknown state layout 'auto'"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(runHxfer("metadata --engine vllm --out " + f).exit_code, 0);
+  std::remove(f.c_str());
+}
+
 TEST(CliMetadata, HumanInspectListsRegionsAndViews) {
   const std::string f = tempFile("human.bin");
   ASSERT_EQ(runHxfer("metadata --model tiny-hybrid --out " + f).exit_code, 0);

@@ -78,14 +78,30 @@ ModelSpec sideModel(const ModelSpec& model, const EngineOptions& options) {
 }
 
 StatusOr<EngineLayout> resolveEngineLayout(const EngineOptions& o, std::string_view side,
-                                           std::string_view hxfer_state) {
-  auto layout =
-      parseEngineLayout(o.engine, o.kv, o.conv, o.engine == "hxfer" ? hxfer_state : "", o.shared);
-  if (!layout.isOk()) {
-    return layout.status().withContext(side.empty() ? std::string("--engine")
-                                                    : "--" + std::string(side) + "-engine");
+                                           std::string_view hxfer_state, bool state_given) {
+  const std::string prefix = side.empty() ? "--" : "--" + std::string(side) + "-";
+  const bool hxfer = o.engine == "hxfer";
+  if (hxfer) {
+    if (auto s = parseStateLayout(hxfer_state); !s.isOk()) {
+      return s.status().withContext(prefix + "layout");
+    }
+  }
+  auto layout = parseEngineLayout(o.engine, o.kv, o.conv, hxfer ? hxfer_state : "", o.shared);
+  if (!layout.isOk()) return layout.status().withContext(prefix + "engine");
+  if (state_given && !hxfer) {
+    return InvalidArgument(prefix + "layout " + std::string(hxfer_state) + " applies to " + prefix +
+                           "engine hxfer only; " + prefix + "engine " + o.engine +
+                           " keeps its own state layout");
   }
   return layout;
+}
+
+StatusOr<std::optional<StateLayout>> parseStateLayoutOption(std::string_view flag,
+                                                            std::string_view value) {
+  if (value == "auto") return std::optional<StateLayout>();
+  if (auto l = parseStateLayout(value); l.isOk()) return std::optional<StateLayout>(*l);
+  return InvalidArgument(std::string(flag) + ": unknown state layout '" + std::string(value) +
+                         "' (expected auto, paged or layer-major)");
 }
 
 }  // namespace hxfer::cli

@@ -5,9 +5,11 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "cache/engine_layout.h"
+#include "cache/layout.h"
 #include "common/status.h"
 #include "model/model.h"
 
@@ -41,9 +43,15 @@ ModelSpec sideModel(const ModelSpec& model, const EngineOptions& options);
 void addEngineOptions(CLI::App* cmd, EngineOptions* options, std::string_view side);
 
 // The side's layout; `hxfer_state` is the state layout when the engine is hxfer (other engines
-// have their own). Errors name --<side>-engine and the value.
+// have their own). `state_given`: the user gave the state layout option (--<side>-layout, or
+// --layout when `side` is empty), which an engine other than hxfer refuses. Errors name the
+// option at fault (--<side>-layout or --<side>-engine) and the value.
 StatusOr<EngineLayout> resolveEngineLayout(const EngineOptions& options, std::string_view side,
-                                           std::string_view hxfer_state);
+                                           std::string_view hxfer_state, bool state_given = false);
+
+// A state layout request: "auto" (nullopt), "paged" or "layer-major". Errors name `flag`.
+StatusOr<std::optional<StateLayout>> parseStateLayoutOption(std::string_view flag,
+                                                            std::string_view value);
 
 // Prints "hxfer: <status>" to stderr and returns exit code 1 (for subcommand callbacks).
 int reportError(const Status& status);

@@ -18,6 +18,7 @@ struct PlanOptions {
   ModelOptions model;
   uint32_t ctx_tp = 1, gen_tp = 1, ctx_pp = 1, gen_pp = 1;
   std::string ctx_layout = "paged", gen_layout = "paged";
+  bool ctx_layout_given = false, gen_layout_given = false;  // on the command line
   EngineOptions ctx_engine, gen_engine;
   uint32_t tokens = 1024;
   uint32_t prefix_tokens = 0;
@@ -37,9 +38,9 @@ int run(const PlanOptions& o) {
   auto model = resolveModel(o.model);
   if (!model.isOk()) return reportError(model.status());
   // --ctx-layout / --gen-layout choose hxfer's own state layout; other engines have one.
-  auto ctx_layout = resolveEngineLayout(o.ctx_engine, "ctx", o.ctx_layout);
+  auto ctx_layout = resolveEngineLayout(o.ctx_engine, "ctx", o.ctx_layout, o.ctx_layout_given);
   if (!ctx_layout.isOk()) return reportError(ctx_layout.status());
-  auto gen_layout = resolveEngineLayout(o.gen_engine, "gen", o.gen_layout);
+  auto gen_layout = resolveEngineLayout(o.gen_engine, "gen", o.gen_layout, o.gen_layout_given);
   if (!gen_layout.isOk()) return reportError(gen_layout.status());
 
   LocalTransferOptions t;
@@ -154,12 +155,16 @@ void addPlanCommand(CLI::App& app) {
   cmd->add_option("--gen-pp", o->gen_pp, "Generation pipeline parallel size")
       ->default_val(1)
       ->check(CLI::Range(1u, 1024u));
-  cmd->add_option("--ctx-layout", o->ctx_layout,
-                  "Context state layout of --ctx-engine hxfer: paged or layer-major")
-      ->default_val("paged");
-  cmd->add_option("--gen-layout", o->gen_layout,
-                  "Generation state layout of --gen-engine hxfer: paged or layer-major")
-      ->default_val("paged");
+  auto* ctx_layout =
+      cmd->add_option("--ctx-layout", o->ctx_layout,
+                      "Context state layout of --ctx-engine hxfer (refused with another "
+                      "engine): paged or layer-major")
+          ->default_val("paged");
+  auto* gen_layout =
+      cmd->add_option("--gen-layout", o->gen_layout,
+                      "Generation state layout of --gen-engine hxfer (refused with another "
+                      "engine): paged or layer-major")
+          ->default_val("paged");
   addEngineOptions(cmd, &o->ctx_engine, "ctx");
   addEngineOptions(cmd, &o->gen_engine, "gen");
   cmd->add_option("--tokens", o->tokens, "Request length in tokens")
@@ -176,7 +181,9 @@ void addPlanCommand(CLI::App& app) {
   cmd->add_flag("--verify", o->verify,
                 "Allocate every rank's pools, run the plan with memcpy and check every byte");
   cmd->add_flag("--json", o->json, "Machine-readable output");
-  cmd->callback([o] {
+  cmd->callback([o, ctx_layout, gen_layout] {
+    o->ctx_layout_given = ctx_layout->count() > 0;
+    o->gen_layout_given = gen_layout->count() > 0;
     const int rc = run(*o);
     if (rc != 0) throw CLI::RuntimeError(rc);
   });

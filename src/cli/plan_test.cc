@@ -9,6 +9,7 @@
 namespace hxfer::cli {
 namespace {
 
+using testing::CmdResult;
 using testing::runHxfer;
 using testing::Stderr;
 
@@ -72,6 +73,28 @@ TEST(CliPlan, ElementOrderMismatchIsStagedAndUnknownEngineIsRefusedNamingTheFiel
   r = runHxfer("plan --gen-engine sglang --gen-kv-layout nhd", Stderr::kMerge);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.out.find("only vllm, vllm-0.25 and trtllm-v2"), std::string::npos) << r.out;
+}
+
+// A state layout is hxfer's: given with another engine it is refused naming it (it was
+// silently ignored), and an unknown one names --ctx-layout (it named --ctx-engine).
+TEST(CliPlan, LayoutWithAnotherEngineIsRefusedAndLayoutErrorsNameTheLayoutOption) {
+  CmdResult r = runHxfer("plan --ctx-engine sglang --ctx-layout layer-major", Stderr::kMerge);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("hxfer: InvalidArgument: --ctx-layout layer-major applies to --ctx-engine "
+                       "hxfer only; --ctx-engine sglang keeps its own state layout"),
+            std::string::npos)
+      << r.out;
+  r = runHxfer("plan --gen-engine vllm --gen-layout paged", Stderr::kMerge);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("--gen-layout paged applies to --gen-engine hxfer only"), std::string::npos)
+      << r.out;
+  r = runHxfer("plan --ctx-layout foo", Stderr::kMerge);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.out.find("hxfer: InvalidArgument: --ctx-layout: unknown state layout 'foo'"),
+            std::string::npos)
+      << r.out;
+  // The default layout does not count as given.
+  EXPECT_EQ(runHxfer("plan --ctx-engine sglang --gen-engine vllm").exit_code, 0);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -39,6 +40,10 @@ namespace {
 
 std::atomic<bool> g_stop{false};
 void onSignal(int) { g_stop = true; }
+
+// How long a wait (connecting, a request) runs before it looks at g_stop again: a signal stops
+// the rank within about this.
+constexpr auto kStopPoll = std::chrono::milliseconds(200);
 
 struct ServeOptions {
   ModelOptions model;
@@ -74,9 +79,6 @@ std::string promLabels(const char* role, const std::string& instance, uint32_t r
 StatusOr<std::unique_ptr<MetricsServer>> startMetrics(const ServeOptions& o,
                                                       std::function<std::string()> render) {
   if (o.metrics_port < 0) return std::unique_ptr<MetricsServer>();
-  if (o.metrics_port > 65535) {
-    return InvalidArgument("--metrics-port " + std::to_string(o.metrics_port) + " is not a port");
-  }
   auto server = MetricsServer::start(o.metrics_host, static_cast<uint16_t>(o.metrics_port),
                                      std::move(render));
   if (!server.isOk()) return server.status().withContext("--metrics-port");
@@ -139,6 +141,47 @@ StatusOr<ServeRouting> serveRouting(const ServeOptions& o, bool context,
   return ServeRouting{*e.routing, why};
 }
 
+// What the options alone refuse, before anything listens, connects or registers (the ranges
+// of the numbers are CLI11's checks).
+Status checkOptions(const ServeOptions& o) {
+  const bool context = o.role == "context";
+  if (!context && o.role != "generation") {
+    return InvalidArgument("--role '" + o.role + "' is not context or generation");
+  }
+  // A rank without --listen, or with a loopback one, is reachable from this host only (ucx
+  // then binds 127.0.0.1): an address it advertises to other hosts would reach nothing.
+  if (context && !o.advertise.empty() && o.backend != "shm") {
+    const std::string adv_host = parseAdvertise(o.advertise).host;
+    const bool loopback_listener =
+        o.listen.empty() || (engine::addressBackend(o.listen) == engine::BackendKind::kUcx &&
+                             engine::isLoopbackHost(engine::addressHost(o.listen)));
+    if (loopback_listener && !adv_host.empty() && !engine::isLoopbackHost(adv_host) &&
+        !engine::isWildcardHost(adv_host)) {
+      return InvalidArgument(
+          "--advertise " + o.advertise + " is for peers on other hosts, but " +
+          (o.listen.empty() ? std::string("without --listen the rank listens on loopback")
+                            : "--listen " + o.listen + " is a loopback address") +
+          ": pass --listen 0.0.0.0:PORT (or the address of the interface they reach)");
+    }
+  }
+  if (!context && o.ctx_instance.empty()) {
+    const size_t peers = splitList(o.peers).size();
+    if (peers == 0) {
+      return InvalidArgument(
+          "--peers is empty: a generation rank connects to the context ranks it names (or "
+          "finds them with --ctx-instance in --registry)");
+    }
+    if (peers != static_cast<size_t>(o.peer_tp) * o.peer_pp) {
+      return InvalidArgument("--peers gives " + std::to_string(peers) +
+                             (peers == 1 ? " address" : " addresses") + ", but --peer-tp " +
+                             std::to_string(o.peer_tp) + " x --peer-pp " +
+                             std::to_string(o.peer_pp) + " is " +
+                             std::to_string(o.peer_tp * o.peer_pp) + " context ranks");
+    }
+  }
+  return OkStatus();
+}
+
 // The address peers use: the agent's, with --advertise's host (and port) in it. Refuses what
 // peers on other hosts could not reach.
 StatusOr<std::string> advertisedAddress(const ServeOptions& o, const std::string& local) {
@@ -177,11 +220,11 @@ StatusOr<std::vector<engine::RankRecord>> discover(engine::EtcdClient& registry,
   while (true) {
     auto f = engine::findInstance(registry, instance, "context");
     if (f.isOk() || f.status().code() == StatusCode::kCorruption ||
-        f.status().code() == StatusCode::kIncompatible || engine::Clock::now() > deadline ||
-        g_stop) {
+        f.status().code() == StatusCode::kIncompatible || engine::Clock::now() > deadline) {
       return f;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (g_stop) return Cancelled("stopped by a signal while looking for instance " + instance);
+    std::this_thread::sleep_for(kStopPoll);
   }
 }
 
@@ -200,10 +243,30 @@ std::string changedRanks(const std::vector<engine::RankRecord>& was,
   return out;
 }
 
+// Waits for request `id` in slices of kStopPoll. After a signal, or past `deadline`, the request
+// is cancelled, and its result is then the failure that says so.
+StatusOr<engine::RequestResult> waitOrStop(engine::GenerationReceiver& rx, uint64_t id,
+                                           engine::Clock::time_point deadline) {
+  while (true) {
+    ASSIGN_OR_RETURN(engine::RequestResult r,
+                     rx.wait(id, std::min(deadline, engine::Clock::now() + kStopPoll)));
+    if (r.terminal()) return r;
+    if (g_stop || engine::Clock::now() >= deadline) {
+      RETURN_IF_ERROR(rx.cancel(id));
+      return rx.poll(id);
+    }
+  }
+}
+
 int runServe(const ServeOptions& o) {
   // Line by line, even into a pipe: what a rank says (found, reconnecting, request N failed)
   // is read as it happens by whoever supervises it.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  if (Status s = checkOptions(o); !s.isOk()) return reportError(s);
+  // From here a signal stops the rank at the next point it looks (kStopPoll at most while it
+  // waits), which then reports as it does at its end.
+  ::signal(SIGINT, onSignal);
+  ::signal(SIGTERM, onSignal);
   auto model = resolveModel(o.model);
   if (!model.isOk()) return reportError(model.status());
   ParallelConfig pc{o.tp, o.pp, {}};
@@ -213,9 +276,6 @@ int runServe(const ServeOptions& o) {
                                        " >= tp*pp=" + std::to_string(pc.worldSize())));
   }
   const bool context = o.role == "context";
-  if (!context && o.role != "generation") {
-    return reportError(InvalidArgument("--role '" + o.role + "' is not context or generation"));
-  }
   if (context && o.instance.empty() && !o.registry.empty()) {
     return reportError(InvalidArgument(
         "--instance is empty: a context rank registers under its instance's name (the "
@@ -226,8 +286,8 @@ int runServe(const ServeOptions& o) {
   if (!instance.isOk()) return reportError(instance.status());
   auto backend = engine::parseBackendRequest(o.backend);
   if (!backend.isOk()) return reportError(backend.status().withContext("--backend"));
-  auto layout = engine::parseStateLayoutRequest(o.layout);
-  if (!layout.isOk()) return reportError(layout.status().withContext("--layout"));
+  auto layout = parseStateLayoutOption("--layout", o.layout);
+  if (!layout.isOk()) return reportError(layout.status());
   // A generation rank's peers: --peers, or the context instance registered in --registry.
   std::shared_ptr<engine::EtcdClient> registry;
   if (!o.registry.empty()) {
@@ -284,8 +344,6 @@ int runServe(const ServeOptions& o) {
   if (!agent.isOk()) return reportError(agent.status());
   HybridCacheManager& pool = **cache;
   const RankMemory mem = engine::cacheMemory(pool);
-  ::signal(SIGINT, onSignal);
-  ::signal(SIGTERM, onSignal);
 
   if (context) {
     engine::ContextSender::Options so;
@@ -377,7 +435,8 @@ int runServe(const ServeOptions& o) {
   ro.pp_rank = pp_rank;
   ro.checksum = o.checksum;
   ro.request_timeout = std::chrono::seconds(o.timeout_s);
-  // A receiver towards `addresses`; the first one takes the agent made above.
+  // A receiver towards `addresses`; the first one takes the agent made above. After a signal
+  // it is returned unconnected: the request loop then ends at once.
   std::unique_ptr<transport::Agent> first_agent = std::move(*agent);
   auto connect = [&](const std::vector<std::string>& addresses)
       -> StatusOr<std::unique_ptr<engine::GenerationReceiver>> {
@@ -388,8 +447,12 @@ int runServe(const ServeOptions& o) {
     ro.ctx_parallel = ParallelConfig{peer_tp, peer_pp, {}};
     ro.ctx_addresses = addresses;
     ASSIGN_OR_RETURN(auto rx, engine::GenerationReceiver::create(ro, &pool, std::move(a)));
-    RETURN_IF_ERROR(rx->waitForPeers(engine::Clock::now() + std::chrono::seconds(o.timeout_s)));
-    return rx;
+    const auto deadline = engine::Clock::now() + std::chrono::seconds(o.timeout_s);
+    while (true) {
+      Status s = rx->waitForPeers(std::min(deadline, engine::Clock::now() + kStopPoll));
+      if (s.isOk() || g_stop) return rx;
+      if (s.code() != StatusCode::kTimeout || engine::Clock::now() >= deadline) return s;
+    }
   };
   auto rx = connect(peers);
   if (!rx.isOk()) return reportError(rx.status());
@@ -474,7 +537,7 @@ int runServe(const ServeOptions& o) {
   // Request ids are one space on the context side: every rank of this instance numbers from
   // the same base (its name's hash), another instance from another.
   const uint64_t first_id = (XXH3_64bits(instance->data(), instance->size()) & 0xffffffffull) << 20;
-  std::printf("request ids from %llu\n", static_cast<unsigned long long>(first_id));
+  if (!g_stop) std::printf("request ids from %llu\n", static_cast<unsigned long long>(first_id));
   for (uint64_t id = first_id; id < first_id + o.requests && !g_stop; ++id) {
     if (!found.empty() && engine::Clock::now() - last_check > std::chrono::seconds(1)) {
       last_check = engine::Clock::now();
@@ -487,7 +550,7 @@ int runServe(const ServeOptions& o) {
       std::printf("request %llu: %s\n", static_cast<unsigned long long>(id),
                   a.status().toString().c_str());
     } else {
-      auto res = (*rx)->wait(id, engine::Clock::now() + std::chrono::seconds(o.timeout_s + 5));
+      auto res = waitOrStop(**rx, id, engine::Clock::now() + std::chrono::seconds(o.timeout_s + 5));
       if (!res.isOk()) return reportError(res.status());
       if (res->status.isOk()) {
         bytes += res->bytes;
@@ -518,6 +581,7 @@ int runServe(const ServeOptions& o) {
   }
   metrics->reset();
   (*rx)->shutdown();
+  if (g_stop) std::printf("stopped by a signal\n");
   const uint64_t leaked = pool.counters().pagesHeld();
   std::sort(latencies_us.begin(), latencies_us.end());
   const double p50 = latencies_us.empty() ? 0 : latencies_us[latencies_us.size() / 2];
@@ -540,8 +604,12 @@ void addServeCommand(CLI::App& app) {
   auto o = std::make_shared<ServeOptions>();
   addModelOptions(cmd, &o->model);
   cmd->add_option("--role", o->role, "context or generation")->required();
-  cmd->add_option("--tp", o->tp, "Tensor parallel size of this instance")->default_val(1);
-  cmd->add_option("--pp", o->pp, "Pipeline parallel size of this instance")->default_val(1);
+  cmd->add_option("--tp", o->tp, "Tensor parallel size of this instance")
+      ->default_val(1)
+      ->check(CLI::Range(1u, 1024u));
+  cmd->add_option("--pp", o->pp, "Pipeline parallel size of this instance")
+      ->default_val(1)
+      ->check(CLI::Range(1u, 1024u));
   cmd->add_option("--rank", o->rank, "Global rank in this instance (pp_rank * tp + tp_rank)")
       ->default_val(0);
   cmd->add_option("--listen", o->listen,
@@ -550,7 +618,8 @@ void addServeCommand(CLI::App& app) {
   cmd->add_option("--advertise", o->advertise,
                   "Context: the address peers connect to, HOST or HOST:PORT, when it differs "
                   "from --listen (NAT, every interface); never a loopback one while --listen "
-                  "serves other hosts");
+                  "serves other hosts, nor another host's while it serves this one only "
+                  "(no --listen, or a loopback one)");
   cmd->add_option("--peers", o->peers,
                   "Generation: context rank addresses, comma-separated, in global rank order");
   cmd->add_option("--registry", o->registry,
@@ -565,9 +634,14 @@ void addServeCommand(CLI::App& app) {
                   "of --peers) and reconnect when one restarts");
   cmd->add_option("--lease-ttl", o->lease_ttl_s,
                   "Context: seconds a registration outlives its rank (kept alive every third)")
-      ->default_val(5);
-  cmd->add_option("--peer-tp", o->peer_tp, "Generation: the context instance's tp")->default_val(1);
-  cmd->add_option("--peer-pp", o->peer_pp, "Generation: the context instance's pp")->default_val(1);
+      ->default_val(5)
+      ->check(CLI::Range(2u, std::numeric_limits<uint32_t>::max()));
+  cmd->add_option("--peer-tp", o->peer_tp, "Generation: the context instance's tp")
+      ->default_val(1)
+      ->check(CLI::Range(1u, 1024u));
+  cmd->add_option("--peer-pp", o->peer_pp, "Generation: the context instance's pp")
+      ->default_val(1)
+      ->check(CLI::Range(1u, 1024u));
   cmd->add_option("--backend", o->backend,
                   "auto, shm or ucx; auto: ucx when peers may be on other hosts (a non-loopback "
                   "--listen/--advertise, or --peers on another host), else shm")
@@ -595,10 +669,12 @@ void addServeCommand(CLI::App& app) {
   cmd->add_option("--shared-tensors", o->engine.shared,
                   "With --engine vllm: on for the hybrid manager's shared per-group tensors");
   cmd->add_option("--metrics-port", o->metrics_port,
-                  "Serve Prometheus metrics on this port (0: any, printed), GET /metrics");
+                  "Serve Prometheus metrics on this port (0: any, printed), GET /metrics")
+      ->check(CLI::Range(0, 65535));
   cmd->add_option("--metrics-host", o->metrics_host,
                   "Address the metrics endpoint listens on (IPv4)")
-      ->default_val("0.0.0.0");
+      ->default_val("0.0.0.0")
+      ->check(CLI::ValidIPV4);
   cmd->callback([o] {
     const int rc = runServe(*o);
     if (rc != 0) throw CLI::RuntimeError(rc);
