@@ -61,6 +61,11 @@ constexpr uint64_t kInlineWriteBytes = 256ull << 10;
 // A caller serving the worker (UcxAgent::serveWorkerLocked) progresses it at most this many
 // times before handing it back to the progress thread.
 constexpr unsigned kServeProgressCalls = 64;
+// While a write is being sent or received, the progress thread keeps progressing the worker
+// (yielding the CPU between calls) instead of sleeping on its event fd, as long as the worker
+// made progress within this window: each arrival then finds it awake. A transfer whose peer
+// stalls lets it sleep again after the window.
+constexpr auto kBusyPollWindow = std::chrono::microseconds(2000);
 // A refused connection gets this long to read the reason before we close it.
 constexpr auto kRefusedGrace = std::chrono::milliseconds(250);
 constexpr size_t kMaxReasonBytes = 1024;
@@ -565,6 +570,8 @@ class UcxAgent final : public Agent {
   }
 
   void progressLoop();
+  // A write of ours not yet acknowledged, or one of a peer's being received (progress thread).
+  bool writesInFlight() const;
   void drainLostPeers(bool force);
   void teardown();
   std::shared_ptr<UcxPeer> addPeer(ucp_ep_h ep, bool incoming);
@@ -897,6 +904,7 @@ Status UcxAgent::init() {
 void UcxAgent::progressLoop() {
   DrivingScope driving(this);
   std::unique_lock<std::mutex> worker(worker_mu_);
+  Clock::time_point last_progress{};
   while (!stopping_) {
     std::deque<std::function<void()>> cmds;
     {
@@ -910,10 +918,19 @@ void UcxAgent::progressLoop() {
     if (!pending_auth_.empty()) expireHandshakes();
     dropStalledSenders();
     if (stopping_) break;
-    if (progressed != 0 || !cmds.empty()) continue;
+    if (progressed != 0 || !cmds.empty()) {
+      last_progress = Clock::now();
+      continue;
+    }
     {
       std::lock_guard<std::mutex> lock(cmd_mu_);
       if (!commands_.empty()) continue;
+    }
+    if (Clock::now() - last_progress < kBusyPollWindow && writesInFlight()) {
+      worker.unlock();
+      std::this_thread::yield();
+      worker.lock();
+      continue;
     }
     ucs_status_t st = ucp_worker_arm(worker_);
     if (st == UCS_ERR_BUSY) continue;
@@ -925,6 +942,13 @@ void UcxAgent::progressLoop() {
     }
     worker.lock();
   }
+}
+
+bool UcxAgent::writesInFlight() const {
+  for (const auto& [ep, p] : ep_peers_) {
+    if (!p->out.empty() || !p->in.empty()) return true;
+  }
+  return false;
 }
 
 void UcxAgent::drainLostPeers(bool force) {
