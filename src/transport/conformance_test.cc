@@ -315,6 +315,27 @@ TEST_P(Conformance, RemoteRegionDeclaredLongerThanThePeerRegisteredIsRefused) {
   EXPECT_TRUE(writer_->addRemoteRegion(to_receiver_, k.id, 4096, k.key).isOk());
 }
 
+// Writes are checked against the length the writer declared, not the (longer) one the peer
+// registered: "inside the remote region as declared" (transport.h).
+TEST_P(Conformance, WritesPastTheDeclaredLengthAreRefusedThoughThePeerRegisteredMore) {
+  connectPair();
+  src_ = makeRegion(1, 4096);
+  fillPattern(*src_, 5);
+  ASSERT_TRUE(writer_->registerRegion(*src_, RegionAccess::kLocalSource).isOk());
+  dst_ = makeRegion(7, 4096);
+  std::memset(dst_->data(), 0, dst_->length());
+  shareRegion(*dst_, /*declared_length=*/1024);
+  auto past = writer_->postWrite(to_receiver_, {{1, 0, 7, 1024, 10}});
+  EXPECT_EQ(past.status().code(), StatusCode::kInvalidArgument) << past.status().toString();
+  auto across = writer_->postWrite(to_receiver_, {{1, 0, 7, 1020, 8}});
+  EXPECT_EQ(across.status().code(), StatusCode::kInvalidArgument) << across.status().toString();
+  auto inside = writer_->postWrite(to_receiver_, {{1, 0, 7, 1014, 10}});
+  ASSERT_TRUE(inside.isOk()) << inside.status().toString();
+  ASSERT_TRUE(inside->wait(Clock::now() + kDeadline).isOk()) << inside->status().toString();
+  EXPECT_EQ(std::memcmp(dst_->data() + 1014, src_->data(), 10), 0);
+  for (uint64_t i = 1024; i < 4096; ++i) ASSERT_EQ(dst_->data()[i], 0) << "byte " << i;
+}
+
 TEST_P(Conformance, RegistrationsAreReleasedAndIdsReusable) {
   connectPair();
   auto r = makeRegion(3, 4096);

@@ -31,7 +31,7 @@ struct InprocPeer {
   PeerId remote_id = 0;  // our id in the remote's table
   std::atomic<bool> lost{false};
   std::atomic<bool> granted{false};  // may declare our regions (Agent::grantWrites)
-  std::map<uint32_t, std::shared_ptr<RegionGuard>> remote_regions;  // guarded by state mu
+  std::map<uint32_t, detail::DeclaredRegion> remote_regions;  // guarded by state mu
 };
 
 // The part of an agent its peers can reach (through the registry or a peer's weak pointer).
@@ -231,7 +231,7 @@ class InprocAgent final : public Agent {
                              " exceeds the peer's registered length=" + std::to_string(g->length));
     }
     std::lock_guard<std::mutex> lock(state_->mu);
-    p->remote_regions[region_id] = g;
+    p->remote_regions[region_id] = detail::DeclaredRegion{g, length};
     return OkStatus();
   }
 
@@ -249,8 +249,8 @@ class InprocAgent final : public Agent {
         ASSIGN_OR_RETURN(auto regions,
                          detail::findOpRegions(i, op, peer, state_->regions, p->remote_regions));
         const auto& [local, remote] = regions;
-        RETURN_IF_ERROR(detail::validateOp(i, op, (*local)->length, (*remote)->length));
-        job.add((*local)->base + op.local_offset, *remote, op.remote_offset, op.bytes);
+        RETURN_IF_ERROR(detail::validateOp(i, op, (*local)->length, remote->length));
+        job.add((*local)->base + op.local_offset, remote->guard, op.remote_offset, op.bytes);
         total += op.bytes;
       }
     }

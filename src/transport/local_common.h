@@ -128,6 +128,13 @@ struct RegionGuard {
   }
 };
 
+// A peer's region as this agent declared it (addRemoteRegion): its guard, and the length
+// declared, which writes are checked against (at most the guard's, the registered length).
+struct DeclaredRegion {
+  std::shared_ptr<RegionGuard> guard;
+  uint64_t length = 0;
+};
+
 // Checks one op against the local and remote lengths; the message names the op and field.
 Status validateOp(size_t index, const WriteOp& op, uint64_t local_length, uint64_t remote_length);
 
@@ -172,11 +179,11 @@ struct CopyJob {
     if (guards.empty() || guards.back() != dst) guards.push_back(dst);
     segments.push_back(CopySegment{src, dst.get(), dst_offset, bytes});
   }
-  // Called before every segment and after the last one: a non-ok status (e.g. Unavailable when
-  // the peer was lost) stops the copy and finishes the transfer with it. Only whoever runs the
-  // job (the worker, a waiter, or its submitter for a small job) finishes a job's transfer, so a
-  // terminal transfer never has a copy running: once a caller
-  // sees kDone / kFailed / kCancelled, neither its source nor its destination is touched again.
+  // Called before every stretch of segments (local_common.cc) and after the last one: a non-ok
+  // status (e.g. Unavailable when the peer was lost) stops the copy and finishes the transfer with
+  // it. Only whoever runs the job (the worker, a waiter, or its submitter for a small job) finishes
+  // a job's transfer, so a terminal transfer never has a copy running: once a caller sees kDone /
+  // kFailed / kCancelled, neither its source nor its destination is touched again.
   std::function<Status()> check;
   // Set for device memory (the cuda backend): runs the whole job's segments as device work and
   // returns once the device finished them (its event), instead of the worker's memcpy. The

@@ -144,7 +144,7 @@ struct ShmPeer {
   bool granted = false;            // our exported regions' fds go to it (grantWrites)
   std::vector<Transfer> outgoing;  // our transfers to it, pruned once terminal
   std::map<uint32_t, std::shared_ptr<RegionGuard>> imported;
-  std::map<uint32_t, std::shared_ptr<RegionGuard>> declared;
+  std::map<uint32_t, detail::DeclaredRegion> declared;
 };
 
 struct LocalRegion {
@@ -267,7 +267,7 @@ class ShmAgent final : public Agent {
       peers_.clear();
       fd_peers_.clear();
     }
-    // Our copies stop at their next segment; close no socket while one still writes into a
+    // Our copies stop at their next stretch; close no socket while one still writes into a
     // peer (its end closing is what tells the peer that nothing of ours can land any more).
     for (auto& p : peers) p->lost = true;
     const auto deadline = Clock::now() + std::chrono::seconds(30);
@@ -504,7 +504,7 @@ class ShmAgent final : public Agent {
           "remote region id=" + std::to_string(region_id) + " length=" + std::to_string(length) +
           " exceeds the peer's registered length=" + std::to_string(it->second->length));
     }
-    p->declared[region_id] = it->second;
+    p->declared[region_id] = detail::DeclaredRegion{it->second, length};
     return OkStatus();
   }
 
@@ -535,8 +535,8 @@ class ShmAgent final : public Agent {
         const WriteOp& op = ops[i];
         ASSIGN_OR_RETURN(auto regions, detail::findOpRegions(i, op, peer, regions_, p->declared));
         const auto& [local, remote] = regions;
-        RETURN_IF_ERROR(detail::validateOp(i, op, local->region->length(), (*remote)->length));
-        job.add(local->region->data() + op.local_offset, *remote, op.remote_offset, op.bytes);
+        RETURN_IF_ERROR(detail::validateOp(i, op, local->region->length(), remote->length));
+        job.add(local->region->data() + op.local_offset, remote->guard, op.remote_offset, op.bytes);
         if (lane_) devices.push_back(local->device);
         total += op.bytes;
       }
@@ -818,7 +818,7 @@ class ShmAgent final : public Agent {
 
   static bool terminal(const Transfer& t) { return t.poll() != TransferState::kInProgress; }
 
-  // Fails everything pending for the peer (our copies stop at their next segment) and forgets
+  // Fails everything pending for the peer (our copies stop at their next stretch) and forgets
   // its regions. The progress thread then ends the connection (finishClosing): kPeerLost is
   // queued at once for a peer that could not write into our memory, and only after the peer
   // closed its end for one we exported regions to, so that when the user sees kPeerLost no

@@ -251,7 +251,11 @@ class Agent {
   virtual StatusOr<std::vector<uint8_t>> registerRegion(const Region& region,
                                                         RegionAccess access) = 0;
   // After this returns no new incoming write lands in the region (pending local transfers that
-  // read from it must have finished first: the caller's job).
+  // read from it must have finished first: the caller's job). inproc and ucx: nor does a write
+  // already running. shm and cuda map the region into the writing peer's process: this tells
+  // the peer and returns, and a copy of that peer's already under way may still land until it
+  // reads the notice (or its connection ends, after which kPeerLost says none runs); keep a
+  // region that peers may be writing registered until their transfers into it are answered.
   virtual Status deregisterRegion(uint32_t region_id) = 0;
 
   // Connects to a listening agent of the same backend. Returns once the peer accepted (or
