@@ -37,9 +37,14 @@ StatusOr<DType> parseDType(std::string_view name) {
   if (n == "fp32" || n == "float32" || n == "float") return DType::kFp32;
   if (n == "fp16" || n == "float16" || n == "half") return DType::kFp16;
   if (n == "bf16" || n == "bfloat16") return DType::kBf16;
-  if (n == "fp8" || n == "float8" || n == "float8_e4m3fn" || n == "float8_e4m3" ||
-      n == "float8_e5m2" || n == "e4m3" || n == "e5m2") {
+  if (n == "fp8" || n == "float8" || n == "float8_e4m3fn" || n == "float8_e4m3" || n == "e4m3") {
     return DType::kFp8;
+  }
+  // fp8 is E4M3 here: E5M2 bytes taken for it (a peer of the other format plans as equal
+  // dtypes) would mean other numbers.
+  if (n == "float8_e5m2" || n == "e5m2" || n == "fp8_e5m2") {
+    return InvalidArgument("dtype '" + std::string(name) +
+                           "': hxfer's fp8 is E4M3 (float8_e4m3fn); E5M2 is not supported");
   }
   return InvalidArgument("unknown dtype '" + std::string(name) +
                          "' (expected fp32, fp16, bf16 or fp8)");

@@ -146,5 +146,23 @@ TEST(Model, FingerprintChangesWithAnyShape) {
   EXPECT_NE(modelFingerprint(a), modelFingerprint(c));
 }
 
+// fp8 is E4M3: its spellings parse to kFp8; E5M2's are refused, naming the value (the two
+// formats' bytes mean other numbers, and both would travel as the one fp8 dtype).
+TEST(DTypes, Fp8IsE4m3AndE5m2IsRefusedNamingIt) {
+  for (std::string_view n : {"fp8", "float8_e4m3fn", "torch.float8_e4m3fn", "e4m3"}) {
+    auto d = parseDType(n);
+    ASSERT_TRUE(d.isOk()) << n << ": " << d.status().toString();
+    EXPECT_EQ(*d, DType::kFp8) << n;
+  }
+  for (std::string_view n : {"float8_e5m2", "torch.float8_e5m2", "e5m2", "fp8_e5m2"}) {
+    auto d = parseDType(n);
+    EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument) << n;
+    EXPECT_NE(d.status().message().find("'" + std::string(n) + "'"), std::string::npos)
+        << d.status().toString();
+    EXPECT_NE(d.status().message().find("E5M2 is not supported"), std::string::npos)
+        << d.status().toString();
+  }
+}
+
 }  // namespace
 }  // namespace hxfer
