@@ -303,7 +303,7 @@ GenerationReceiver::CtxPeer* GenerationReceiver::peerById(transport::PeerId id) 
 Status GenerationReceiver::waitForPeers(Clock::time_point deadline) {
   std::unique_lock lock(mu_);
   while (true) {
-    // shutdown() wakes the waiters once it is done; the peers never come now.
+    // shutdown() wakes the waiters as it starts; the peers never come now.
     if (stop_) return Unavailable("receiver is shut down");
     bool all = true;
     for (const auto& p : peers_) {
@@ -314,6 +314,7 @@ Status GenerationReceiver::waitForPeers(Clock::time_point deadline) {
     }
     if (all) return OkStatus();
     if (!waiters_.waitUntil(lock, deadline)) {
+      if (stop_) return Unavailable("receiver is shut down");
       std::string missing;
       for (const auto& p : peers_) {
         if (p->state != CtxPeer::State::kReady) {
@@ -1321,6 +1322,7 @@ void GenerationReceiver::shutdown() {
     {
       std::lock_guard lock(mu_);
       stop_ = true;
+      waiters_.notifyAll();  // a waitForPeers answers Unavailable now, not after the teardown
     }
     if (thread_.joinable()) thread_.join();
     // A connect still running ends within the agent's connect timeout. It is waited for without
