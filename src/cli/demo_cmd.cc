@@ -772,18 +772,10 @@ void addDemoCommand(CLI::App& app) {
       "demo", "Run context and generation ranks as processes, move state and verify every byte");
   auto o = std::make_shared<DemoOptions>();
   addModelOptions(cmd, &o->model);
-  cmd->add_option("--ctx-tp", o->ctx_tp, "Context tensor parallel size")
-      ->default_val(2)
-      ->check(CLI::Range(1u, 1024u));
-  cmd->add_option("--gen-tp", o->gen_tp, "Generation tensor parallel size")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
-  cmd->add_option("--ctx-pp", o->ctx_pp, "Context pipeline parallel size")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
-  cmd->add_option("--gen-pp", o->gen_pp, "Generation pipeline parallel size")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
+  addParallelSize(cmd, "--ctx-tp", &o->ctx_tp, "Context tensor parallel size", 2);
+  addParallelSize(cmd, "--gen-tp", &o->gen_tp, "Generation tensor parallel size", 1);
+  addParallelSize(cmd, "--ctx-pp", &o->ctx_pp, "Context pipeline parallel size", 1);
+  addParallelSize(cmd, "--gen-pp", &o->gen_pp, "Generation pipeline parallel size", 1);
   cmd->add_option("--requests", o->requests, "Number of requests")->default_val(32);
   cmd->add_option("--tokens", o->tokens, "Prompt tokens per request")->default_val(1000);
   cmd->add_option("--backend", o->backend, "auto, shm or ucx")->default_val("auto");

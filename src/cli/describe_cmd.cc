@@ -274,12 +274,8 @@ void addDescribeCommand(CLI::App& app) {
       "describe", "Show a model's per-rank cache records, sections and (--layout) pool views");
   auto opts = std::make_shared<DescribeOptions>();
   addModelOptions(cmd, &opts->model);
-  cmd->add_option("--tp", opts->tp, "Tensor-parallel size")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
-  cmd->add_option("--pp", opts->pp, "Pipeline-parallel size (even split of layers)")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
+  addParallelSize(cmd, "--tp", &opts->tp, "Tensor-parallel size", 1);
+  addParallelSize(cmd, "--pp", &opts->pp, "Pipeline-parallel size (even split of layers)", 1);
   cmd->add_option("--layout", opts->layout,
                   "Also show the pool views for this state layout: paged or layer-major");
   cmd->add_option("--engine", opts->engine,

@@ -84,12 +84,8 @@ void addMetadataCommand(CLI::App& app) {
       "metadata", "Build one rank's cache and write the RankInfo it publishes (a Hello frame)");
   auto o = std::make_shared<MetadataOptions>();
   addModelOptions(cmd, &o->model);
-  cmd->add_option("--tp", o->tp, "Tensor-parallel size")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
-  cmd->add_option("--pp", o->pp, "Pipeline-parallel size (even split of layers)")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
+  addParallelSize(cmd, "--tp", &o->tp, "Tensor-parallel size", 1);
+  addParallelSize(cmd, "--pp", &o->pp, "Pipeline-parallel size (even split of layers)", 1);
   cmd->add_option("--rank", o->rank, "Global rank: tp_rank = R % tp, pp_rank = R / tp")
       ->default_val(0);
   auto* layout = cmd->add_option("--layout", o->layout,

@@ -44,6 +44,13 @@ int reportError(const Status& status) {
   return 1;
 }
 
+CLI::Option* addParallelSize(CLI::App* cmd, const std::string& name, uint32_t* value,
+                             const std::string& help, uint32_t default_value) {
+  return cmd->add_option(name, *value, help)
+      ->default_val(default_value)
+      ->check(CLI::Range(1u, 1024u));
+}
+
 void addEngineOptions(CLI::App* cmd, EngineOptions* o, std::string_view side) {
   const std::string prefix = "--" + std::string(side);
   const std::string who = side == "ctx" ? "Context" : "Generation";

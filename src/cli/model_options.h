@@ -42,6 +42,10 @@ ModelSpec sideModel(const ModelSpec& model, const EngineOptions& options);
 
 void addEngineOptions(CLI::App* cmd, EngineOptions* options, std::string_view side);
 
+// A tensor- or pipeline-parallel size option: 1 to 1024 (CLI11 refuses others, naming it).
+CLI::Option* addParallelSize(CLI::App* cmd, const std::string& name, uint32_t* value,
+                             const std::string& help, uint32_t default_value);
+
 // The side's layout; `hxfer_state` is the state layout when the engine is hxfer (other engines
 // have their own). `state_given`: the user gave the state layout option (--<side>-layout, or
 // --layout when `side` is empty), which an engine other than hxfer refuses. Errors name the

@@ -143,18 +143,10 @@ void addPlanCommand(CLI::App& app) {
       "Plan a request's transfer between two parallel layouts (--verify: run and check it)");
   auto o = std::make_shared<PlanOptions>();
   addModelOptions(cmd, &o->model);
-  cmd->add_option("--ctx-tp", o->ctx_tp, "Context tensor parallel size")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
-  cmd->add_option("--gen-tp", o->gen_tp, "Generation tensor parallel size")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
-  cmd->add_option("--ctx-pp", o->ctx_pp, "Context pipeline parallel size")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
-  cmd->add_option("--gen-pp", o->gen_pp, "Generation pipeline parallel size")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
+  addParallelSize(cmd, "--ctx-tp", &o->ctx_tp, "Context tensor parallel size", 1);
+  addParallelSize(cmd, "--gen-tp", &o->gen_tp, "Generation tensor parallel size", 1);
+  addParallelSize(cmd, "--ctx-pp", &o->ctx_pp, "Context pipeline parallel size", 1);
+  addParallelSize(cmd, "--gen-pp", &o->gen_pp, "Generation pipeline parallel size", 1);
   auto* ctx_layout =
       cmd->add_option("--ctx-layout", o->ctx_layout,
                       "Context state layout of --ctx-engine hxfer (refused with another "

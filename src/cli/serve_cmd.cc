@@ -604,12 +604,8 @@ void addServeCommand(CLI::App& app) {
   auto o = std::make_shared<ServeOptions>();
   addModelOptions(cmd, &o->model);
   cmd->add_option("--role", o->role, "context or generation")->required();
-  cmd->add_option("--tp", o->tp, "Tensor parallel size of this instance")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
-  cmd->add_option("--pp", o->pp, "Pipeline parallel size of this instance")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
+  addParallelSize(cmd, "--tp", &o->tp, "Tensor parallel size of this instance", 1);
+  addParallelSize(cmd, "--pp", &o->pp, "Pipeline parallel size of this instance", 1);
   cmd->add_option("--rank", o->rank, "Global rank in this instance (pp_rank * tp + tp_rank)")
       ->default_val(0);
   cmd->add_option("--listen", o->listen,
@@ -636,12 +632,8 @@ void addServeCommand(CLI::App& app) {
                   "Context: seconds a registration outlives its rank (kept alive every third)")
       ->default_val(5)
       ->check(CLI::Range(2u, std::numeric_limits<uint32_t>::max()));
-  cmd->add_option("--peer-tp", o->peer_tp, "Generation: the context instance's tp")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
-  cmd->add_option("--peer-pp", o->peer_pp, "Generation: the context instance's pp")
-      ->default_val(1)
-      ->check(CLI::Range(1u, 1024u));
+  addParallelSize(cmd, "--peer-tp", &o->peer_tp, "Generation: the context instance's tp", 1);
+  addParallelSize(cmd, "--peer-pp", &o->peer_pp, "Generation: the context instance's pp", 1);
   cmd->add_option("--backend", o->backend,
                   "auto, shm or ucx; auto: ucx when peers may be on other hosts (a non-loopback "
                   "--listen/--advertise, or --peers on another host), else shm")

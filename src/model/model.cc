@@ -12,20 +12,28 @@ namespace hxfer {
 
 size_t dtypeSize(DType d) {
   switch (d) {
-    case DType::kFp32: return 4;
-    case DType::kFp16: return 2;
-    case DType::kBf16: return 2;
-    case DType::kFp8: return 1;
+    case DType::kFp32:
+      return 4;
+    case DType::kFp16:
+      return 2;
+    case DType::kBf16:
+      return 2;
+    case DType::kFp8:
+      return 1;
   }
   return 0;
 }
 
 std::string_view dtypeName(DType d) {
   switch (d) {
-    case DType::kFp32: return "fp32";
-    case DType::kFp16: return "fp16";
-    case DType::kBf16: return "bf16";
-    case DType::kFp8: return "fp8";
+    case DType::kFp32:
+      return "fp32";
+    case DType::kFp16:
+      return "fp16";
+    case DType::kBf16:
+      return "bf16";
+    case DType::kFp8:
+      return "fp8";
   }
   return "unknown";
 }
@@ -52,20 +60,28 @@ StatusOr<DType> parseDType(std::string_view name) {
 
 std::string_view layerKindName(LayerKind k) {
   switch (k) {
-    case LayerKind::kNone: return "none";
-    case LayerKind::kAttention: return "attention";
-    case LayerKind::kMamba2: return "mamba2";
-    case LayerKind::kGdn: return "gdn";
-    case LayerKind::kMamba1: return "mamba1";
+    case LayerKind::kNone:
+      return "none";
+    case LayerKind::kAttention:
+      return "attention";
+    case LayerKind::kMamba2:
+      return "mamba2";
+    case LayerKind::kGdn:
+      return "gdn";
+    case LayerKind::kMamba1:
+      return "mamba1";
   }
   return "unknown";
 }
 
 std::string_view roleName(Role r) {
   switch (r) {
-    case Role::kKv: return "kv";
-    case Role::kConv: return "conv";
-    case Role::kSsm: return "ssm";
+    case Role::kKv:
+      return "kv";
+    case Role::kConv:
+      return "conv";
+    case Role::kSsm:
+      return "ssm";
   }
   return "unknown";
 }
@@ -131,7 +147,8 @@ Status ModelSpec::validate() const {
       RETURN_IF_ERROR(requirePositive(l.attention->head_dim, where, "head_dim"));
     }
     switch (l.recurrent) {
-      case LayerKind::kNone: break;
+      case LayerKind::kNone:
+        break;
       case LayerKind::kAttention:
         return InvalidArgument(where + " has recurrent kind 'attention'");
       case LayerKind::kMamba2:
@@ -189,7 +206,8 @@ std::vector<Section> recordSections(const ModelSpec& model, const LayerSpec& lay
         }
         case LayerKind::kMamba1:
           return {{"channels", layer.mamba1.d_inner, uint64_t{layer.mamba1.d_conv - 1} * e}};
-        default: return {};
+        default:
+          return {};
       }
     case Role::kSsm:
       switch (layer.recurrent) {
@@ -203,7 +221,8 @@ std::vector<Section> recordSections(const ModelSpec& model, const LayerSpec& lay
         }
         case LayerKind::kMamba1:
           return {{"channels", layer.mamba1.d_inner, uint64_t{layer.mamba1.d_state} * e_ssm}};
-        default: return {};
+        default:
+          return {};
       }
   }
   return {};
@@ -289,8 +308,8 @@ StatusOr<std::vector<uint32_t>> resolvedLayersPerStage(const ParallelConfig& pc,
 StatusOr<LayerRange> stageLayers(const ParallelConfig& pc, uint32_t num_layers, uint32_t pp_rank) {
   ASSIGN_OR_RETURN(std::vector<uint32_t> per, resolvedLayersPerStage(pc, num_layers));
   if (pp_rank >= pc.pp) {
-    return InvalidArgument("pp rank " + std::to_string(pp_rank) + " >= pp=" +
-                           std::to_string(pc.pp));
+    return InvalidArgument("pp rank " + std::to_string(pp_rank) +
+                           " >= pp=" + std::to_string(pc.pp));
   }
   uint32_t first = 0;
   for (uint32_t s = 0; s < pp_rank; ++s) first += per[s];
@@ -302,10 +321,10 @@ Status checkShardable(const ModelSpec& model, const ParallelConfig& pc) {
     const LayerSpec& layer = model.layers[i];
     for (Role role : layerRoles(layer)) {
       for (const Section& s : recordSections(model, layer, role)) {
-        const std::string what = "layer " + std::to_string(i) + " " +
-                                 std::string(role == Role::kKv ? "attention"
-                                                               : layerKindName(layer.recurrent)) +
-                                 " " + std::string(roleName(role)) + " " + s.name;
+        const std::string what =
+            "layer " + std::to_string(i) + " " +
+            std::string(role == Role::kKv ? "attention" : layerKindName(layer.recurrent)) + " " +
+            std::string(roleName(role)) + " " + s.name;
         auto r = shardUnits(s.units, pc.tp, 0, what);
         if (!r.isOk()) return r.status();
       }
@@ -326,21 +345,22 @@ uint64_t modelFingerprint(const ModelSpec& model) {
     putFixed8(b, static_cast<uint8_t>(l.recurrent));
     switch (l.recurrent) {
       case LayerKind::kMamba2:
-        for (uint32_t v : {l.mamba2.n_heads, l.mamba2.head_dim, l.mamba2.n_groups,
-                           l.mamba2.d_state, l.mamba2.d_conv}) {
+        for (uint32_t v : {l.mamba2.n_heads, l.mamba2.head_dim, l.mamba2.n_groups, l.mamba2.d_state,
+                           l.mamba2.d_conv}) {
           putVarint64(b, v);
         }
         break;
       case LayerKind::kGdn:
-        for (uint32_t v : {l.gdn.n_k_heads, l.gdn.n_v_heads, l.gdn.k_head_dim, l.gdn.v_head_dim,
-                           l.gdn.d_conv}) {
+        for (uint32_t v :
+             {l.gdn.n_k_heads, l.gdn.n_v_heads, l.gdn.k_head_dim, l.gdn.v_head_dim, l.gdn.d_conv}) {
           putVarint64(b, v);
         }
         break;
       case LayerKind::kMamba1:
         for (uint32_t v : {l.mamba1.d_inner, l.mamba1.d_state, l.mamba1.d_conv}) putVarint64(b, v);
         break;
-      default: break;
+      default:
+        break;
     }
   }
   return XXH3_64bits(b.data(), b.size());
